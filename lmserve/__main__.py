@@ -1,0 +1,5 @@
+"""`python -m lmserve` runs the command-line interface."""
+
+from lmserve.cli import main
+
+raise SystemExit(main())

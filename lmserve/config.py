@@ -1,0 +1,101 @@
+"""Server configuration: every flag and LMSERVE_* environment variable is resolved here, nowhere else.
+
+Precedence: command-line flag → environment variable → default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from lmserve.types import LoadOptions
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `lmserve serve` needs to start."""
+
+    model: str = "smollm2:135m"
+    """A model name, or a path to a .gguf file."""
+    host: str = "127.0.0.1"
+    port: int = 11434
+    ctx_size: int = 4096
+    """Context length per sequence, in tokens."""
+    n_gpu_layers: int = 0
+    parallel: int = 4
+    threads: int | None = None
+    api_key: str | None = None
+    batch_size: int = 512
+    prefill_chunk: int = 256
+    alias: str | None = None
+
+    @property
+    def load_options(self) -> LoadOptions:
+        return LoadOptions(
+            num_ctx=self.ctx_size,
+            num_parallel=self.parallel,
+            num_gpu_layers=self.n_gpu_layers,
+            num_threads=self.threads,
+            num_batch=self.batch_size,
+        )
+
+
+ENV_PREFIX = "LMSERVE_"
+_ENV_NAMES = {
+    "model": "MODEL",
+    "host": "HOST",
+    "port": "PORT",
+    "ctx_size": "CTX_SIZE",
+    "n_gpu_layers": "N_GPU_LAYERS",
+    "parallel": "PARALLEL",
+    "threads": "THREADS",
+    "api_key": "API_KEY",
+    "batch_size": "BATCH_SIZE",
+    "prefill_chunk": "PREFILL_CHUNK",
+    "alias": "ALIAS",
+}
+_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk"}
+_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk"}
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable has a value lmserve cannot use."""
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + _ENV_NAMES[field]
+
+
+def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Build a ServerConfig from parsed flags (None = not given) and the environment."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for f in fields(ServerConfig):
+        value = flags.get(f.name)
+        if value is None:
+            raw = env.get(env_name(f.name))
+            if raw is None or raw == "":
+                continue
+            value = _parse(f.name, raw)
+        values[f.name] = value
+    host = values.get("host")
+    if isinstance(host, str) and ":" in host and not host.startswith("["):
+        name, _, port = host.rpartition(":")  # LMSERVE_HOST=0.0.0.0:8080, as the local runner accepts
+        values["host"] = name
+        if "port" not in values or flags.get("port") is None:
+            values["port"] = _parse("port", port)
+    for name in _POSITIVE:
+        value = values.get(name)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+    return ServerConfig(**values)  # type: ignore[arg-type]
+
+
+def _parse(field: str, raw: str) -> object:
+    if field in _INTS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{env_name(field)} must be an integer, got {raw!r}") from None
+    return raw

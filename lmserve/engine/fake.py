@@ -1,0 +1,72 @@
+"""A deterministic fake backend: no weights, same engine loop. For HTTP and scheduler tests.
+
+Its vocabulary is the 256 byte values plus an end-of-generation token (256). A prompt's continuation is
+a pure function of the prompt and the sampling seed, so a test can predict it (`FakeBackend.expected`).
+"""
+
+from __future__ import annotations
+
+from lmserve.engine.base import BatchEntry, ModelInfo
+from lmserve.types import SamplingParams
+
+EOG = 256
+_TEXT = "The quick brown fox jumps over the lazy dog. ".encode()
+
+
+class FakeBackend:
+    """Decodes by echoing a fixed sentence, rotated by the prompt length and the seed."""
+
+    def __init__(self, *, num_ctx: int = 2048, num_parallel: int = 4, eog_after: int | None = None) -> None:
+        self.info = ModelInfo(
+            path="fake.gguf",
+            architecture="fake",
+            num_ctx=num_ctx,
+            num_parallel=num_parallel,
+            num_vocab=257,
+            chat_template=None,
+        )
+        self.eog_after = eog_after
+        self.steps: list[list[BatchEntry]] = []
+        self._slots: dict[int, tuple[int, int]] = {}
+        self._counts: dict[int, int] = {}
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        return b"" if token == EOG else bytes([token])
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int]) -> None:
+        self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
+        self._counts[slot] = 0
+
+    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        self.steps.append(entries)
+        out: list[int | None] = []
+        for entry in entries:
+            if not entry.wants_sample:
+                out.append(None)
+                continue
+            offset, _ = self._slots[entry.slot]
+            count = self._counts[entry.slot]
+            self._counts[entry.slot] = count + 1
+            if self.eog_after is not None and count >= self.eog_after:
+                out.append(EOG)
+            else:
+                out.append(_TEXT[(offset + count) % len(_TEXT)])
+        return out
+
+    def release(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def expected(prompt_len: int, num_tokens: int, seed: int = 0) -> str:
+        """The text the fake produces for a prompt of `prompt_len` tokens."""
+        offset = prompt_len + seed
+        return bytes(_TEXT[(offset + i) % len(_TEXT)] for i in range(num_tokens)).decode()

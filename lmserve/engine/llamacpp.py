@@ -1,0 +1,266 @@
+"""llama.cpp backend over llama-cpp-python's low-level API: one context, one slot per sequence.
+
+Each slot is a llama.cpp sequence id with its own KV stream (`kv_unified = false`), so a request computes
+exactly the same numbers whether it runs alone or beside others: temperature 0 is deterministic under load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import random
+import threading
+from pathlib import Path
+
+import llama_cpp as lc
+
+from lmserve.engine.base import BatchEntry, ModelInfo
+from lmserve.errors import EngineFailure
+from lmserve.types import LoadOptions, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_llama_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            if not os.environ.get("LMSERVE_LLAMA_LOG"):
+                lc.llama_log_set(_silent_log, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _backend_ready = True
+
+
+@lc.llama_log_callback
+def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level == lc.GGML_LOG_LEVEL_ERROR:
+        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+class LlamaCppBackend:
+    """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
+
+    def __init__(self, path: str | Path, options: LoadOptions) -> None:
+        _init_llama_backend()
+        path = Path(path)
+        if not path.is_file():
+            raise EngineFailure(f"model file not found: {path}")
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = options.num_gpu_layers
+        model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise EngineFailure(f"llama.cpp could not load {path.name}: not a valid GGUF model")
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        threads = options.num_threads or default_threads()
+        cparams = lc.llama_context_default_params()
+        cparams.n_seq_max = options.num_parallel
+        cparams.n_ctx = options.num_ctx * options.num_parallel
+        cparams.n_batch = options.num_batch
+        cparams.n_ubatch = options.num_batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        ctx = lc.llama_init_from_model(model, cparams)
+        if not ctx:
+            lc.llama_model_free(model)
+            raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}")
+        self._ctx = ctx
+        self._memory = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(options.num_batch, 0, 1)
+        self._batch_capacity = options.num_batch
+        self._num_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self._eog = frozenset(t for t in range(self._num_vocab) if lc.llama_vocab_is_eog(self._vocab, t))
+        self._samplers: dict[int, lc.llama_sampler_p] = {}
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        metadata = self._read_metadata()
+        template = lc.llama_model_chat_template(model, None)
+        self.info = ModelInfo(
+            path=str(path),
+            architecture=metadata.get("general.architecture", ""),
+            num_ctx=lc.llama_n_ctx_seq(ctx),
+            num_parallel=options.num_parallel,
+            num_vocab=self._num_vocab,
+            chat_template=template.decode("utf-8", "replace") if template else None,
+            bos_token=self._token_text(lc.llama_vocab_bos(self._vocab)),
+            eos_token=self._token_text(lc.llama_vocab_eos(self._vocab)),
+            size_bytes=lc.llama_model_size(model),
+            num_params=lc.llama_model_n_params(model),
+            description=self._model_desc(),
+            metadata=metadata,
+        )
+
+    # ---- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (lc.llama_token * capacity)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        tokens = list(buf[:n])
+        bos = lc.llama_vocab_bos(self._vocab)
+        if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+        return tokens
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        key = (token, special)
+        piece = self._piece_cache.get(key)
+        if piece is None:
+            n = lc.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+                piece = buf.raw[:n]
+            else:
+                piece = self._piece_buf.raw[:n]
+            self._piece_cache[key] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    # ---- slots ----------------------------------------------------------------------------------
+
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int]) -> None:
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        sampler = self._build_sampler(sampling)
+        if sampling.repeat_last_n != 0 and (
+            sampling.repeat_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty
+        ):
+            window = prompt if sampling.repeat_last_n < 0 else prompt[-sampling.repeat_last_n :]
+            for token in window:
+                lc.llama_sampler_accept(sampler, token)
+        old = self._samplers.pop(slot, None)
+        if old is not None:
+            lc.llama_sampler_free(old)
+        self._samplers[slot] = sampler
+
+    def release(self, slot: int) -> None:
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        sampler = self._samplers.pop(slot, None)
+        if sampler is not None:
+            lc.llama_sampler_free(sampler)
+
+    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        batch = self._batch
+        n = 0
+        outputs: list[int] = []
+        for entry in entries:
+            pos = entry.pos
+            last = len(entry.tokens) - 1
+            for i, token in enumerate(entry.tokens):
+                if n >= self._batch_capacity:
+                    raise EngineFailure("batch overflow")
+                batch.token[n] = token
+                batch.pos[n] = pos + i
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = entry.slot
+                wants = entry.wants_sample and i == last
+                batch.logits[n] = wants
+                n += 1
+            outputs.append(n - 1 if entry.wants_sample else -1)
+        batch.n_tokens = n
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise EngineFailure(f"llama_decode failed with code {rc}")
+        result: list[int | None] = []
+        for entry, index in zip(entries, outputs, strict=True):
+            if index < 0:
+                result.append(None)
+            else:
+                result.append(int(lc.llama_sampler_sample(self._samplers[entry.slot], self._ctx, index)))
+        return result
+
+    def close(self) -> None:
+        for sampler in self._samplers.values():
+            lc.llama_sampler_free(sampler)
+        self._samplers.clear()
+        if self._ctx:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _build_sampler(self, s: SamplingParams) -> lc.llama_sampler_p:
+        params = lc.llama_sampler_chain_default_params()
+        params.no_perf = True
+        chain = lc.llama_sampler_chain_init(params)
+        bias = dict(s.logit_bias)
+        if s.ignore_eos:
+            bias.update({token: float("-inf") for token in self._eog})
+        if bias:
+            array = (lc.llama_logit_bias * len(bias))()
+            for i, (token, value) in enumerate(bias.items()):
+                array[i].token = token
+                array[i].bias = value
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self._num_vocab, len(bias), array))
+        if s.repeat_last_n != 0 and (s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
+            last_n = self.info.num_ctx if s.repeat_last_n < 0 else s.repeat_last_n
+            lc.llama_sampler_chain_add(
+                chain,
+                lc.llama_sampler_init_penalties(
+                    self._num_vocab, last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
+                ),
+            )
+        if s.is_greedy:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            return chain
+        if s.top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
+        if s.top_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(s.min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
+        seed = s.seed if s.seed is not None else random.getrandbits(32)
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = lc.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", "replace") if text else ""
+
+    def _model_desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_desc(self._model, buf, len(buf))
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    def _read_metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1024)
+        for i in range(lc.llama_model_meta_count(self._model)):
+            n = lc.llama_model_meta_key_by_index(self._model, i, buf, len(buf))
+            if n < 0:
+                continue
+            key = buf.raw[: min(n, len(buf) - 1)].decode("utf-8", "replace")
+            n = lc.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf))
+            if n < 0:
+                continue
+            if n >= len(buf):
+                big = ctypes.create_string_buffer(n + 1)
+                lc.llama_model_meta_val_str_by_index(self._model, i, big, len(big))
+                out[key] = big.raw[:n].decode("utf-8", "replace")
+            else:
+                out[key] = buf.raw[:n].decode("utf-8", "replace")
+        return out

@@ -1,0 +1,234 @@
+"""The engine: one thread runs the scheduler and the backend; asyncio callers get a stream per request.
+
+This module is the only bridge between the engine thread and asyncio. A request is submitted from the
+event loop; the engine thread decodes, detokenizes and matches stop strings, and hands finished pieces
+back to the event loop in one callback per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from lmserve.engine.base import Backend, ModelInfo
+from lmserve.engine.detokenize import IncrementalDecoder
+from lmserve.engine.scheduler import Scheduler, Sequence
+from lmserve.engine.stops import StopMatcher
+from lmserve.errors import ContextOverflow, InvalidRequest
+from lmserve.types import Chunk, FinishReason, SamplingParams, Timings, Usage
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Output of one submitted request: an async iterator of chunks, the last one with a finish reason."""
+
+    def __init__(self, engine: Engine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self.seq = seq
+        self.loop = loop
+        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.is_done = False
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while not self.is_done:
+            chunk = await self.queue.get()
+            if chunk.finish_reason is not None:
+                self.is_done = True
+            yield chunk
+
+    def abort(self) -> None:
+        """Stop generating; the slot and its memory are freed before the next step."""
+        if not self.is_done:
+            self.is_done = True
+            self._engine.abort(self.seq)
+
+
+@dataclass(slots=True, eq=False)
+class _Tracker:
+    """Per-request state the engine thread keeps beside the scheduler's sequence."""
+
+    stream: RequestStream
+    decoder: IncrementalDecoder = field(default_factory=IncrementalDecoder)
+    stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
+    submitted_ns: int = 0
+    admitted_ns: int = 0
+    first_token_ns: int = 0
+    is_stop_hit: bool = False
+
+
+class Engine:
+    """Continuous batching over a backend. Thread-safe `submit`/`abort`; everything else runs in its thread."""
+
+    def __init__(self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256) -> None:
+        self.backend = backend
+        self.info: ModelInfo = backend.info
+        self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens)
+        self._trackers: dict[Sequence, _Tracker] = {}
+        self._inbox: list[Sequence] = []
+        self._aborts: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._is_closing = False
+        self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def submit(self, prompt: list[int], sampling: SamplingParams, *, special: bool = False) -> RequestStream:
+        """Queue a request; raise ContextOverflow when the prompt cannot fit in one sequence's context."""
+        num_ctx = self.info.num_ctx
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= num_ctx:
+            raise ContextOverflow(len(prompt), num_ctx)
+        room = num_ctx - len(prompt)
+        max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special)
+        stream = RequestStream(self, seq, asyncio.get_running_loop())
+        tracker = _Tracker(stream=stream, stops=StopMatcher(sampling.stop), submitted_ns=time.perf_counter_ns())
+        with self._cond:
+            if self._is_closing:
+                raise InvalidRequest("the server is shutting down")
+            self._trackers[seq] = tracker
+            self._inbox.append(seq)
+            self._cond.notify()
+        return stream
+
+    def abort(self, seq: Sequence) -> None:
+        with self._cond:
+            self._aborts.append(seq)
+            self._cond.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def close(self) -> None:
+        with self._cond:
+            self._is_closing = True
+            self._cond.notify()
+        self._thread.join()
+        self.backend.close()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._aborts or self.scheduler.has_work or self._is_closing):
+                    self._cond.wait()
+                if self._is_closing:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            for seq in inbox:
+                self.scheduler.add(seq)
+            for seq in aborts:
+                self._drop(seq)
+            try:
+                self._step()
+            except Exception as exc:  # a failed decode fails the requests in it, never the thread
+                log.exception("engine step failed")
+                self._fail_all(str(exc))
+        self._fail_all("the server is shutting down")
+
+    def _step(self) -> None:
+        outbox: list[tuple[RequestStream, Chunk]] = []
+        now = time.perf_counter_ns()
+        while self.scheduler.can_admit():
+            seq = self.scheduler.admit()
+            self._trackers[seq].admitted_ns = now
+            self.backend.start(seq.slot, seq.sampling, seq.prompt)
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        sampled = self.backend.step([entry for _, entry in plan])
+        now = time.perf_counter_ns()
+        for (seq, entry), token in zip(plan, sampled, strict=True):
+            if seq.is_prefilling:
+                seq.num_prefilled += len(entry.tokens)
+            if token is None:
+                continue
+            tracker = self._trackers[seq]
+            if not seq.output:
+                tracker.first_token_ns = now
+            finish = self._accept(seq, tracker, token, outbox)
+            if finish is not None:
+                outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
+                self._drop(seq)
+        self._deliver(outbox)
+
+    def _accept(
+        self, seq: Sequence, tracker: _Tracker, token: int, outbox: list[tuple[RequestStream, Chunk]]
+    ) -> FinishReason | None:
+        """Take one sampled token: emit its text and say whether the sequence is finished."""
+        if self.backend.is_eog(token) and not seq.sampling.ignore_eos:
+            return "stop"
+        seq.output.append(token)
+        text, is_stopped = tracker.stops.push(tracker.decoder.push(self.backend.token_bytes(token, special=seq.special)))
+        if text:
+            outbox.append((tracker.stream, Chunk(text=text)))
+        if is_stopped:
+            tracker.is_stop_hit = True
+            return "stop"
+        if len(seq.output) >= seq.max_new_tokens:
+            return "length"
+        return None
+
+    def _final_chunk(self, seq: Sequence, tracker: _Tracker, finish: FinishReason, now: int) -> Chunk:
+        tail = ""
+        if not tracker.is_stop_hit:
+            tail = tracker.stops.push(tracker.decoder.flush())[0] + tracker.stops.flush()
+        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output))
+        first = tracker.first_token_ns or now
+        timings = Timings(
+            prompt_eval_ns=first - tracker.admitted_ns,
+            eval_ns=now - first,
+            total_ns=now - tracker.submitted_ns,
+        )
+        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings)
+
+    def _drop(self, seq: Sequence) -> None:
+        if self.scheduler.remove(seq):
+            self.backend.release(seq.slot)
+        self._trackers.pop(seq, None)
+
+    def _fail_all(self, message: str) -> None:
+        outbox = []
+        for seq, tracker in list(self._trackers.items()):
+            outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
+            self._drop(seq)
+        with self._cond:
+            for seq in self._inbox:
+                tracker = self._trackers.pop(seq, None)
+                if tracker is not None:
+                    outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
+            self._inbox.clear()
+        self._deliver(outbox)
+
+    @staticmethod
+    def _deliver(outbox: list[tuple[RequestStream, Chunk]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Chunk]]] = {}
+        for stream, chunk in outbox:
+            by_loop.setdefault(stream.loop, []).append((stream, chunk))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list[tuple[RequestStream, Chunk]]) -> None:
+    for stream, chunk in items:
+        stream.queue.put_nowait(chunk)

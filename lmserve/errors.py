@@ -1,0 +1,77 @@
+"""One exception tree for lmserve; each error knows its HTTP status and its OpenAI error type.
+
+    LmserveError                      500 server_error
+    ├── InvalidRequest                400 invalid_request_error   (bad body, bad field, bad role …)
+    │   └── ContextOverflow           400 invalid_request_error   (prompt longer than the context)
+    ├── AuthenticationFailed          401 authentication_error
+    ├── ModelNotFound                 404 not_found_error
+    ├── Overloaded                    503 overloaded_error
+    └── EngineFailure                 500 server_error            (llama.cpp refused a batch, load failed …)
+
+The web layer maps these to a wire body once (api/app.py); nothing matches on message text.
+"""
+
+from __future__ import annotations
+
+
+class LmserveError(Exception):
+    """Base of every error lmserve raises on purpose."""
+
+    status: int = 500
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(LmserveError):
+    """The request is malformed or asks for something impossible."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextOverflow(InvalidRequest):
+    """The prompt (plus what must be generated) does not fit in the context window."""
+
+    def __init__(self, num_prompt_tokens: int, num_ctx: int) -> None:
+        super().__init__(
+            f"This model's context is {num_ctx} tokens per sequence, but the prompt has "
+            f"{num_prompt_tokens} tokens. Shorten the messages or start the server with a larger -c/--ctx-size.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_ctx = num_ctx
+
+
+class AuthenticationFailed(LmserveError):
+    """Missing or wrong API key."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class ModelNotFound(LmserveError):
+    """The request names a model this server does not have."""
+
+    status = 404
+    type = "not_found_error"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"model '{name}' not found", param="model", code="model_not_found")
+        self.name = name
+
+
+class Overloaded(LmserveError):
+    """The server cannot take more work right now."""
+
+    status = 503
+    type = "overloaded_error"
+
+
+class EngineFailure(LmserveError):
+    """The inference engine failed (load error, decode error)."""

@@ -1,0 +1,1 @@
+"""Model store: names, Modelfiles, manifests and blobs, and the embedded default model."""

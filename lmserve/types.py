@@ -1,0 +1,126 @@
+"""Engine-neutral records shared by every layer: requests, sampling, load options, output chunks.
+
+Wire formats (OpenAI, native) are translated into these exactly once at the edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A function call made by the assistant; `arguments` is the JSON text of the arguments."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(slots=True)
+class Message:
+    """One chat message. `content` is plain text; images travel separately in `images`."""
+
+    role: Role
+    content: str = ""
+    images: list[bytes] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling. Defaults are the server defaults (request → Modelfile → here).
+
+    `temperature == 0` means greedy decoding. `top_k <= 0` and `top_p >= 1` and `min_p <= 0` disable
+    those filters. `max_tokens is None` means "until the context is full".
+    """
+
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """Options fixed when a model is loaded; a change means a reload."""
+
+    num_ctx: int = 4096
+    num_parallel: int = 4
+    num_gpu_layers: int = 0
+    num_threads: int | None = None
+    num_batch: int = 512
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A chat turn to complete, engine-neutral."""
+
+    model: str
+    messages: list[Message]
+    sampling: SamplingParams
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """A raw prompt to continue, engine-neutral."""
+
+    model: str
+    prompt: str
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class Timings:
+    """Durations of one request, in nanoseconds (the native dialect reports them)."""
+
+    load_ns: int = 0
+    prompt_eval_ns: int = 0
+    eval_ns: int = 0
+    total_ns: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A piece of generated output. The last chunk of a request has `finish_reason` set and `usage`."""
+
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
