@@ -6,6 +6,8 @@ a pure function of the prompt and the sampling seed, so a test can predict it (`
 
 from __future__ import annotations
 
+import time
+
 from lmserve.engine.base import BatchEntry, ModelInfo
 from lmserve.types import SamplingParams
 
@@ -16,7 +18,9 @@ _TEXT = "The quick brown fox jumps over the lazy dog. ".encode()
 class FakeBackend:
     """Decodes by echoing a fixed sentence, rotated by the prompt length and the seed."""
 
-    def __init__(self, *, num_ctx: int = 2048, num_parallel: int = 4, eog_after: int | None = None) -> None:
+    def __init__(
+        self, *, num_ctx: int = 2048, num_parallel: int = 4, eog_after: int | None = None, step_delay: float = 0.0
+    ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
             architecture="fake",
@@ -26,6 +30,7 @@ class FakeBackend:
             chat_template=None,
         )
         self.eog_after = eog_after
+        self.step_delay = step_delay
         self.steps: list[list[BatchEntry]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
@@ -45,6 +50,8 @@ class FakeBackend:
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
         self.steps.append(entries)
+        if self.step_delay:
+            time.sleep(self.step_delay)
         out: list[int | None] = []
         for entry in entries:
             if not entry.wants_sample:

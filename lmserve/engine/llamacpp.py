@@ -21,6 +21,7 @@ from lmserve.types import LoadOptions, SamplingParams
 
 log = logging.getLogger(__name__)
 
+_GGML_LOG_LEVEL_ERROR = 4
 _backend_lock = threading.Lock()
 _backend_ready = False
 
@@ -37,7 +38,7 @@ def _init_llama_backend() -> None:
 
 @lc.llama_log_callback
 def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    if level == lc.GGML_LOG_LEVEL_ERROR:
+    if level == _GGML_LOG_LEVEL_ERROR:
         log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
 

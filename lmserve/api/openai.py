@@ -1,0 +1,351 @@
+"""The OpenAI dialect: /v1 routes, and the translators between its wire format and lmserve's records.
+
+A request is parsed into a wire model (schemas.py), translated once into an engine-neutral record
+(`to_chat_request`, `to_completion_request`, `to_sampling_params`), answered by the service, and its
+chunks translated back (`chat_completion`, `chat_frames`, `text_completion`, `completion_frames`).
+Errors the service raises (unknown model, bad messages, context overflow) surface before any byte of a
+streamed answer is sent, so they are ordinary HTTP errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from lmserve.api import schemas
+from lmserve.api.streaming import (
+    HOLE,
+    GenerationResponse,
+    TextFrame,
+    dumps,
+    guarded_errors,
+    sse_json,
+    until_disconnect,
+)
+from lmserve.api.streaming import SSE_DONE as DONE
+from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.service import Generation, LoadedModel, Service
+from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import CompletionRequest as EngineCompletionRequest
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+Head = dict[str, Any]
+
+
+# ---- requests → records ---------------------------------------------------------------------------
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Parse and validate a JSON body; any problem is an InvalidRequest naming the field."""
+    try:
+        parsed = model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise invalid_from_validation(exc.errors(include_url=False)) from None
+    if parsed.model_extra:
+        log.debug("%s: ignoring unknown fields %s", request.url.path, sorted(parsed.model_extra))
+    return parsed
+
+
+def to_sampling_params(req: schemas.SamplingFields, defaults: SamplingParams | None = None) -> SamplingParams:
+    """Request fields win over `defaults` (the model's defaults, else the server's)."""
+    params = SamplingParams() if defaults is None else replace(defaults, stop=list(defaults.stop))
+    params.logit_bias = dict(params.logit_bias)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(params, name, value)
+    if req.top_k is not None:
+        params.top_k = max(req.top_k, 0)
+    repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
+    if repeat is not None:
+        params.repeat_penalty = repeat
+    max_tokens = req.max_tokens
+    if isinstance(req, schemas.ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if req.stop is not None:
+        params.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logit_bias:
+        params.logit_bias = _logit_bias(req.logit_bias)
+    if req.ignore_eos:
+        params.ignore_eos = True
+    return params
+
+
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if token < 0 or not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(f"logit_bias[{key!r}] = {bias} is out of range", param="logit_bias")
+        out[token] = bias
+    return out
+
+
+def to_chat_request(req: schemas.ChatCompletionRequest, defaults: SamplingParams | None = None) -> ChatRequest:
+    """The engine-neutral chat request. Tools are passed as the JSON objects the template expects."""
+    if req.logprobs:
+        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        log.debug("response_format %s is not enforced", req.response_format.type)
+    messages = [_to_message(i, m) for i, m in enumerate(req.messages)]
+    tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
+    return ChatRequest(model=req.model, messages=messages, sampling=to_sampling_params(req, defaults), tools=tools)
+
+
+def _to_message(index: int, m: schemas.ChatMessage) -> Message:
+    text, images = _content(index, m.content)
+    calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
+    role = "system" if m.role == "developer" else m.role
+    return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
+
+
+def _arguments(arguments: str | dict[str, Any]) -> str:
+    return arguments if isinstance(arguments, str) else dumps(arguments)
+
+
+def _content(index: int, content: str | list[schemas.TextPart | schemas.ImagePart] | None) -> tuple[str, list[bytes]]:
+    """Text parts joined by newlines, in order; image parts as bytes (see `_image_bytes`)."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    texts: list[str] = []
+    images: list[bytes] = []
+    for j, part in enumerate(content):
+        if isinstance(part, schemas.TextPart):
+            texts.append(part.text)
+        else:
+            images.append(_image_bytes(part.image_url.url, f"messages[{index}].content[{j}].image_url.url"))
+    return "\n".join(texts), images
+
+
+def _image_bytes(url: str, where: str) -> bytes:
+    """A data: URI decoded to its bytes; an http(s) URL as its UTF-8 text.
+
+    Placeholder until chat/media.py fetches and checks images: the service rejects any image for a
+    model without a vision projector, so the URL bytes never reach an engine.
+    """
+    if url.startswith("data:"):
+        header, comma, data = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise InvalidRequest(f"{where} must be a base64 data URI", param="messages")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest(f"{where} is not valid base64", param="messages") from None
+    if url.startswith(("http://", "https://")):
+        return url.encode()
+    raise InvalidRequest(f"{where} must be an http(s) URL or a data: URI", param="messages")
+
+
+def to_completion_request(
+    req: schemas.CompletionRequest, defaults: SamplingParams | None = None
+) -> EngineCompletionRequest:
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    if req.logprobs:
+        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    return EngineCompletionRequest(
+        model=req.model, prompt=_single_prompt(req.prompt), sampling=to_sampling_params(req, defaults)
+    )
+
+
+def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        return ""
+    if not all(isinstance(p, str) for p in prompt):
+        raise InvalidRequest("prompts given as token ids are not supported", param="prompt")
+    if len(prompt) > 1:
+        raise InvalidRequest("only one prompt per request is supported", param="prompt")
+    return str(prompt[0])
+
+
+# ---- records → responses --------------------------------------------------------------------------
+
+
+def make_head(kind: str, model: str) -> Head:
+    """Fields shared by a response and all its chunks: same id and created everywhere."""
+    prefix = "chatcmpl" if kind.startswith("chat.") else "cmpl"
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": system_fingerprint(model),
+    }
+
+
+def system_fingerprint(model: str) -> str:
+    return "fp_" + hashlib.sha256(model.encode()).hexdigest()[:10]
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason}
+    return {**head, "choices": [choice], "usage": usage_body(usage)}
+
+
+def text_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+    return {**head, "choices": [choice], "usage": usage_body(usage)}
+
+
+async def collect(generation: Generation) -> tuple[str, Chunk, Usage]:
+    """The whole answer of a generation; the generation is aborted if collecting stops early."""
+    parts: list[str] = []
+    try:
+        async for chunk in generation:
+            parts.append(chunk.text)
+            if chunk.finish_reason is not None:
+                _raise_if_failed(chunk)
+                return "".join(parts), chunk, _usage(generation, chunk)
+    finally:
+        generation.abort()
+    raise EngineFailure("the generation ended without a result")
+
+
+def _raise_if_failed(chunk: Chunk) -> None:
+    if chunk.finish_reason in ("error", "abort"):
+        raise EngineFailure(chunk.error or "the generation failed")
+
+
+def _usage(generation: Generation, final: Chunk) -> Usage:
+    return final.usage if final.usage is not None else Usage(prompt_tokens=generation.num_prompt_tokens)
+
+
+def _frame(head: Head, choice: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+    frame = {**head, "choices": [choice] if choice is not None else []}
+    if include_usage:
+        frame["usage"] = None
+    return frame
+
+
+def _delta(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _text(text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+async def chat_frames(generation: Generation, head: Head, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE frames of a chat completion: role, content deltas, finish, optional usage, [DONE]."""
+    content = TextFrame(_frame(head, _delta({"content": HOLE}), include_usage))
+    yield sse_json(_frame(head, _delta({"role": "assistant", "content": ""}), include_usage))
+    async for chunk in generation:
+        if chunk.text:
+            yield content(chunk.text)
+        if chunk.finish_reason is not None:
+            async for frame in _finish(generation, head, chunk, _delta({}, chunk.finish_reason), include_usage):
+                yield frame
+            return
+
+
+async def completion_frames(
+    generation: Generation, head: Head, include_usage: bool, echo: str = ""
+) -> AsyncIterator[bytes]:
+    """SSE frames of a legacy completion: text pieces, finish, optional usage, [DONE]."""
+    content = TextFrame(_frame(head, _text(HOLE), include_usage))
+    if echo:
+        yield content(echo)
+    async for chunk in generation:
+        if chunk.text:
+            yield content(chunk.text)
+        if chunk.finish_reason is not None:
+            async for frame in _finish(generation, head, chunk, _text("", chunk.finish_reason), include_usage):
+                yield frame
+            return
+
+
+async def _finish(
+    generation: Generation, head: Head, final: Chunk, choice: dict[str, Any], include_usage: bool
+) -> AsyncIterator[bytes]:
+    if final.finish_reason in ("error", "abort"):
+        yield error_frame(EngineFailure(final.error or "the generation failed"))
+        return
+    yield sse_json(_frame(head, choice, include_usage))
+    if include_usage:
+        yield sse_json({**head, "choices": [], "usage": usage_body(_usage(generation, final))})
+    yield DONE
+
+
+def error_frame(exc: Exception) -> bytes:
+    """An error after the stream started: one `data: {"error": …}` event, then the stream ends."""
+    err = exc if isinstance(exc, LmserveError) else LmserveError(INTERNAL_ERROR)
+    return sse_json(openai_error(err))
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+
+def model_card(model: LoadedModel) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
+
+
+def openai_router(service: Service) -> APIRouter:
+    """The /v1 routes over `service`."""
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, schemas.ChatCompletionRequest)
+        generation = await service.chat(to_chat_request(body))
+        head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
+        if body.stream:
+            frames = chat_frames(generation, head, body.include_usage)
+            return GenerationResponse(generation, guarded_errors(frames, error_frame))
+        text, final, usage = await until_disconnect(collect(generation), request.receive)
+        return JSONResponse(chat_completion(head, text, final, usage))
+
+    @router.post("/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, schemas.CompletionRequest)
+        engine_request = to_completion_request(body)
+        generation = await service.complete(engine_request)
+        head = make_head("text_completion", generation.model)
+        echo = engine_request.prompt if body.echo else ""
+        if body.stream:
+            frames = completion_frames(generation, head, body.include_usage, echo)
+            return GenerationResponse(generation, guarded_errors(frames, error_frame))
+        text, final, usage = await until_disconnect(collect(generation), request.receive)
+        return JSONResponse(text_completion(head, echo + text, final, usage))
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(m) for m in service.list_models()]}
+
+    @router.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        return model_card(service.get_model(model_id))
+
+    return router

@@ -1,0 +1,1 @@
+"""Chat formatting: prompt templates, tool-call parsing and media decoding."""

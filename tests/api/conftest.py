@@ -1,0 +1,52 @@
+"""Fixtures: a real Service over the engine loop and the fake backend, served in-process over ASGI."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+import pytest_asyncio
+from api_wire import API_KEY
+from fastapi import FastAPI
+
+from lmserve.api.app import create_app
+from lmserve.chat.template import ChatTemplate
+from lmserve.config import ServerConfig
+from lmserve.engine.fake import FakeBackend
+from lmserve.engine.loop import Engine
+from lmserve.service import LoadedModel, Service
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    engine = Engine(FakeBackend(num_ctx=2048, num_parallel=4))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def service(engine: Engine) -> Service:
+    return Service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))])
+
+
+@pytest.fixture
+def app(service: Service) -> FastAPI:
+    return create_app(service, ServerConfig())
+
+
+@pytest.fixture
+def secured_app(service: Service) -> FastAPI:
+    return create_app(service, ServerConfig(api_key=API_KEY))
+
+
+@pytest_asyncio.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+        yield client
+
+
+@pytest_asyncio.fixture
+async def secured_client(secured_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(secured_app), base_url="http://test") as client:
+        yield client

@@ -1,0 +1,123 @@
+"""The OpenAI dialect's translators: wire request → engine-neutral records, validation errors → param."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from lmserve.api import schemas
+from lmserve.api.openai import to_chat_request, to_completion_request, to_sampling_params
+from lmserve.api.wire_errors import invalid_from_validation, location
+from lmserve.errors import InvalidRequest
+from lmserve.types import SamplingParams, ToolCall
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat_req(**fields: Any) -> schemas.ChatCompletionRequest:
+    return schemas.ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **fields})
+
+
+SAMPLING_CASES: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({}, {}),
+    ({"temperature": 0, "top_p": 0.5, "seed": 3}, {"temperature": 0.0, "top_p": 0.5, "seed": 3}),
+    ({"min_p": 0.1}, {"min_p": 0.1}),
+    ({"top_k": 40}, {"top_k": 40}),
+    ({"top_k": -1}, {"top_k": 0}),
+    ({"repeat_penalty": 1.2}, {"repeat_penalty": 1.2}),
+    ({"repetition_penalty": 1.3}, {"repeat_penalty": 1.3}),
+    ({"repeat_penalty": 1.1, "repetition_penalty": 1.3}, {"repeat_penalty": 1.1}),
+    ({"presence_penalty": 0.5, "frequency_penalty": -0.5}, {"presence_penalty": 0.5, "frequency_penalty": -0.5}),
+    ({"max_tokens": 7}, {"max_tokens": 7}),
+    ({"max_tokens": 7, "max_completion_tokens": 3}, {"max_tokens": 3}),
+    ({"stop": "\n"}, {"stop": ["\n"]}),
+    ({"stop": ["a", "b"]}, {"stop": ["a", "b"]}),
+    ({"logit_bias": {"15": -100, "7": 2.5}}, {"logit_bias": {15: -100.0, 7: 2.5}}),
+    ({"ignore_eos": True}, {"ignore_eos": True}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "changes"), SAMPLING_CASES)
+def test_to_sampling_params(fields: dict[str, Any], changes: dict[str, Any]) -> None:
+    params = to_sampling_params(chat_req(**fields))
+    default = SamplingParams()
+    for name in SamplingParams.__slots__:
+        assert getattr(params, name) == changes.get(name, getattr(default, name)), name
+
+
+def test_request_fields_win_over_defaults() -> None:
+    defaults = SamplingParams(temperature=0.2, top_k=20, stop=["<end>"])
+    params = to_sampling_params(chat_req(temperature=1.0), defaults)
+    assert (params.temperature, params.top_k, params.stop) == (1.0, 20, ["<end>"])
+    assert defaults.temperature == 0.2  # defaults are copied, never changed
+    assert params.stop is not defaults.stop and params.logit_bias is not defaults.logit_bias
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"1.5": 1}, {"-3": 1}, {"4": 101}])
+def test_bad_logit_bias(bias: dict[str, float]) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        to_sampling_params(chat_req(logit_bias=bias))
+    assert info.value.param == "logit_bias"
+
+
+def test_to_chat_request_messages() -> None:
+    png = b"\x89PNG\r\n"
+    data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    messages = [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "one"},
+            {"type": "image_url", "image_url": {"url": data_url}},
+            {"type": "text", "text": "two"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
+        ]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "42", "name": "f"},
+    ]  # fmt: skip
+    request = to_chat_request(chat_req(messages=messages, max_tokens=5))
+    system, user, assistant, tool = request.messages
+    assert (system.role, system.content) == ("system", "rules")
+    assert (user.content, user.images) == ("one\ntwo", [png, b"https://example.com/a.png"])
+    assert (assistant.content, assistant.tool_calls) == ("", [ToolCall(name="f", arguments='{"x":1}', id="call_9")])
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_9", "f", "42")
+    assert request.sampling.max_tokens == 5 and request.model == "m"
+
+
+@pytest.mark.parametrize(("tool_choice", "num_tools"), [(None, 1), ("auto", 1), ("required", 1), ("none", 0)])
+def test_tools_passed_unless_tool_choice_none(tool_choice: str | None, num_tools: int) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = to_chat_request(chat_req(tools=tools, tool_choice=tool_choice))
+    assert len(request.tools) == num_tools
+    if num_tools:
+        assert request.tools[0] == {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [("abc", "abc"), (["abc"], "abc"), ([], "")])
+def test_to_completion_request(prompt: Any, expected: str) -> None:
+    req = schemas.CompletionRequest.model_validate({"model": "m", "prompt": prompt, "stop": "x"})
+    request = to_completion_request(req)
+    assert (request.model, request.prompt, request.sampling.stop) == ("m", expected, ["x"])
+
+
+@pytest.mark.parametrize(
+    ("loc", "expected"),
+    [
+        (("messages", 0, "role"), "messages[0].role"),
+        (("stop", "list[str]", 3), "stop[3]"),
+        (("messages", 1, "content", "list[tagged-union[TextPart,ImagePart]]", 0, "text", "text"),
+         "messages[1].content[0].text.text"),
+        (("temperature", "float"), "temperature"),
+    ],
+)  # fmt: skip
+def test_location(loc: tuple[int | str, ...], expected: str) -> None:
+    assert location(loc) == expected
+
+
+def test_invalid_from_validation_strips_fastapi_prefix() -> None:
+    err = invalid_from_validation([{"loc": ("body", "temperature"), "type": "float_parsing", "msg": "bad"}], strip=1)
+    assert (err.param, err.status) == ("temperature", 400)
+    assert "temperature" in err.message

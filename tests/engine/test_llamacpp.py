@@ -1,0 +1,136 @@
+"""The llama.cpp backend with the real embedded model, driven through the engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp as lc
+import pytest
+
+from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.loop import Engine
+from lmserve.errors import ContextOverflow
+from lmserve.types import Chunk, LoadOptions, SamplingParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about cats.",
+    "Count from 1 to 10.",
+    "Explain gravity in one sentence.",
+    "Name five fruits.",
+    "What is 12 times 7?",
+    "Tell me a joke about computers.",
+    "Describe the ocean to a child.",
+]
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[Engine]:
+    eng = Engine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=8, num_batch=256)))
+    yield eng
+    eng.close()
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def generate(engine: Engine, prompt: str, **sampling: object) -> tuple[list[Chunk], str]:
+    stream = engine.submit(engine.tokenize(prompt), SamplingParams(**sampling))  # type: ignore[arg-type]
+    chunks = [c async for c in stream]
+    return chunks, "".join(c.text for c in chunks)
+
+
+async def test_model_info_comes_from_the_gguf(engine: Engine) -> None:
+    info = engine.info
+    assert info.architecture == "llama"
+    assert info.num_ctx == 512
+    assert info.chat_template is not None and "<|im_start|>" in info.chat_template
+    assert info.eos_token == "<|im_end|>"
+
+
+async def test_greedy_answer_is_sensible_and_stops_at_end_of_turn(engine: Engine) -> None:
+    chunks, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40)
+    assert "Paris" in text
+    assert chunks[-1].finish_reason == "stop"
+    assert "<|im_end|>" not in text
+
+
+async def test_temperature_zero_is_the_same_alone_and_beside_seven_others(engine: Engine) -> None:
+    alone = [(await generate(engine, chat(p), temperature=0, max_tokens=24))[1] for p in PROMPTS]
+    together = await asyncio.gather(*(generate(engine, chat(p), temperature=0, max_tokens=24) for p in PROMPTS))
+    assert [text for _, text in together] == alone
+    assert len(set(alone)) == len(alone)
+
+
+async def test_same_seed_same_output_different_seed_different_output(engine: Engine) -> None:
+    params = {"temperature": 1.2, "top_p": 0.95, "max_tokens": 24, "ignore_eos": True}
+    prompt = chat("Invent a name for a dragon.")
+    first = (await generate(engine, prompt, seed=1234, **params))[1]
+    runs = await asyncio.gather(
+        generate(engine, prompt, seed=1234, **params),
+        generate(engine, chat(PROMPTS[1]), seed=5, **params),
+        *(generate(engine, prompt, seed=s, **params) for s in (1, 2, 3)),
+    )
+    assert runs[0][1] == first
+    assert any(text != first for _, text in runs[2:])
+
+
+async def test_stop_string_ends_generation_without_leaking(engine: Engine) -> None:
+    _, full = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40)
+    assert "Paris" in full
+    chunks, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40, stop=["Paris"])
+    assert text == full[: full.index("Paris")]
+    assert chunks[-1].finish_reason == "stop"
+
+
+async def test_max_tokens_and_ignore_eos_give_exactly_that_many_tokens(engine: Engine) -> None:
+    chunks, _ = await generate(engine, chat("Hi"), temperature=0, max_tokens=30, ignore_eos=True)
+    last = chunks[-1]
+    assert last.finish_reason == "length"
+    assert last.usage is not None and last.usage.completion_tokens == 30
+
+
+async def test_characters_split_across_tokens_stream_whole(engine: Engine) -> None:
+    # SmolLM2 continues this with full-width '！', whose UTF-8 bytes it spells with two tokens.
+    stream = engine.submit(engine.tokenize("你好你好你好你好你好你好"), SamplingParams(temperature=0, max_tokens=12))
+    texts = [c.text async for c in stream]
+    pieces = [engine.backend.token_bytes(t, special=False) for t in stream.seq.output]
+    assert any(_is_partial_utf8(piece) for piece in pieces)
+    assert "".join(texts) == b"".join(pieces).decode("utf-8")
+    assert all("\ufffd" not in text for text in texts)
+
+
+def _is_partial_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+async def test_prompt_longer_than_the_context_is_refused_with_both_numbers(engine: Engine) -> None:
+    tokens = engine.tokenize(chat("word " * 600))
+    with pytest.raises(ContextOverflow) as info:
+        engine.submit(tokens, SamplingParams())
+    assert str(len(tokens)) in info.value.message and "512" in info.value.message
+
+
+async def test_abort_frees_the_sequence_and_its_cells(engine: Engine) -> None:
+    stream = engine.submit(engine.tokenize(chat("Tell a long story.")), SamplingParams(max_tokens=400, ignore_eos=True))
+    async for _ in stream:
+        break
+    slot = stream.seq.slot
+    stream.abort()
+    for _ in range(200):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0
+    memory = lc.llama_get_memory(engine.backend._ctx)  # type: ignore[attr-defined]
+    assert lc.llama_memory_seq_pos_max(memory, slot) == -1
