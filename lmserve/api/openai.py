@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from lmserve.api import schemas
 from lmserve.api.streaming import (
     HOLE,
+    SSE_DONE,
     GenerationResponse,
     TextFrame,
     dumps,
@@ -33,7 +34,6 @@ from lmserve.api.streaming import (
     sse_json,
     until_disconnect,
 )
-from lmserve.api.streaming import SSE_DONE as DONE
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, LoadedModel, Service
@@ -122,8 +122,8 @@ def _arguments(arguments: str | dict[str, Any]) -> str:
     return arguments if isinstance(arguments, str) else dumps(arguments)
 
 
-def _content(index: int, content: str | list[schemas.TextPart | schemas.ImagePart] | None) -> tuple[str, list[bytes]]:
-    """Text parts joined by newlines, in order; image parts as bytes (see `_image_bytes`)."""
+def _content(index: int, content: str | list[schemas.ContentPart] | None) -> tuple[str, list[bytes]]:
+    """Text (and refusal) parts joined by newlines, in order; image parts as bytes (see `_image_bytes`)."""
     if content is None:
         return "", []
     if isinstance(content, str):
@@ -133,6 +133,8 @@ def _content(index: int, content: str | list[schemas.TextPart | schemas.ImagePar
     for j, part in enumerate(content):
         if isinstance(part, schemas.TextPart):
             texts.append(part.text)
+        elif isinstance(part, schemas.RefusalPart):
+            texts.append(part.refusal)
         else:
             images.append(_image_bytes(part.image_url.url, f"messages[{index}].content[{j}].image_url.url"))
     return "\n".join(texts), images
@@ -296,7 +298,7 @@ async def _finish(
     yield sse_json(_frame(head, choice, include_usage))
     if include_usage:
         yield sse_json({**head, "choices": [], "usage": usage_body(_usage(generation, final))})
-    yield DONE
+    yield SSE_DONE
 
 
 def error_frame(exc: Exception) -> bytes:

@@ -38,7 +38,15 @@ class ImagePart(BaseModel):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class RefusalPart(BaseModel):
+    """A past assistant refusal sent back in the history; it is read as text."""
+
+    model_config = _WIRE
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):

@@ -77,14 +77,17 @@ def test_to_chat_request_messages() -> None:
             {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
         ]},
         {"role": "tool", "tool_call_id": "call_9", "content": "42", "name": "f"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
     ]  # fmt: skip
     request = to_chat_request(chat_req(messages=messages, max_tokens=5))
-    system, user, assistant, tool = request.messages
+    system, user, assistant, tool, refusal = request.messages
     assert (system.role, system.content) == ("system", "rules")
     assert (user.content, user.images) == ("one\ntwo", [png, b"https://example.com/a.png"])
     assert (assistant.content, assistant.tool_calls) == ("", [ToolCall(name="f", arguments='{"x":1}', id="call_9")])
     assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_9", "f", "42")
-    assert request.sampling.max_tokens == 5 and request.model == "m"
+    assert (refusal.role, refusal.content) == ("assistant", "no")
+    assert request.sampling.max_tokens == 5
+    assert request.model == "m"
 
 
 @pytest.mark.parametrize(("tool_choice", "num_tools"), [(None, 1), ("auto", 1), ("required", 1), ("none", 0)])
