@@ -291,9 +291,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    # Turn SIGTERM (e.g. from `timeout`) into SystemExit so the servers' context managers still kill them.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     print(f"machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), {cpu}, {platform.platform()}")
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"WARNING: load average {load:.1f} before starting: other processes will skew the numbers")
     print(f"model: {args.model} ({args.model.stat().st_size / 2**20:.0f} MiB); threads {args.threads}; "
           f"{args.requests_per_stream} requests x {args.max_tokens} tokens per stream; streams {args.concurrency}")
     all_results: dict[str, list[LevelResult]] = {}

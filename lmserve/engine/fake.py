@@ -12,7 +12,7 @@ from lmserve.engine.base import BatchEntry, ModelInfo
 from lmserve.types import SamplingParams
 
 EOG = 256
-_TEXT = "The quick brown fox jumps over the lazy dog. ".encode()
+_TEXT = b"The quick brown fox jumps over the lazy dog. "
 
 
 class FakeBackend:

@@ -36,7 +36,7 @@ def _init_llama_backend() -> None:
             _backend_ready = True
 
 
-@lc.llama_log_callback
+@lc.llama_log_callback  # type: ignore[untyped-decorator]
 def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     if level == _GGML_LOG_LEVEL_ERROR:
         log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
@@ -211,7 +211,7 @@ class LlamaCppBackend:
         if bias:
             array = (lc.llama_logit_bias * len(bias))()
             for i, (token, value) in enumerate(bias.items()):
-                array[i].token = token
+                array[i].token = token  # type: ignore[assignment]
                 array[i].bias = value
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self._num_vocab, len(bias), array))
         if s.repeat_last_n != 0 and (s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
@@ -224,7 +224,7 @@ class LlamaCppBackend:
             )
         if s.is_greedy:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return chain
+            return chain  # type: ignore[no-any-return]
         if s.top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
         if s.top_p < 1.0:
@@ -234,7 +234,7 @@ class LlamaCppBackend:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
         seed = s.seed if s.seed is not None else random.getrandbits(32)
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return chain  # type: ignore[no-any-return]
 
     def _token_text(self, token: int) -> str:
         if token < 0:

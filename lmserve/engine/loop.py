@@ -8,6 +8,7 @@ back to the event loop in one callback per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -176,7 +177,8 @@ class Engine:
         if self.backend.is_eog(token) and not seq.sampling.ignore_eos:
             return "stop"
         seq.output.append(token)
-        text, is_stopped = tracker.stops.push(tracker.decoder.push(self.backend.token_bytes(token, special=seq.special)))
+        piece = self.backend.token_bytes(token, special=seq.special)
+        text, is_stopped = tracker.stops.push(tracker.decoder.push(piece))
         if text:
             outbox.append((tracker.stream, Chunk(text=text)))
         if is_stopped:
@@ -205,16 +207,13 @@ class Engine:
         self._trackers.pop(seq, None)
 
     def _fail_all(self, message: str) -> None:
+        with self._cond:
+            self._inbox.clear()
+            trackers = list(self._trackers.items())
         outbox = []
-        for seq, tracker in list(self._trackers.items()):
+        for seq, tracker in trackers:
             outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
             self._drop(seq)
-        with self._cond:
-            for seq in self._inbox:
-                tracker = self._trackers.pop(seq, None)
-                if tracker is not None:
-                    outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
-            self._inbox.clear()
         self._deliver(outbox)
 
     @staticmethod
@@ -223,10 +222,8 @@ class Engine:
         for stream, chunk in outbox:
             by_loop.setdefault(stream.loop, []).append((stream, chunk))
         for loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
 
 def _put_all(items: list[tuple[RequestStream, Chunk]]) -> None:

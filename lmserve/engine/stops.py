@@ -11,7 +11,7 @@ class StopMatcher:
     generation ends for another reason.
     """
 
-    __slots__ = ("_stops", "_pending")
+    __slots__ = ("_pending", "_stops")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]

@@ -52,7 +52,7 @@ async def test_end_of_generation_token_stops() -> None:
 
 
 async def test_context_limit_caps_generation(engine: Engine) -> None:
-    text, last = await collect(engine, "x" * 60)
+    _text, last = await collect(engine, "x" * 60)
     assert last.finish_reason == "length"
     assert last.usage is not None and last.usage.completion_tokens == 4
 
