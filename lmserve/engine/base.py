@@ -40,9 +40,12 @@ class BatchEntry:
 class Backend(Protocol):
     """A model that decodes batches of several sequences, one slot per sequence.
 
-    Called from the engine thread only. `start` prepares a slot (empty memory, a fresh sampler built
-    from `sampling` and primed with `prompt`); `step` decodes one batch and returns, for each entry that
-    wants a sample, the token sampled after its last token; `release` frees the slot's memory and sampler.
+    Called from the engine thread only. `start` prepares a slot for a new prompt: it keeps the first
+    `num_reused` positions of the slot's memory (a prefix the slot already holds) when the model can cut its
+    memory there, drops the rest, builds a fresh sampler from `sampling` primed with `prompt`, and returns
+    how many positions it kept. `step` decodes one batch and returns, for each entry that wants a sample,
+    the token sampled after its last token. `release` frees the slot's sampler; its memory stays as a
+    prefix cache for the next request in that slot.
     """
 
     info: ModelInfo
@@ -53,7 +56,7 @@ class Backend(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int]) -> None: ...
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int: ...
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
 

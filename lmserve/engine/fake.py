@@ -44,9 +44,10 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token == EOG
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int]) -> None:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
         self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
         self._counts[slot] = 0
+        return num_reused
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
         self.steps.append(entries)

@@ -137,8 +137,10 @@ class LlamaCppBackend:
 
     # ---- slots ----------------------------------------------------------------------------------
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int]) -> None:
-        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+        if num_reused <= 0 or not lc.llama_memory_seq_rm(self._memory, slot, num_reused, -1):
+            lc.llama_memory_seq_rm(self._memory, slot, -1, -1)  # hybrid/recurrent memory cannot be cut
+            num_reused = 0
         sampler = self._build_sampler(sampling)
         if sampling.repeat_last_n != 0 and (
             sampling.repeat_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty
@@ -150,9 +152,9 @@ class LlamaCppBackend:
         if old is not None:
             lc.llama_sampler_free(old)
         self._samplers[slot] = sampler
+        return num_reused
 
     def release(self, slot: int) -> None:
-        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         sampler = self._samplers.pop(slot, None)
         if sampler is not None:
             lc.llama_sampler_free(sampler)

@@ -150,7 +150,7 @@ class Engine:
         while self.scheduler.can_admit():
             seq = self.scheduler.admit()
             self._trackers[seq].admitted_ns = now
-            self.backend.start(seq.slot, seq.sampling, seq.prompt)
+            self.scheduler.reused(seq, self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached))
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -192,7 +192,7 @@ class Engine:
         tail = ""
         if not tracker.is_stop_hit:
             tail = tracker.stops.push(tracker.decoder.flush())[0] + tracker.stops.flush()
-        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output))
+        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), cached_tokens=seq.num_cached)
         first = tracker.first_token_ns or now
         timings = Timings(
             prompt_eval_ns=first - tracker.admitted_ns,
@@ -214,6 +214,8 @@ class Engine:
         for seq, tracker in trackers:
             outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
             self._drop(seq)
+            if seq.slot >= 0:
+                self.scheduler.forget(seq.slot)
         self._deliver(outbox)
 
     @staticmethod

@@ -121,7 +121,7 @@ async def test_prompt_longer_than_the_context_is_refused_with_both_numbers(engin
     assert str(len(tokens)) in info.value.message and "512" in info.value.message
 
 
-async def test_abort_frees_the_sequence_and_its_cells(engine: Engine) -> None:
+async def test_abort_frees_the_slot_and_keeps_only_decoded_state(engine: Engine) -> None:
     stream = engine.submit(engine.tokenize(chat("Tell a long story.")), SamplingParams(max_tokens=400, ignore_eos=True))
     async for _ in stream:
         break
@@ -133,4 +133,18 @@ async def test_abort_frees_the_sequence_and_its_cells(engine: Engine) -> None:
         await asyncio.sleep(0.01)
     assert engine.num_running == 0
     memory = lc.llama_get_memory(engine.backend._ctx)  # type: ignore[attr-defined]
-    assert lc.llama_memory_seq_pos_max(memory, slot) == -1
+    held = engine.scheduler.slot_tokens[slot]
+    assert lc.llama_memory_seq_pos_max(memory, slot) == len(held) - 1
+    assert held == (stream.seq.prompt + stream.seq.output)[: len(held)]
+
+
+async def test_a_repeated_prompt_reuses_the_cached_prefix_and_gives_the_same_text(engine: Engine) -> None:
+    prompt = chat("Name the planets of the solar system.")
+    _, text = await generate(engine, prompt, temperature=0, max_tokens=24)
+    again, text_again = await generate(engine, prompt, temperature=0, max_tokens=24)
+    num_prompt = len(engine.tokenize(prompt))
+    assert again[-1].usage is not None and again[-1].usage.cached_tokens == num_prompt - 1
+    assert text_again == text
+    follow_up = prompt + text + "<|im_end|>\n" + chat("And their moons?")
+    chunks, _ = await generate(engine, follow_up, temperature=0, max_tokens=4)
+    assert chunks[-1].usage is not None and chunks[-1].usage.cached_tokens >= num_prompt

@@ -85,3 +85,32 @@ def test_batch_budget_is_never_exceeded() -> None:
     admit_all(scheduler)
     plan = scheduler.schedule()
     assert sum(len(e.tokens) for _, e in plan) == 12
+
+
+def test_a_new_sequence_gets_the_free_slot_holding_the_longest_prefix_of_its_prompt() -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.slot_tokens = [[1, 2, 9], [1, 2, 3, 4, 5], [7]]
+    s = Sequence(prompt=[1, 2, 3, 4, 6], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert (s.slot, s.num_cached) == (1, 4)
+
+
+def test_at_least_the_last_prompt_token_is_always_decoded() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.slot_tokens = [[1, 2, 3, 4]]
+    s = Sequence(prompt=[1, 2, 3], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert s.num_cached == 2
+
+
+def test_a_finished_slot_remembers_the_tokens_it_decoded() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    s = seq(3)
+    scheduler.add(s)
+    scheduler.admit()
+    s.num_prefilled = 3
+    s.output = [10, 11, 12]
+    scheduler.remove(s)
+    assert scheduler.slot_tokens[0] == [0, 1, 2, 10, 11]
