@@ -191,7 +191,9 @@ async def chat(client: httpx.AsyncClient, base: str, model: str, prompt: str, ma
 
 
 async def run_level(base: str, streams: int, per_stream: int, max_tokens: int) -> LevelResult:
-    limits = httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2)
+    # A fresh connection per request: reusing keep-alive connections races with servers that
+    # close them (cpp-httplib), which surfaces as "Server disconnected without sending a response".
+    limits = httpx.Limits(max_connections=streams + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         model = await model_id(client, base)
 
@@ -223,7 +225,8 @@ def bench_server(name: str, args: argparse.Namespace, logdir: Path) -> list[Leve
             asyncio.run(run_level(base, 1, 1, min(16, args.max_tokens)))  # warm-up
             results = []
             for streams in args.concurrency:
-                res = asyncio.run(run_level(base, streams, args.requests_per_stream, args.max_tokens))
+                per_stream = max(args.requests_per_stream, -(-args.min_requests // streams))
+                res = asyncio.run(run_level(base, streams, per_stream, args.max_tokens))
                 print(f"[{name}] {streams} streams: {res.tps:.1f} tok/s, TTFT {res.mean_ttft * 1000:.0f} ms")
                 results.append(res)
             return results
@@ -267,6 +270,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent stream counts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-stream", type=int, default=2, help="sequential requests per stream")
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {','.join(SERVERS)}")
     p.add_argument("--parallel", type=int, default=8, help="server slots (lmserve, llama-server)")
     p.add_argument("--ctx", type=int, default=2048, help="context tokens per sequence")
@@ -300,7 +304,8 @@ def main() -> int:
     if load > 0.5:
         print(f"WARNING: load average {load:.1f} before starting: other processes will skew the numbers")
     print(f"model: {args.model} ({args.model.stat().st_size / 2**20:.0f} MiB); threads {args.threads}; "
-          f"{args.requests_per_stream} requests x {args.max_tokens} tokens per stream; streams {args.concurrency}")
+          f"streams {args.concurrency}; {args.max_tokens} tokens per request, {args.requests_per_stream}+ per stream, "
+          f"{args.min_requests}+ per level")
     all_results: dict[str, list[LevelResult]] = {}
     logdir = Path(tempfile.mkdtemp(prefix="lmserve-bench-"))
     for name in args.servers:
