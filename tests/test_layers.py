@@ -1,0 +1,63 @@
+"""The dependency direction of DESIGN.md, checked on every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lmserve"
+BASE = {"lmserve.types", "lmserve.errors", "lmserve.config"}
+
+# module prefix → the lmserve modules it may import (besides itself and its own subpackage)
+ALLOWED: dict[str, set[str]] = {
+    "lmserve.types": set(),
+    "lmserve.errors": set(),
+    "lmserve.config": {"lmserve.types"},
+    "lmserve.engine": BASE,
+    "lmserve.store": BASE,
+    "lmserve.chat": {"lmserve.types", "lmserve.errors"},
+    "lmserve.service": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat"},
+    "lmserve.api": BASE | {"lmserve.service", "lmserve.store"},
+}
+FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},
+                         "lmserve.store": {"fastapi", "starlette", "uvicorn"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def owner(module: str) -> str | None:
+    return max((p for p in ALLOWED if module == p or module.startswith(p + ".")), key=len, default=None)
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_follow_the_dependency_direction(path: Path) -> None:
+    name = module_name(path)
+    layer = owner(name)
+    if layer is None:  # cli, server, __main__: the composition roots may import anything
+        return
+    for imported in imports(path):
+        top = imported.split(".")[0]
+        assert top not in FORBIDDEN_THIRD_PARTY.get(layer, set()), f"{name} imports {imported}"
+        if top != "lmserve":
+            continue
+        target = owner(imported) or imported
+        allowed = ALLOWED[layer] | {layer}
+        assert any(target == a or target.startswith(a + ".") for a in allowed), f"{name} must not import {imported}"
