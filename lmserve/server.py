@@ -8,7 +8,8 @@ from pathlib import Path
 
 from lmserve.config import ServerConfig
 from lmserve.errors import LmserveError, ModelNotFound
-from lmserve.service import LoadedModel, Service
+from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 
 log = logging.getLogger("lmserve")
@@ -54,7 +55,7 @@ def run(config: ServerConfig) -> int:
     except LmserveError as exc:
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
-    service = Service([model])
+    service = static_service([model])
     app = create_app(service, config)
     info = model.engine.info
     print(

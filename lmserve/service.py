@@ -1,4 +1,4 @@
-"""The one path of a request: resolve the model, render the prompt, submit, stream the pieces.
+"""The one path of a request: resolve the model, load it, render the prompt, submit, stream the pieces.
 
 Both HTTP dialects call this service with engine-neutral records (lmserve.types) and translate its
 chunks back to their own wire format.
@@ -6,91 +6,198 @@ chunks back to their own wire format.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from lmserve.chat.template import ChatTemplate
-from lmserve.engine.loop import Engine, RequestStream
+from lmserve.engine.loop import RequestStream
 from lmserve.errors import InvalidRequest, ModelNotFound
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, Message, SamplingParams
+from lmserve.loaded import LoadedModel, LoadedModels, Resident
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams
+
+DEFAULT_KEEP_ALIVE = 300.0
 
 
 @dataclass(slots=True)
-class LoadedModel:
-    """A model ready to serve: its engine, its chat template, and the names it answers to."""
+class ModelListing:
+    """A model the server can serve, loaded or not."""
 
     name: str
-    engine: Engine
-    template: ChatTemplate
-    created: int = field(default_factory=lambda: int(time.time()))
-    aliases: tuple[str, ...] = ()
+    created: int
     owned_by: str = "lmserve"
+
+
+class Catalog(Protocol):
+    """Where model names come from (the store, or a fixed list)."""
+
+    def listing(self) -> list[ModelListing]: ...
+
+    def resolve(self, name: str) -> str:
+        """The canonical name of `name`; ModelNotFound when there is none."""
+        ...
 
 
 @dataclass(slots=True)
 class Generation:
-    """A submitted request: how many prompt tokens it has, and its stream of chunks."""
+    """A submitted request: its prompt size, its stream of chunks, and the model lease it holds."""
 
     model: str
     num_prompt_tokens: int
     stream: RequestStream
+    on_done: Callable[[], None] = lambda: None
+    _is_released: bool = field(default=False, repr=False)
 
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self.stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        try:
+            async for chunk in self.stream:
+                yield chunk
+        finally:
+            self._release()
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.stream.seq.output
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.stream.seq.prompt
 
     def abort(self) -> None:
         self.stream.abort()
+        self._release()
+
+    def _release(self) -> None:
+        if not self._is_released:
+            self._is_released = True
+            self.on_done()
 
 
 class Service:
-    """Answers chat and completion requests over the loaded models."""
+    """Answers chat and completion requests over the catalog's models, loading them on demand."""
 
-    def __init__(self, models: list[LoadedModel]) -> None:
-        self._models: dict[str, LoadedModel] = {}
-        for model in models:
-            for name in (model.name, *model.aliases):
-                self._models[name] = model
+    def __init__(
+        self,
+        catalog: Catalog,
+        loaded: LoadedModels,
+        *,
+        load_options: LoadOptions | None = None,
+        keep_alive: float | None = DEFAULT_KEEP_ALIVE,
+    ) -> None:
+        self.catalog = catalog
+        self.loaded = loaded
+        self.load_options = load_options or LoadOptions()
+        self.keep_alive = keep_alive
 
-    def list_models(self) -> list[LoadedModel]:
-        seen: dict[int, LoadedModel] = {}
-        for model in self._models.values():
-            seen.setdefault(id(model), model)
-        return list(seen.values())
+    # ---- models ----------------------------------------------------------------------------------
 
-    def get_model(self, name: str) -> LoadedModel:
-        model = self._models.get(name)
-        if model is None and ":" not in name:
-            model = self._models.get(name + ":latest")
-        if model is None:
-            raise ModelNotFound(name)
-        return model
+    def list_models(self) -> list[ModelListing]:
+        return self.catalog.listing()
 
-    def render_chat(self, request: ChatRequest) -> tuple[LoadedModel, str]:
-        """Resolve the model and render the chat prompt (raises InvalidRequest on bad messages)."""
-        model = self.get_model(request.model)
+    def get_model(self, name: str) -> ModelListing:
+        canonical = self.catalog.resolve(name)
+        for listing in self.catalog.listing():
+            if listing.name == canonical:
+                return listing
+        raise ModelNotFound(name)
+
+    async def acquire(
+        self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None
+    ) -> Resident:
+        """Load (or find) the model and hold it until `loaded.release`."""
+        canonical = self.catalog.resolve(name)
+        return await self.loaded.acquire(canonical, options or self.load_options, self._keep_alive(keep_alive))
+
+    async def sampling_defaults(self, name: str) -> SamplingParams:
+        """The model's Modelfile PARAMETERs over the server defaults (a request's own fields go on top)."""
+        resident = await self.acquire(name)
+        try:
+            return replace(resident.model.sampling, stop=list(resident.model.sampling.stop))
+        finally:
+            self.loaded.release(resident)
+
+    def _keep_alive(self, keep_alive: float | None) -> float | None:
+        """None → the server default; negative or infinite → forever (None); else seconds."""
+        if keep_alive is None:
+            return self.keep_alive
+        if keep_alive < 0 or math.isinf(keep_alive):
+            return None
+        return keep_alive
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def render_chat(self, model: LoadedModel, request: ChatRequest) -> str:
         _check_messages(request.messages)
-        prompt = model.template.render(
-            request.messages, tools=request.tools or None, add_generation_prompt=request.add_generation_prompt
+        messages = list(model.messages) + request.messages
+        if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
+            messages.insert(0, Message(role="system", content=model.system))
+        return model.template.render(
+            messages, tools=request.tools or None, add_generation_prompt=request.add_generation_prompt
         )
-        return model, prompt
 
     async def chat(self, request: ChatRequest) -> Generation:
-        model, prompt = self.render_chat(request)
-        return self._submit(model, prompt, request.sampling, add_special=True)
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            prompt = self.render_chat(resident.model, request)
+            return self._submit(resident, self._tokenize(resident.model, prompt), request.sampling)
+        except BaseException:
+            self.loaded.release(resident)
+            raise
 
     async def complete(self, request: CompletionRequest) -> Generation:
-        model = self.get_model(request.model)
-        return self._submit(model, request.prompt, request.sampling, add_special=True)
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            tokens = list(request.context) + self._tokenize(resident.model, request.prompt)
+            return self._submit(resident, tokens, request.sampling)
+        except BaseException:
+            self.loaded.release(resident)
+            raise
 
-    def _submit(self, model: LoadedModel, prompt: str, sampling: SamplingParams, *, add_special: bool) -> Generation:
-        tokens = model.engine.tokenize(prompt, add_special=add_special, parse_special=True)
-        stream = model.engine.submit(tokens, sampling)
-        return Generation(model=model.name, num_prompt_tokens=len(tokens), stream=stream)
+    async def unload(self, name: str) -> bool:
+        return await self.loaded.unload(self.catalog.resolve(name))
+
+    def _tokenize(self, model: LoadedModel, prompt: str) -> list[int]:
+        return model.engine.tokenize(prompt, add_special=True, parse_special=True)
+
+    def _submit(self, resident: Resident, tokens: list[int], sampling: SamplingParams) -> Generation:
+        stream = resident.model.engine.submit(tokens, sampling)
+        return Generation(
+            model=resident.model.name,
+            num_prompt_tokens=len(tokens),
+            stream=stream,
+            on_done=lambda: self.loaded.release(resident),
+        )
 
     def close(self) -> None:
-        for model in self.list_models():
-            model.engine.close()
+        self.loaded.close()
+
+
+class StaticCatalog:
+    """A fixed set of already-loaded models (tests, and `serve` of a single file)."""
+
+    def __init__(self, models: list[LoadedModel]) -> None:
+        self._models = {m.name: m for m in models}
+        self._aliases = {alias: m.name for m in models for alias in m.aliases}
+
+    def listing(self) -> list[ModelListing]:
+        return [ModelListing(m.name, m.created, m.owned_by) for m in self._models.values()]
+
+    def resolve(self, name: str) -> str:
+        for candidate in (name, name + ":latest"):
+            if candidate in self._models:
+                return candidate
+            if candidate in self._aliases:
+                return self._aliases[candidate]
+        raise ModelNotFound(name)
+
+    def load(self, name: str, options: LoadOptions) -> LoadedModel:
+        return self._models[name]
+
+
+def static_service(models: list[LoadedModel]) -> Service:
+    """A service over models that are already loaded and stay loaded."""
+    catalog = StaticCatalog(models)
+    return Service(catalog, LoadedModels(catalog.load, max_loaded=len(models) or 1), keep_alive=None)
 
 
 def _check_messages(messages: list[Message]) -> None:
@@ -101,3 +208,5 @@ def _check_messages(messages: list[Message]) -> None:
             raise InvalidRequest(
                 f"messages[{i}] contains an image, but this model has no vision projector", param="messages"
             )
+
+

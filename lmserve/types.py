@@ -81,6 +81,10 @@ class ChatRequest:
     sampling: SamplingParams
     tools: list[dict[str, Any]] = field(default_factory=list)
     add_generation_prompt: bool = True
+    options: LoadOptions | None = None
+    """Load-time options the request asks for (None: the server's)."""
+    keep_alive: float | None = None
+    """Seconds to keep the model loaded after this request (None: server default; negative: forever)."""
 
 
 @dataclass(slots=True)
@@ -90,6 +94,10 @@ class CompletionRequest:
     model: str
     prompt: str
     sampling: SamplingParams
+    context: list[int] = field(default_factory=list)
+    """Tokens of an earlier exchange to continue (the native dialect's `context`)."""
+    options: LoadOptions | None = None
+    keep_alive: float | None = None
 
 
 @dataclass(slots=True)

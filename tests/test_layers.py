@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.engine": BASE,
     "lmserve.store": BASE,
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
-    "lmserve.service": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat"},
+    "lmserve.loaded": BASE | {"lmserve.engine"},
+    "lmserve.service": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat", "lmserve.loaded"},
     "lmserve.api": BASE | {"lmserve.service", "lmserve.store"},
 }
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},

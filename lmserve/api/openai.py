@@ -36,7 +36,7 @@ from lmserve.api.streaming import (
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, LoadedModel, Service
+from lmserve.service import Generation, ModelListing, Service
 from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
@@ -310,7 +310,7 @@ def error_frame(exc: Exception) -> bytes:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def model_card(model: LoadedModel) -> dict[str, Any]:
+def model_card(model: ModelListing) -> dict[str, Any]:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
 
 
@@ -321,7 +321,7 @@ def openai_router(service: Service) -> APIRouter:
     @router.post("/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, schemas.ChatCompletionRequest)
-        generation = await service.chat(to_chat_request(body))
+        generation = await service.chat(to_chat_request(body, await service.sampling_defaults(body.model)))
         head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
         if body.stream:
             frames = chat_frames(generation, head, body.include_usage)
@@ -332,7 +332,7 @@ def openai_router(service: Service) -> APIRouter:
     @router.post("/completions", response_model=None)
     async def completions(request: Request) -> Response:
         body = await parse_body(request, schemas.CompletionRequest)
-        engine_request = to_completion_request(body)
+        engine_request = to_completion_request(body, await service.sampling_defaults(body.model))
         generation = await service.complete(engine_request)
         head = make_head("text_completion", generation.model)
         echo = engine_request.prompt if body.echo else ""

@@ -15,7 +15,8 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
-from lmserve.service import LoadedModel, Service
+from lmserve.loaded import LoadedModel
+from lmserve.service import Service, static_service
 
 
 @pytest.fixture
@@ -27,7 +28,8 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture
 def service(engine: Engine) -> Service:
-    return Service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))])
+    model = LoadedModel(name="fake", engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))
+    return static_service([model])
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
-from lmserve.service import LoadedModel, Service
+from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def long_engine() -> Iterator[Engine]:
 @pytest_asyncio.fixture
 async def base_url(long_engine: Engine) -> AsyncIterator[str]:
     model = LoadedModel(name="fake", engine=long_engine, template=ChatTemplate(None))
-    app = create_app(Service([model]), ServerConfig())
+    app = create_app(static_service([model]), ServerConfig())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

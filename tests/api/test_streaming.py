@@ -21,7 +21,8 @@ from lmserve.config import ServerConfig
 from lmserve.engine.base import BatchEntry
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
-from lmserve.service import LoadedModel, Service
+from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def long_engine() -> Iterator[Engine]:
 @pytest.fixture
 def long_app(long_engine: Engine) -> FastAPI:
     model = LoadedModel(name="fake", engine=long_engine, template=ChatTemplate(None))
-    return create_app(Service([model]), ServerConfig())
+    return create_app(static_service([model]), ServerConfig())
 
 
 def _scope(path: str, spec_version: str) -> Scope:
@@ -164,7 +165,8 @@ class FailingBackend(FakeBackend):
 @pytest_asyncio.fixture
 async def failing_client() -> AsyncIterator[httpx.AsyncClient]:
     engine = Engine(FailingBackend(num_ok_steps=4))
-    app = create_app(Service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))]), ServerConfig())
+    model = LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))
+    app = create_app(static_service([model]), ServerConfig())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
         yield client
     engine.close()
