@@ -7,10 +7,12 @@ chunks back to their own wire format.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
+from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.engine.loop import RequestStream
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
@@ -26,6 +28,23 @@ class ModelListing:
     name: str
     created: int
     owned_by: str = "lmserve"
+    size: int = 0
+    digest: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelDescription:
+    """What `show` tells about a model."""
+
+    listing: ModelListing
+    modelfile: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    template: str = ""
+    system: str = ""
+    license: str = ""
+    model_info: dict[str, Any] = field(default_factory=dict)
+    capabilities: list[str] = field(default_factory=lambda: ["completion"])
 
 
 class Catalog(Protocol):
@@ -37,6 +56,12 @@ class Catalog(Protocol):
         """The canonical name of `name`; ModelNotFound when there is none."""
         ...
 
+    def describe(self, name: str) -> ModelDescription: ...
+
+    def copy(self, source: str, destination: str) -> None: ...
+
+    def delete(self, name: str) -> None: ...
+
 
 @dataclass(slots=True)
 class Generation:
@@ -46,6 +71,7 @@ class Generation:
     num_prompt_tokens: int
     stream: RequestStream
     on_done: Callable[[], None] = lambda: None
+    load_ns: int = 0
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -136,10 +162,13 @@ class Service:
         )
 
     async def chat(self, request: ChatRequest) -> Generation:
+        started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
             prompt = self.render_chat(resident.model, request)
-            return self._submit(resident, self._tokenize(resident.model, prompt), request.sampling)
+            generation = self._submit(resident, self._tokenize(resident.model, prompt), request.sampling)
+            generation.load_ns = time.perf_counter_ns() - started
+            return generation
         except BaseException:
             self.loaded.release(resident)
             raise
@@ -152,6 +181,51 @@ class Service:
         except BaseException:
             self.loaded.release(resident)
             raise
+
+    async def generate(
+        self, request: CompletionRequest, *, system: str | None = None, template: str | None = None, raw: bool = False
+    ) -> Generation:
+        """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens."""
+        if raw:
+            return await self.complete(request)
+        started = time.perf_counter_ns()
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            model = resident.model
+            messages = [Message(role="user", content=request.prompt)]
+            if system is not None:
+                messages.insert(0, Message(role="system", content=system))
+            if template is not None:
+                prompt = GoChatTemplate(template, system=model.system).render(messages)
+            else:
+                prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling))
+            tokens = list(request.context) + self._tokenize(model, prompt)
+            generation = self._submit(resident, tokens, request.sampling)
+            generation.load_ns = time.perf_counter_ns() - started
+            return generation
+        except BaseException:
+            self.loaded.release(resident)
+            raise
+
+    async def load(self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None) -> str:
+        """Load a model without generating (an empty prompt); returns its canonical name."""
+        resident = await self.acquire(name, options, keep_alive)
+        self.loaded.release(resident)
+        return resident.model.name
+
+    def describe(self, name: str) -> ModelDescription:
+        return self.catalog.describe(self.catalog.resolve(name))
+
+    def copy(self, source: str, destination: str) -> None:
+        self.catalog.copy(self.catalog.resolve(source), destination)
+
+    async def delete(self, name: str) -> None:
+        canonical = self.catalog.resolve(name)
+        await self.loaded.unload(canonical)
+        self.catalog.delete(canonical)
+
+    def running(self) -> list[Resident]:
+        return self.loaded.running()
 
     async def unload(self, name: str) -> bool:
         return await self.loaded.unload(self.catalog.resolve(name))
@@ -180,7 +254,10 @@ class StaticCatalog:
         self._aliases = {alias: m.name for m in models for alias in m.aliases}
 
     def listing(self) -> list[ModelListing]:
-        return [ModelListing(m.name, m.created, m.owned_by) for m in self._models.values()]
+        return [
+            ModelListing(m.name, m.created, m.owned_by, size=m.engine.info.size_bytes, details=_details(m))
+            for m in self._models.values()
+        ]
 
     def resolve(self, name: str) -> str:
         for candidate in (name, name + ":latest"):
@@ -190,6 +267,24 @@ class StaticCatalog:
                 return self._aliases[candidate]
         raise ModelNotFound(name)
 
+    def describe(self, name: str) -> ModelDescription:
+        model = self._models[name]
+        listing = next(item for item in self.listing() if item.name == name)
+        info = model.engine.info
+        return ModelDescription(
+            listing=listing,
+            modelfile=f"FROM {info.path}\n",
+            template=info.chat_template or "",
+            system=model.system or "",
+            model_info=dict(info.metadata),
+        )
+
+    def copy(self, source: str, destination: str) -> None:
+        raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")
+
+    def delete(self, name: str) -> None:
+        raise InvalidRequest("this server serves a fixed model; start it with a model store to delete models")
+
     def load(self, name: str, options: LoadOptions) -> LoadedModel:
         return self._models[name]
 
@@ -198,6 +293,24 @@ def static_service(models: list[LoadedModel]) -> Service:
     """A service over models that are already loaded and stay loaded."""
     catalog = StaticCatalog(models)
     return Service(catalog, LoadedModels(catalog.load, max_loaded=len(models) or 1), keep_alive=None)
+
+
+def _details(model: LoadedModel) -> dict[str, Any]:
+    info = model.engine.info
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": info.architecture,
+        "families": [info.architecture] if info.architecture else None,
+        "parameter_size": _parameter_size(info.num_params),
+        "quantization_level": info.description.split()[-1] if info.description else "",
+    }
+
+
+def _parameter_size(num_params: int) -> str:
+    if num_params >= 10**9:
+        return f"{num_params / 10**9:.1f}B"
+    return f"{num_params / 10**6:.0f}M" if num_params else ""
 
 
 def _check_messages(messages: list[Message]) -> None:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
@@ -36,6 +37,7 @@ def create_app(service: Service, config: ServerConfig) -> FastAPI:
     """The lmserve application over `service`."""
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None)
     app.include_router(openai_router(service))
+    app.include_router(native_router(service))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

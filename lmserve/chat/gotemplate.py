@@ -861,3 +861,18 @@ def render_chat(
         "System": system_text, "Prompt": prompt, "Response": "", "Suffix": "", "Messages": turns,
         "Tools": _wrap(list(tools or [])), "AddGenerationPrompt": add_generation_prompt,
     })  # fmt: skip
+
+
+class GoChatTemplate:
+    """A Modelfile TEMPLATE as a chat prompter: `render(messages, tools=…, add_generation_prompt=…)`."""
+
+    def __init__(self, source: str, *, system: str | None = None) -> None:
+        self.template = GoTemplate(source)
+        self.system = system
+
+    def render(
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        return render_chat(
+            self.template, messages, system=self.system, tools=tools, add_generation_prompt=add_generation_prompt
+        )

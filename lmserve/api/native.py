@@ -1,0 +1,321 @@
+"""The native (local-runner) dialect: /api routes, NDJSON streaming, and its translators.
+
+Same pipeline as the OpenAI dialect: the body is parsed into a wire model (native_schemas.py), translated
+once into lmserve's records (`to_sampling_params`, `to_load_options`, `to_messages`), answered by the
+service, and its chunks written back as NDJSON lines with durations in nanoseconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from lmserve import __version__
+from lmserve.api import native_schemas as wire
+from lmserve.api.openai import parse_body
+from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
+from lmserve.api.wire_errors import INTERNAL_ERROR
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.service import Generation, ModelListing, Service
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
+
+NDJSON = "application/x-ndjson"
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+# ---- requests → records ---------------------------------------------------------------------------
+
+
+def parse_keep_alive(value: wire.KeepAlive) -> float | None:
+    """Seconds from "5m", "1h30m", "300", 300 or -1 (negative: forever); None when not given."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        raise InvalidRequest(f"keep_alive {value!r} is not a duration like '5m' or a number of seconds",
+                             param="keep_alive")
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+def to_sampling_params(options: wire.Options | None, defaults: SamplingParams) -> SamplingParams:
+    """Request options over the model's defaults (Modelfile PARAMETER over the server's)."""
+    params = replace(defaults, stop=list(defaults.stop), logit_bias=dict(defaults.logit_bias))
+    if options is None:
+        return params
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                 "frequency_penalty", "seed"):
+        value = getattr(options, name)
+        if value is not None:
+            setattr(params, name, value)
+    if options.top_k is not None:
+        params.top_k = max(options.top_k, 0)
+    if options.stop is not None:
+        params.stop = [options.stop] if isinstance(options.stop, str) else list(options.stop)
+    if options.num_predict is not None:
+        params.max_tokens = None if options.num_predict < 0 else options.num_predict
+    return params
+
+
+def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
+    """The load-time options a request asks for; None when it asks for none (the server's apply)."""
+    if options is None:
+        return None
+    changes = {
+        "num_ctx": options.num_ctx,
+        "num_batch": options.num_batch,
+        "num_gpu_layers": options.num_gpu,
+        "num_threads": options.num_thread,
+    }
+    given = {k: v for k, v in changes.items() if v is not None}
+    return replace(defaults, **given) if given else None
+
+
+def to_messages(messages: list[wire.ChatMessage]) -> list[Message]:
+    out = []
+    for i, m in enumerate(messages):
+        calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
+        images = [decode_image(img, f"messages[{i}].images") for img in m.images or ()]
+        role = "system" if m.role == "developer" else m.role
+        out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name))
+    return out
+
+
+def decode_image(data: str, where: str) -> bytes:
+    """Base64 image bytes, with or without a data: prefix."""
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where} is not valid base64", param="images") from None
+
+
+# ---- records → NDJSON -----------------------------------------------------------------------------
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[str, Any]:
+    usage, timings = final.usage, final.timings
+    fields: dict[str, Any] = {
+        "done": True,
+        "done_reason": final.finish_reason,
+        "total_duration": time.perf_counter_ns() - started_ns,
+        "load_duration": generation.load_ns,
+        "prompt_eval_count": (usage.prompt_tokens - usage.cached_tokens) if usage else generation.num_prompt_tokens,
+        "prompt_eval_duration": timings.prompt_eval_ns if timings else 0,
+        "eval_count": usage.completion_tokens if usage else 0,
+        "eval_duration": timings.eval_ns if timings else 0,
+    }
+    return fields
+
+
+def _failed(chunk: Chunk) -> bool:
+    return chunk.finish_reason in ("error", "abort")
+
+
+async def ndjson_lines(
+    generation: Generation, piece: Callable[[str], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    async for chunk in generation:
+        if chunk.finish_reason is not None and _failed(chunk):
+            yield line({"error": chunk.error or "the generation failed"})
+            return
+        if chunk.text:
+            yield line(piece(chunk.text))
+        if chunk.finish_reason is not None:
+            yield line(last(chunk))
+            return
+
+
+async def collect(generation: Generation) -> tuple[str, Chunk]:
+    parts: list[str] = []
+    try:
+        async for chunk in generation:
+            parts.append(chunk.text)
+            if chunk.finish_reason is not None:
+                if _failed(chunk):
+                    raise EngineFailure(chunk.error or "the generation failed")
+                return "".join(parts), chunk
+    finally:
+        generation.abort()
+    raise EngineFailure("the generation ended without a result")
+
+
+def error_line(exc: Exception) -> bytes:
+    return line({"error": exc.message if isinstance(exc, LmserveError) else INTERNAL_ERROR})
+
+
+def tag(listing: ModelListing) -> dict[str, Any]:
+    return {
+        "name": listing.name,
+        "model": listing.name,
+        "modified_at": datetime.fromtimestamp(listing.created, UTC).isoformat().replace("+00:00", "Z"),
+        "size": listing.size,
+        "digest": listing.digest,
+        "details": listing.details,
+    }
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+
+def native_router(service: Service) -> APIRouter:
+    """The /api routes over `service`, plus `GET /`."""
+    router = APIRouter()
+
+    @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    async def root() -> str:
+        return "lmserve is running"
+
+    @router.api_route("/api/version", methods=["GET", "HEAD"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @router.post("/api/generate", response_model=None)
+    async def generate(request: Request) -> Response:
+        started = time.perf_counter_ns()
+        body = await parse_body(request, wire.GenerateBody)
+        keep_alive = parse_keep_alive(body.keep_alive)
+        load = to_load_options(body.options, service.load_options)
+        if body.images:
+            images = [decode_image(img, "images") for img in body.images]
+            del images
+            raise InvalidRequest(f"model '{body.model}' has no vision projector; images are not supported",
+                                 param="images")
+        if not body.prompt and not body.context:
+            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
+        defaults = await service.sampling_defaults(body.model)
+        record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults),
+                                   context=list(body.context or ()), options=load, keep_alive=keep_alive)
+        generation = await service.generate(record, system=body.system, template=body.template, raw=body.raw)
+
+        def head() -> dict[str, Any]:
+            return {"model": body.model, "created_at": now_iso()}
+
+        def last(final: Chunk) -> dict[str, Any]:
+            context = generation.prompt_tokens + generation.output_tokens
+            return {**head(), "response": "", **final_fields(generation, final, started), "context": context}
+
+        if body.stream:
+            frames = ndjson_lines(generation, lambda text: {**head(), "response": text, "done": False}, last)
+            return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
+        text, final = await until_disconnect(collect(generation), request.receive)
+        return JSONResponse({**last(final), "response": text})
+
+    @router.post("/api/chat", response_model=None)
+    async def chat(request: Request) -> Response:
+        started = time.perf_counter_ns()
+        body = await parse_body(request, wire.ChatBody)
+        keep_alive = parse_keep_alive(body.keep_alive)
+        load = to_load_options(body.options, service.load_options)
+        if not body.messages:
+            message = {"role": "assistant", "content": ""}
+            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
+        defaults = await service.sampling_defaults(body.model)
+        record = ChatRequest(body.model, to_messages(body.messages), to_sampling_params(body.options, defaults),
+                             tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
+        generation = await service.chat(record)
+
+        def head() -> dict[str, Any]:
+            return {"model": body.model, "created_at": now_iso()}
+
+        def last(final: Chunk) -> dict[str, Any]:
+            empty = {"role": "assistant", "content": ""}
+            return {**head(), "message": empty, **final_fields(generation, final, started)}
+
+        if body.stream:
+            frames = ndjson_lines(
+                generation, lambda text: {**head(), "message": {"role": "assistant", "content": text}, "done": False},
+                last,
+            )
+            return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
+        text, final = await until_disconnect(collect(generation), request.receive)
+        return JSONResponse({**last(final), "message": {"role": "assistant", "content": text}})
+
+    @router.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        return {"models": [tag(m) for m in service.list_models()]}
+
+    @router.post("/api/show")
+    async def show(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, wire.ModelBody)
+        if body.target is None:
+            raise InvalidRequest("model is required", param="model")
+        d = service.describe(body.target)
+        return {
+            "license": d.license, "modelfile": d.modelfile, "parameters": _parameters_text(d.parameters),
+            "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
+            "capabilities": d.capabilities,
+            "modified_at": datetime.fromtimestamp(d.listing.created, UTC).isoformat().replace("+00:00", "Z"),
+        }
+
+    @router.post("/api/copy")
+    async def copy(request: Request) -> Response:
+        body = await parse_body(request, wire.CopyBody)
+        service.copy(body.source, body.destination)
+        return Response(status_code=200)
+
+    @router.delete("/api/delete")
+    async def delete(request: Request) -> Response:
+        body = await parse_body(request, wire.ModelBody)
+        if body.target is None:
+            raise InvalidRequest("model is required", param="model")
+        await service.delete(body.target)
+        return Response(status_code=200)
+
+    @router.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        models = []
+        for resident in service.running():
+            listing = service.get_model(resident.model.name)
+            expires = resident.expires_at
+            until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
+            models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0})
+        return {"models": models}
+
+    return router
+
+
+async def _load_or_unload(
+    service: Service, model: str, load: LoadOptions | None, keep_alive: float | None, **empty: Any
+) -> dict[str, Any]:
+    """An empty prompt loads the model; with keep_alive 0 it unloads it."""
+    if keep_alive == 0:
+        name = service.get_model(model).name
+        await service.unload(model)
+        return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "unload"}
+    name = await service.load(model, load, keep_alive)
+    return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "load"}
+
+
+def _parameters_text(parameters: dict[str, Any]) -> str:
+    rows = []
+    for name, value in parameters.items():
+        for item in value if isinstance(value, list) else [value]:
+            rows.append(f"{name:<30} {json.dumps(item) if isinstance(item, str) else item}")
+    return "\n".join(rows)

@@ -1,0 +1,97 @@
+"""Wire models of the native (local-runner) dialect: /api/generate, /api/chat and model management."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Options(Wire):
+    """`options` of a request, and the Modelfile PARAMETER names."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = None
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    num_predict: int | None = None
+    num_keep: int | None = None
+    num_ctx: int | None = Field(None, ge=1)
+    num_batch: int | None = Field(None, ge=1)
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    use_mmap: bool | None = None
+    num_thread: int | None = Field(None, ge=1)
+
+
+class FunctionCall(Wire):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCallWire(Wire):
+    function: FunctionCall
+
+
+class ChatMessage(Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    tool_name: str | None = None
+
+
+KeepAlive = str | float | int | None
+
+
+class GenerateBody(Wire):
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool = False
+    context: list[int] | None = None
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    images: list[str] | None = None
+    think: bool | str | None = None
+
+
+class ChatBody(Wire):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: bool | str | None = None
+
+
+class ModelBody(Wire):
+    model: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)
+    verbose: bool = False
+
+    @property
+    def target(self) -> str | None:
+        return self.model or self.name
+
+
+class CopyBody(Wire):
+    source: str = Field(min_length=1)
+    destination: str = Field(min_length=1)
