@@ -70,8 +70,16 @@ class Resident:
 class LoadedModels:
     """The set of models in memory, keyed by canonical name."""
 
-    def __init__(self, loader: Loader, *, max_loaded: int = 3, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        *,
+        max_loaded: int = 3,
+        clock: Callable[[], float] = time.time,
+        on_unload: Callable[[LoadedModel], None] = lambda model: model.engine.close(),
+    ) -> None:
         self._loader = loader
+        self._on_unload = on_unload
         self._max_loaded = max(1, max_loaded)
         self._clock = clock
         self._residents: dict[str, Resident] = {}
@@ -139,4 +147,4 @@ class LoadedModels:
     def _unload(self, name: str) -> None:
         resident = self._residents.pop(name)
         log.info("unloading %s", name)
-        resident.model.engine.close()
+        self._on_unload(resident.model)

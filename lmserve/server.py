@@ -69,4 +69,5 @@ def run(config: ServerConfig) -> int:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     finally:
         service.close()
+        model.engine.close()
     return 0

@@ -290,9 +290,10 @@ class StaticCatalog:
 
 
 def static_service(models: list[LoadedModel]) -> Service:
-    """A service over models that are already loaded and stay loaded."""
+    """A service over models that are already loaded; unloading forgets them, it never closes their engines."""
     catalog = StaticCatalog(models)
-    return Service(catalog, LoadedModels(catalog.load, max_loaded=len(models) or 1), keep_alive=None)
+    loaded = LoadedModels(catalog.load, max_loaded=len(models) or 1, on_unload=lambda model: None)
+    return Service(catalog, loaded, keep_alive=None)
 
 
 def _details(model: LoadedModel) -> dict[str, Any]:

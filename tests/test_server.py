@@ -253,3 +253,27 @@ def test_api_key_is_required_when_set() -> None:
                 bad.models.list()
     finally:
         srv.stop()
+
+
+def test_the_ollama_client_chats_generates_and_manages(server: Server) -> None:
+    import ollama
+
+    with ollama.Client(host=server.base_url) as client:
+        assert [m.model for m in client.list().models] == [MODEL]
+        reply = client.chat(model=MODEL, messages=QUESTION, options={"temperature": 0})
+        assert "Paris" in reply.message.content
+        assert reply.done_reason == "stop" and reply.eval_count and reply.prompt_eval_count
+        parts = list(client.chat(model=MODEL, messages=QUESTION, options={"temperature": 0}, stream=True))
+        assert "".join(p.message.content for p in parts) == reply.message.content
+        generated = client.generate(model=MODEL, prompt="The capital of France is", raw=True,
+                                    options={"temperature": 0, "num_predict": 6})
+        assert generated.done_reason == "length" and generated.eval_count == 6 and generated.context
+        streamed = list(client.generate(model=MODEL, prompt="The capital of France is", raw=True, stream=True,
+                                        options={"temperature": 0, "num_predict": 6}))
+        assert "".join(p.response for p in streamed) == generated.response
+        shown = client.show(MODEL)
+        assert shown.details is not None and shown.details.family == "llama"
+        assert [m.model for m in client.ps().models] == [MODEL]
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat(model="nope", messages=QUESTION)
+        assert info.value.status_code == 404

@@ -1,0 +1,146 @@
+"""The native dialect over the fake engine: NDJSON streams, final fields, errors, keep-alive parsing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from lmserve.api.native import parse_keep_alive, to_load_options, to_sampling_params
+from lmserve.api.native_schemas import Options
+from lmserve.engine.fake import FakeBackend
+from lmserve.errors import InvalidRequest
+from lmserve.types import LoadOptions, SamplingParams
+
+FINAL_FIELDS = {"done", "done_reason", "total_duration", "load_duration", "prompt_eval_count",
+                "prompt_eval_duration", "eval_count", "eval_duration"}
+
+
+def ndjson(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+async def test_generate_streams_ndjson_and_ends_with_durations(client: httpx.AsyncClient) -> None:
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "hello", "raw": True,
+                                                  "options": {"num_predict": 6}})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    lines = ndjson(r.text)
+    assert all(not line["done"] for line in lines[:-1])
+    assert "".join(line["response"] for line in lines) == FakeBackend.expected(5, 6)
+    last = lines[-1]
+    assert FINAL_FIELDS <= set(last)
+    assert last["done_reason"] == "length"
+    assert (last["prompt_eval_count"], last["eval_count"]) == (5, 6)
+    assert last["context"][:5] == list(b"hello") and len(last["context"]) == 11
+    assert all(isinstance(last[k], int) for k in FINAL_FIELDS - {"done", "done_reason"})
+
+
+async def test_generate_without_stream_returns_one_object(client: httpx.AsyncClient) -> None:
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "hello", "raw": True, "stream": False,
+                                                  "options": {"num_predict": 4}})
+    body = r.json()
+    assert body["response"] == FakeBackend.expected(5, 4)
+    assert body["done"] is True and body["model"] == "fake"
+
+
+async def test_generate_applies_the_chat_template_unless_raw(client: httpx.AsyncClient) -> None:
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "hi", "stream": False,
+                                                  "system": "be brief", "options": {"num_predict": 1}})
+    prompt = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert r.json()["prompt_eval_count"] == len(prompt.encode())
+
+
+async def test_chat_streams_messages(client: httpx.AsyncClient) -> None:
+    r = await client.post("/api/chat", json={"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                                              "options": {"num_predict": 5, "stop": ["zzz"]}})
+    lines = ndjson(r.text)
+    assert all(line["message"]["role"] == "assistant" for line in lines)
+    assert lines[-1]["done"] is True and FINAL_FIELDS <= set(lines[-1])
+    assert len("".join(line["message"]["content"] for line in lines)) == 5
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/api/generate", {"model": "fake"}),
+        ("/api/chat", {"model": "fake", "messages": []}),
+    ],
+)
+async def test_empty_prompt_loads_and_keep_alive_zero_unloads(
+    client: httpx.AsyncClient, route: str, body: dict[str, Any]
+) -> None:
+    r = await client.post(route, json=body)
+    assert r.json()["done_reason"] == "load"
+    r = await client.post(route, json={**body, "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload"
+    assert (await client.get("/api/ps")).json() == {"models": []}
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "x", "raw": True, "stream": False,
+                                                  "options": {"num_predict": 2}})
+    assert r.json()["response"] == FakeBackend.expected(1, 2)  # loads again and answers
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status"),
+    [
+        ("/api/generate", {"prompt": "hi"}, 400),
+        ("/api/generate", {"model": "nope", "prompt": "hi"}, 404),
+        ("/api/generate", {"model": "fake", "prompt": "hi", "options": {"temperature": "hot"}}, 400),
+        ("/api/generate", {"model": "fake", "prompt": "hi", "keep_alive": "soon"}, 400),
+        ("/api/generate", {"model": "fake", "prompt": "hi", "images": ["aGk="]}, 400),
+        ("/api/chat", {"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("/api/chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+        ("/api/show", {"model": "nope"}, 404),
+        ("/api/copy", {"source": "fake", "destination": "other"}, 400),
+    ],
+)
+async def test_errors_use_the_native_body(
+    client: httpx.AsyncClient, route: str, body: dict[str, Any], status: int
+) -> None:
+    r = await client.post(route, json=body)
+    assert r.status_code == status
+    assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str)
+
+
+async def test_management_routes(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/")).text == "lmserve is running"
+    assert "version" in (await client.get("/api/version")).json()
+    tags = (await client.get("/api/tags")).json()["models"]
+    assert [t["name"] for t in tags] == ["fake"]
+    show = (await client.post("/api/show", json={"model": "fake"})).json()
+    assert show["capabilities"] == ["completion"] and "FROM" in show["modelfile"]
+    await client.post("/api/generate", json={"model": "fake"})
+    ps = (await client.get("/api/ps")).json()["models"]
+    assert [m["name"] for m in ps] == ["fake"] and "expires_at" in ps[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, None), ("5m", 300.0), ("1h30m", 5400.0), ("10s", 10.0), ("300", 300.0), (0, 0.0), (-1, -1.0),
+     ("-1", -1.0), ("1.5h", 5400.0), ("250ms", 0.25)],
+)
+def test_keep_alive_durations(value: str | int | None, seconds: float | None) -> None:
+    assert parse_keep_alive(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "m5", "5x"])
+def test_bad_keep_alive_is_refused(value: str) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_keep_alive(value)
+
+
+def test_options_over_model_defaults() -> None:
+    defaults = SamplingParams(temperature=0.1, top_k=50, stop=["<|im_end|>"])
+    params = to_sampling_params(Options(temperature=0.7, num_predict=-1), defaults)
+    assert (params.temperature, params.top_k, params.stop, params.max_tokens) == (0.7, 50, ["<|im_end|>"], None)
+    assert to_sampling_params(Options(num_predict=12, stop="x"), defaults).stop == ["x"]
+    assert defaults.stop == ["<|im_end|>"]
+
+
+def test_load_time_options_are_split_from_sampling() -> None:
+    base = LoadOptions()
+    assert to_load_options(None, base) is None
+    assert to_load_options(Options(temperature=1.0), base) is None
+    assert to_load_options(Options(num_ctx=1024, num_thread=1), base) == LoadOptions(num_ctx=1024, num_threads=1)
