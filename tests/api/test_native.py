@@ -31,7 +31,7 @@ async def test_generate_streams_ndjson_and_ends_with_durations(client: httpx.Asy
     assert all(not line["done"] for line in lines[:-1])
     assert "".join(line["response"] for line in lines) == FakeBackend.expected(5, 6)
     last = lines[-1]
-    assert FINAL_FIELDS <= set(last)
+    assert set(last) >= FINAL_FIELDS
     assert last["done_reason"] == "length"
     assert (last["prompt_eval_count"], last["eval_count"]) == (5, 6)
     assert last["context"][:5] == list(b"hello") and len(last["context"]) == 11
@@ -58,7 +58,7 @@ async def test_chat_streams_messages(client: httpx.AsyncClient) -> None:
                                               "options": {"num_predict": 5, "stop": ["zzz"]}})
     lines = ndjson(r.text)
     assert all(line["message"]["role"] == "assistant" for line in lines)
-    assert lines[-1]["done"] is True and FINAL_FIELDS <= set(lines[-1])
+    assert lines[-1]["done"] is True and set(lines[-1]) >= FINAL_FIELDS
     assert len("".join(line["message"]["content"] for line in lines)) == 5
 
 
