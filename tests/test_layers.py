@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
     "lmserve.loaded": BASE | {"lmserve.engine"},
     "lmserve.service": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat", "lmserve.loaded"},
+    "lmserve.catalog": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat", "lmserve.loaded", "lmserve.service"},
     "lmserve.api": BASE | {"lmserve.service", "lmserve.store"},
 }
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},

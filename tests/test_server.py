@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -32,6 +33,8 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lmserve", "serve", "--port", str(self.port), "-c", "1024", "-np", "8", *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+        self.models_dir = tempfile.mkdtemp(prefix="lmserve-store-")
+        env["LMSERVE_MODELS"] = self.models_dir
         self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

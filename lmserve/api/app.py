@@ -6,8 +6,11 @@ Every error becomes a body in the dialect of its route (wire_errors.error_body):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,9 +36,20 @@ CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
-def create_app(service: Service, config: ServerConfig) -> FastAPI:
-    """The lmserve application over `service`."""
-    app = FastAPI(title="lmserve", docs_url=None, redoc_url=None)
+def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = ()) -> FastAPI:
+    """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for name in preload:
+            await service.load(name, keep_alive=-1)
+        expiry = asyncio.create_task(service.loaded.run_expiry())
+        try:
+            yield
+        finally:
+            expiry.cancel()
+
+    app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.include_router(openai_router(service))
     app.include_router(native_router(service))
 

@@ -7,10 +7,12 @@ service, and its chunks written back as NDJSON lines with durations in nanosecon
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
 import re
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -27,6 +29,9 @@ from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disc
 from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, ModelListing, Service
+from lmserve.store.modelfile import Modelfile, parse_parameter
+from lmserve.store.modelfile import parse as parse_modelfile
+from lmserve.store.store import check_digest
 from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
 
 NDJSON = "application/x-ndjson"
@@ -257,6 +262,36 @@ def native_router(service: Service) -> APIRouter:
         text, final = await until_disconnect(collect(generation), request.receive)
         return JSONResponse({**last(final), "message": {"role": "assistant", "content": text}})
 
+    @router.post("/api/create", response_model=None)
+    async def create(request: Request) -> Response:
+        body = await parse_body(request, wire.CreateBody)
+        if body.target is None:
+            raise InvalidRequest("model is required", param="model")
+        modelfile = to_modelfile(body)
+        statuses = ["parsing modelfile"]
+        if body.quantize:
+            statuses.append(f"quantizing to {body.quantize.upper()}")
+        await asyncio.to_thread(service.create, body.target, modelfile, quantize=body.quantize)
+        statuses += ["writing manifest", "success"]
+        if not body.stream:
+            return JSONResponse({"status": "success"})
+        return Response(b"".join(line({"status": s}) for s in statuses), media_type=NDJSON)
+
+    @router.head("/api/blobs/{digest}")
+    async def has_blob(digest: str) -> Response:
+        return Response(status_code=200 if service.store.has_blob(check_digest(digest)) else 404)
+
+    @router.post("/api/blobs/{digest}")
+    async def push_blob(digest: str, request: Request) -> Response:
+        store = service.store
+        check_digest(digest)
+        with tempfile.TemporaryFile() as spool:
+            async for part in request.stream():
+                spool.write(part)
+            spool.seek(0)
+            await asyncio.to_thread(store.add_blob, spool, digest)
+        return Response(status_code=201)
+
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [tag(m) for m in service.list_models()]}
@@ -311,6 +346,35 @@ async def _load_or_unload(
         return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "unload"}
     name = await service.load(model, load, keep_alive)
     return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "load"}
+
+
+def to_modelfile(body: wire.CreateBody) -> Modelfile:
+    """A Modelfile from /api/create: its `modelfile` text, or the `from`/`files` fields and the rest."""
+    if body.modelfile:
+        modelfile = parse_modelfile(body.modelfile)
+    else:
+        source = body.from_
+        if source is None and body.files:
+            ggufs = [digest for name, digest in body.files.items() if not name.lower().startswith("mmproj")]
+            if len(ggufs) != 1:
+                raise InvalidRequest("files must name exactly one model GGUF", param="files")
+            source = "@" + check_digest(ggufs[0])
+        if source is None:
+            raise InvalidRequest("one of modelfile, from or files is required", param="from")
+        modelfile = Modelfile(from_=source)
+    if body.template is not None:
+        modelfile.template = body.template
+    if body.system is not None:
+        modelfile.system = body.system
+    for name, value in (body.parameters or {}).items():
+        values = value if isinstance(value, list) else [value]
+        typed = [parse_parameter(name, str(v).lower() if isinstance(v, bool) else str(v)) for v in values]
+        modelfile.parameters[name] = [str(v) for v in typed] if name == "stop" else typed[-1]
+    for m in body.messages or ():
+        modelfile.messages.append((m.role, m.content or ""))
+    if body.license is not None:
+        modelfile.license = [body.license] if isinstance(body.license, str) else list(body.license)
+    return modelfile
 
 
 def _parameters_text(parameters: dict[str, Any]) -> str:

@@ -95,3 +95,23 @@ class ModelBody(Wire):
 class CopyBody(Wire):
     source: str = Field(min_length=1)
     destination: str = Field(min_length=1)
+
+
+class CreateBody(Wire):
+    model: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)
+    modelfile: str | None = None
+    from_: str | None = Field(None, alias="from")
+    files: dict[str, str] | None = None
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[ChatMessage] | None = None
+    license: str | list[str] | None = None
+    quantize: str | None = None
+    stream: bool = True
+
+    @property
+    def target(self) -> str | None:
+        return self.model or self.name

@@ -1,0 +1,233 @@
+"""The model store as the service's catalog: names, descriptions, and how a stored model is loaded and created.
+
+A stored model is loaded into an engine made by `engine_factory` (the composition root decides how), with the
+Modelfile's TEMPLATE (Go) or else the GGUF's own chat template, and its PARAMETERs as sampling defaults.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.template import ChatTemplate
+from lmserve.engine.loop import Engine
+from lmserve.errors import InvalidRequest
+from lmserve.loaded import LoadedModel, Prompter
+from lmserve.service import ModelDescription, ModelListing
+from lmserve.store.modelfile import Modelfile
+from lmserve.store.names import is_gguf_path, parse_name
+from lmserve.store.store import Manifest, ModelEntry, Store
+from lmserve.types import LoadOptions, Message, SamplingParams
+
+EngineFactory = Callable[[Path, LoadOptions], Engine]
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+               32: "BF16"}  # fmt: skip
+_SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
+    """Key/values of a GGUF file's header, read without the tensors; long arrays (the vocabulary) are skipped."""
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise InvalidRequest(f"{path.name} is not a GGUF file", param="from")
+        _version, _tensors, count = struct.unpack("<IQQ", f.read(20))
+        out: dict[str, Any] = {}
+        for _ in range(count):
+            key = _read_string(f)
+            (kind,) = struct.unpack("<I", f.read(4))
+            value = _read_value(f, kind, max_array)
+            if value is not _SKIPPED:
+                out[key] = value
+        return out
+
+
+_SKIPPED = object()
+
+
+def _read_string(f: BinaryIO) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return f.read(length).decode("utf-8", "replace")
+
+
+def _read_value(f: BinaryIO, kind: int, max_array: int) -> Any:
+    if kind == _STRING:
+        return _read_string(f)
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if kind != _ARRAY:
+        raise InvalidRequest(f"unknown GGUF value type {kind}", param="from")
+    item_kind, length = struct.unpack("<IQ", f.read(12))
+    if length <= max_array:
+        return [_read_value(f, item_kind, max_array) for _ in range(length)]
+    if item_kind in _SCALARS:
+        f.seek(struct.calcsize(_SCALARS[item_kind]) * length, 1)
+    else:
+        for _ in range(length):
+            _read_value(f, item_kind, 0)
+    return _SKIPPED
+
+
+def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any]:
+    arch = str(metadata.get("general.architecture", ""))
+    file_type = metadata.get("general.file_type")
+    return {
+        "parent_model": parent,
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": str(metadata.get("general.size_label", "")),
+        "quantization_level": _FILE_TYPES.get(file_type, str(file_type or "")) if isinstance(file_type, int) else "",
+    }
+
+
+def sampling_from_parameters(parameters: dict[str, Any]) -> SamplingParams:
+    """Modelfile PARAMETERs as sampling defaults (load-time ones are not sampling)."""
+    params = SamplingParams()
+    for name, value in parameters.items():
+        if name == "stop":
+            params.stop = list(value) if isinstance(value, list) else [str(value)]
+        elif name == "num_predict":
+            params.max_tokens = None if int(value) < 0 else int(value)
+        elif name in _SAMPLING_NAMES:
+            setattr(params, name, value)
+    return params
+
+
+class StoreCatalog:
+    """Catalog over a Store; `load` builds a LoadedModel from a stored manifest."""
+
+    def __init__(self, store: Store, engine_factory: EngineFactory) -> None:
+        self.store = store
+        self._engine_factory = engine_factory
+
+    def listing(self) -> list[ModelListing]:
+        return [self._listing(entry) for entry in self.store.list()]
+
+    def resolve(self, name: str) -> str:
+        return str(self.store.find(name).name)
+
+    def describe(self, name: str) -> ModelDescription:
+        entry = self.store.find(name)
+        manifest = entry.manifest
+        metadata = gguf_metadata(self.store.blob_path(manifest.model))
+        template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
+        capabilities = ["completion"]
+        if "tools" in template.lower():
+            capabilities.append("tools")
+        if manifest.projector:
+            capabilities.append("vision")
+        return ModelDescription(
+            listing=self._listing(entry),
+            modelfile=self.modelfile(entry).to_text(),
+            parameters=dict(manifest.parameters),
+            template=template,
+            system=manifest.system or "",
+            license="\n".join(manifest.license),
+            model_info=metadata,
+            capabilities=capabilities,
+        )
+
+    def modelfile(self, entry: ModelEntry) -> Modelfile:
+        m = entry.manifest
+        return Modelfile(
+            from_=str(self.store.blob_path(m.model)),
+            projector=str(self.store.blob_path(m.projector)) if m.projector else None,
+            parameters=dict(m.parameters),
+            template=m.template,
+            system=m.system,
+            messages=list(m.messages),
+            adapters=[str(self.store.blob_path(a)) for a in m.adapters],
+            license=list(m.license),
+        )
+
+    def copy(self, source: str, destination: str) -> None:
+        self.store.copy(parse_name(source), parse_name(destination))
+
+    def delete(self, name: str) -> None:
+        self.store.delete(parse_name(name))
+
+    def load(self, name: str, options: LoadOptions) -> LoadedModel:
+        entry = self.store.find(name)
+        manifest = entry.manifest
+        engine = self._engine_factory(self.store.blob_path(manifest.model), options)
+        info = engine.info
+        template: Prompter
+        if manifest.template:
+            template = GoChatTemplate(manifest.template, system=manifest.system)
+        else:
+            template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+        messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
+        return LoadedModel(
+            name=str(entry.name), engine=engine, template=template,
+            sampling=sampling_from_parameters(manifest.parameters), system=manifest.system, messages=messages,
+            created=int(manifest.modified_at),
+        )
+
+    def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
+               quantize: Callable[[Path], Path] | None = None) -> ModelEntry:
+        """Build and save model `name` from a parsed Modelfile (FROM a stored model or a .gguf file)."""
+        target = parse_name(name)
+        manifest = self._base_manifest(modelfile.from_, base_dir)
+        if quantize is not None:
+            quantized = quantize(self.store.blob_path(manifest.model))
+            try:
+                manifest.model = self.store.import_file(quantized)
+            finally:
+                quantized.unlink(missing_ok=True)
+            manifest.details = gguf_details(gguf_metadata(self.store.blob_path(manifest.model)),
+                                            parent=manifest.parent)
+        if modelfile.projector:
+            manifest.projector = self.store.import_file(_local_path(modelfile.projector, base_dir))
+        manifest.adapters += [self.store.import_file(_local_path(a, base_dir)) for a in modelfile.adapters]
+        if modelfile.template is not None:
+            GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
+            manifest.template = modelfile.template
+        if modelfile.system is not None:
+            manifest.system = modelfile.system
+        manifest.parameters.update(modelfile.parameters)
+        manifest.messages = list(modelfile.messages) or manifest.messages
+        manifest.license = list(modelfile.license) or manifest.license
+        self.store.save(target, manifest)
+        return self.store.get(target)
+
+    def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
+        if source.startswith("@sha256:") or source.startswith("sha256:"):
+            digest = source.lstrip("@")
+            if not self.store.has_blob(digest):
+                raise InvalidRequest(f"blob {digest} is not in the store; upload it first", param="files")
+            return Manifest(model=digest, details=gguf_details(gguf_metadata(self.store.blob_path(digest))))
+        if is_gguf_path(source) or Path(source).is_absolute():
+            path = _local_path(source, base_dir)
+            digest = self.store.import_file(path)
+            return Manifest(model=digest, details=gguf_details(gguf_metadata(path)))
+        base = self.store.find(source)
+        manifest = Manifest(**{f.name: getattr(base.manifest, f.name) for f in fields(Manifest)})
+        manifest.parameters = {k: v for k, v in base.manifest.parameters.items()}
+        manifest.parent = str(base.name)
+        manifest.details = {**base.manifest.details, "parent_model": str(base.name)}
+        return manifest
+
+    def _listing(self, entry: ModelEntry) -> ModelListing:
+        return ModelListing(
+            name=str(entry.name), created=int(entry.manifest.modified_at), size=entry.size, digest=entry.digest,
+            details=dict(entry.manifest.details),
+        )
+
+
+def _local_path(text: str, base_dir: Path | None) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise InvalidRequest(f"file not found: {text}", param="from")
+    return path
