@@ -10,10 +10,10 @@ from pathlib import Path
 
 import ollama
 import pytest
-from tests.test_server import MODEL, Server
-from tests.tiny_gguf import write_tiny_llama
 
 from lmserve.store.modelfile import parse as parse_modelfile
+from tests.test_server import MODEL, Server
+from tests.tiny_gguf import write_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
