@@ -150,6 +150,9 @@ class StoreCatalog:
             license=list(m.license),
         )
 
+    def sampling_defaults(self, name: str) -> SamplingParams:
+        return sampling_from_parameters(self.store.find(name).manifest.parameters)
+
     def copy(self, source: str, destination: str) -> None:
         self.store.copy(parse_name(source), parse_name(destination))
 

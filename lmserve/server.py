@@ -10,6 +10,7 @@ from lmserve.config import ServerConfig
 from lmserve.errors import LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
+from lmserve.types import LoadOptions
 
 log = logging.getLogger("lmserve")
 
@@ -25,10 +26,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.store.names import is_gguf_path
     from lmserve.store.store import Store
 
-    def engine_factory(path: Path, options: object) -> Engine:
-        from lmserve.types import LoadOptions
-
-        assert isinstance(options, LoadOptions)
+    def engine_factory(path: Path, options: LoadOptions) -> Engine:
         backend = LlamaCppBackend(path, options)
         return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk)
 
@@ -53,7 +51,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         catalog.copy(name, config.alias)
         name = catalog.resolve(config.alias)
     loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
-    service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive)
+    service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive,
+                      hf_endpoint=config.hf_endpoint)
     return service, name
 
 

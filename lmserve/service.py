@@ -63,6 +63,10 @@ class Catalog(Protocol):
 
     def describe(self, name: str) -> ModelDescription: ...
 
+    def sampling_defaults(self, name: str) -> SamplingParams:
+        """The model's own sampling defaults (its Modelfile PARAMETERs) over the server's."""
+        ...
+
     def copy(self, source: str, destination: str) -> None: ...
 
     def delete(self, name: str) -> None: ...
@@ -114,11 +118,13 @@ class Service:
         *,
         load_options: LoadOptions | None = None,
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
+        hf_endpoint: str | None = None,
     ) -> None:
         self.catalog = catalog
         self.loaded = loaded
         self.load_options = load_options or LoadOptions()
         self.keep_alive = keep_alive
+        self.hf_endpoint = hf_endpoint
 
     # ---- models ----------------------------------------------------------------------------------
 
@@ -135,22 +141,27 @@ class Service:
     async def acquire(
         self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None
     ) -> Resident:
-        """Load (or find) the model and hold it until `loaded.release`."""
+        """Load (or find) the model and hold it until `loaded.release`.
+
+        `keep_alive` None leaves a loaded model's lease as it is (a model preloaded by `serve` stays loaded) and
+        gives a newly loaded one the server default; negative means forever; otherwise seconds after last use.
+        """
         canonical = self.catalog.resolve(name)
-        return await self.loaded.acquire(canonical, options or self.load_options, self._keep_alive(keep_alive))
+        current = self.loaded.get(canonical)
+        if keep_alive is None:
+            lease = current.keep_alive if current is not None else self.keep_alive
+        else:
+            lease = self._keep_alive(keep_alive)
+        return await self.loaded.acquire(canonical, options or self.load_options, lease)
 
     async def sampling_defaults(self, name: str) -> SamplingParams:
         """The model's Modelfile PARAMETERs over the server defaults (a request's own fields go on top)."""
-        resident = await self.acquire(name)
-        try:
-            return replace(resident.model.sampling, stop=list(resident.model.sampling.stop))
-        finally:
-            self.loaded.release(resident)
+        defaults = self.catalog.sampling_defaults(self.catalog.resolve(name))
+        return replace(defaults, stop=list(defaults.stop), logit_bias=dict(defaults.logit_bias))
 
-    def _keep_alive(self, keep_alive: float | None) -> float | None:
-        """None → the server default; negative or infinite → forever (None); else seconds."""
-        if keep_alive is None:
-            return self.keep_alive
+    @staticmethod
+    def _keep_alive(keep_alive: float) -> float | None:
+        """Negative or infinite → forever (None); else seconds."""
         if keep_alive < 0 or math.isinf(keep_alive):
             return None
         return keep_alive
@@ -276,6 +287,47 @@ class Service:
     def close(self) -> None:
         self.loaded.close()
 
+    def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
+        """Download `hf.co/<org>/<repo>[:QUANT]` (and its mmproj projector) and register it as that model.
+
+        Blocking: run it in a worker thread. Files go to `<store>/hf-cache` (so a second pull downloads nothing and
+        an interrupted one resumes) and are hard-linked into the store. `progress` gets the local runner's
+        `/api/pull` lines, `{status, digest, total, completed}` without empty fields, then "writing manifest" and
+        "success"; an exception it raises stops the download. The hub is `hf_endpoint`, else HF_ENDPOINT, else
+        huggingface.co; the token is HF_TOKEN, else the stored huggingface token.
+        """
+        import os
+
+        from lmserve.store.names import parse_name
+        from lmserve.store.pull import PullProgress
+        from lmserve.store.pull import pull as pull_files
+
+        parsed = parse_name(name)
+        if not parsed.is_hub:
+            raise InvalidRequest(
+                f"cannot pull '{name}': only hf.co/<org>/<repo>[:QUANT] names can be pulled (there is no other "
+                "registry); create local models with `create`",
+                param="model",
+            )
+        cache_dir = self.store.root / "hf-cache"
+
+        def report(event: PullProgress) -> None:
+            fields = {"status": event.status, "digest": event.digest, "total": event.total,
+                      "completed": event.completed}
+            progress({key: value for key, value in fields.items() if value is not None})
+
+        files = pull_files(
+            parsed,
+            endpoint=self.hf_endpoint or os.environ.get("HF_ENDPOINT") or None,
+            token=os.environ.get("HF_TOKEN") or None,
+            cache_dir=cache_dir,
+            progress=report,
+        )
+        progress({"status": "writing manifest"})
+        projector = str(files.projector.resolve()) if files.projector is not None else None
+        self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
+        progress({"status": "success"})
+
 
 class StaticCatalog:
     """A fixed set of already-loaded models (tests, and `serve` of a single file)."""
@@ -309,6 +361,9 @@ class StaticCatalog:
             system=model.system or "",
             model_info=dict(info.metadata),
         )
+
+    def sampling_defaults(self, name: str) -> SamplingParams:
+        return self._models[name].sampling
 
     def copy(self, source: str, destination: str) -> None:
         raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")

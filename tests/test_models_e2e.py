@@ -129,3 +129,9 @@ def test_cli_create_list_show_rm(server: Server, tiny_f32: Path, tmp_path: Path)
     assert cli("rm", "lfm-style").returncode == 0
     missing = cli("rm", "lfm-style")
     assert missing.returncode == 1 and "not found" in missing.stderr
+
+
+def test_the_served_model_stays_loaded_after_requests_with_the_default_keep_alive(client: ollama.Client) -> None:
+    client.generate(model=MODEL, prompt="Hi", options={"num_predict": 2})
+    served = [m for m in client.ps().models if m.model == MODEL]
+    assert served and served[0].expires_at is not None and served[0].expires_at.year == 9999
