@@ -34,6 +34,8 @@ class ServerConfig:
     keep_alive: float | None = 300.0
     """Seconds a model stays loaded after its last request (None: forever)."""
     max_loaded_models: int = 3
+    hf_endpoint: str | None = None
+    """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
 
     @property
     def load_options(self) -> LoadOptions:
@@ -62,6 +64,7 @@ _ENV_NAMES = {
     "models_dir": "MODELS",
     "keep_alive": "KEEP_ALIVE",
     "max_loaded_models": "MAX_LOADED_MODELS",
+    "hf_endpoint": "HF_ENDPOINT",
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk"}

@@ -328,6 +328,43 @@ class Service:
         self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
         progress({"status": "success"})
 
+    async def embed(
+        self,
+        model: str,
+        inputs: list[str],
+        *,
+        truncate: bool = True,
+        options: LoadOptions | None = None,
+        keep_alive: float | None = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> tuple[str, list[list[float]], int]:
+        """Embed each input: (canonical model name, one vector per input, total prompt tokens).
+
+        Vectors are unit length (unless `normalize` is false); `dimensions` keeps the first N components and
+        normalizes again. A text longer than one sequence's context is cut to it when `truncate`, else it is a
+        ContextOverflow.
+        """
+        from lmserve.engine.loop import unit_vector
+
+        if not inputs:
+            raise InvalidRequest("input must contain at least one text", param="input")
+        for i, text in enumerate(inputs):
+            if not text:
+                raise InvalidRequest(f"input[{i}] is empty", param="input")
+        if dimensions is not None and dimensions < 1:
+            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+        resident = await self.acquire(model, options, keep_alive)
+        try:
+            engine = resident.model.engine
+            prompts = [engine.embedding_tokens(text, truncate=truncate) for text in inputs]
+            vectors = await engine.embed_tokens(prompts, normalize=normalize and dimensions is None)
+        finally:
+            self.loaded.release(resident)
+        if dimensions is not None:
+            vectors = [unit_vector(v[:dimensions]) if normalize else v[:dimensions] for v in vectors]
+        return resident.model.name, vectors, sum(len(p) for p in prompts)
+
 
 class StaticCatalog:
     """A fixed set of already-loaded models (tests, and `serve` of a single file)."""

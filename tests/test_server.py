@@ -28,14 +28,16 @@ def free_port() -> int:
 class Server:
     """A running `lmserve serve` process."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start the server with `args`; `env` adds to (or overrides) its environment."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lmserve", "serve", "--port", str(self.port), "-c", "1024", "-np", "8", *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
         self.models_dir = tempfile.mkdtemp(prefix="lmserve-store-")
-        env["LMSERVE_MODELS"] = self.models_dir
-        self.process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        environ["LMSERVE_MODELS"] = self.models_dir
+        environ.update(env or {})
+        self.process = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -280,3 +282,38 @@ def test_the_ollama_client_chats_generates_and_manages(server: Server) -> None:
         with pytest.raises(ollama.ResponseError) as info:
             client.chat(model="nope", messages=QUESTION)
         assert info.value.status_code == 404
+
+
+def test_embeddings_in_both_dialects(server: Server, client: openai.OpenAI) -> None:
+    import math
+
+    import ollama
+
+    texts = ["The cat sat on the mat.", "A kitten is sitting on a rug.", "Interest rates rose again this quarter."]
+    with ollama.Client(host=server.base_url) as native:
+        pair = native.embed(model=MODEL, input=["a", "b"])
+        assert pair.model == MODEL and len(pair.embeddings) == 2 and pair.prompt_eval_count
+        reply = native.embed(model=MODEL, input=texts)
+        legacy = native.embeddings(model=MODEL, prompt=texts[0])
+    vectors = [list(v) for v in reply.embeddings]
+    assert len({len(v) for v in vectors}) == 1 and len(vectors[0]) > 100
+    assert all(math.isclose(math.fsum(x * x for x in v), 1.0, abs_tol=1e-5) for v in vectors)
+
+    def cos(a: list[float], b: list[float]) -> float:
+        return math.fsum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2])
+    raw = list(legacy.embedding)
+    assert cos(raw, vectors[0]) / math.sqrt(cos(raw, raw)) == pytest.approx(1.0, abs=1e-5)
+
+    result = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert result.model == MODEL and [d.index for d in result.data] == [0, 1, 2]
+    assert result.usage.prompt_tokens == result.usage.total_tokens == reply.prompt_eval_count
+    assert result.data[2].embedding == pytest.approx(vectors[2], abs=1e-6)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input=[], encoding_format="float")
+    # Without encoding_format the client asks for base64 and decodes it after validating the body against a
+    # list-of-floats type, so strict validation cannot read it (as with streamed completions): read it plainly.
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="placeholder", max_retries=0) as plain:
+        packed = plain.embeddings.create(model=MODEL, input=["a", "b"])
+    assert packed.data[0].embedding == pytest.approx(list(pair.embeddings[0]), abs=1e-6)

@@ -292,6 +292,34 @@ def native_router(service: Service) -> APIRouter:
             await asyncio.to_thread(store.add_blob, spool, digest)
         return Response(status_code=201)
 
+    @router.post("/api/pull", response_model=None)
+    async def pull(request: Request) -> Response:
+        from lmserve.api.pulling import PullFeed
+
+        body = await parse_body(request, wire.PullBody)
+        if body.target is None:
+            raise InvalidRequest("model is required", param="model")
+        feed = PullFeed(service, body.target)
+        if not body.stream:
+            try:
+                await until_disconnect(feed.wait(), request.receive)
+            finally:
+                feed.abort()
+            return JSONResponse({"status": "success"})
+        try:
+            head = await feed.head()  # a bad name or an unknown repo fails here, as a 400/404 status
+        except BaseException:
+            feed.abort()
+            raise
+
+        async def frames() -> AsyncIterator[bytes]:
+            for status in head:
+                yield line(status)
+            async for status in feed.rest():
+                yield line(status)
+
+        return GenerationResponse(feed, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
+
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [tag(m) for m in service.list_models()]}
@@ -332,6 +360,37 @@ def native_router(service: Service) -> APIRouter:
             until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
             models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0})
         return {"models": models}
+
+    @router.post("/api/embed")
+    async def embed(request: Request) -> dict[str, Any]:
+        started = time.perf_counter_ns()
+        body = await parse_body(request, wire.EmbedBody)
+        keep_alive = parse_keep_alive(body.keep_alive)
+        load = to_load_options(body.options, service.load_options)
+        await service.load(body.model, load, keep_alive)
+        load_ns = time.perf_counter_ns() - started
+        vectors: list[list[float]] = []
+        num_tokens = 0
+        if body.input != "":  # an empty string only loads the model; an empty list is an error
+            texts = [body.input] if isinstance(body.input, str) else body.input
+            work = service.embed(body.model, texts, truncate=body.truncate, options=load, keep_alive=keep_alive,
+                                 dimensions=body.dimensions)
+            _, vectors, num_tokens = await until_disconnect(work, request.receive)
+        return {"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
+                "load_duration": load_ns, "prompt_eval_count": num_tokens}
+
+    @router.post("/api/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
+        body = await parse_body(request, wire.EmbeddingsBody)
+        keep_alive = parse_keep_alive(body.keep_alive)
+        load = to_load_options(body.options, service.load_options)
+        if not body.prompt:
+            await service.load(body.model, load, keep_alive)
+            return {"embedding": []}
+        work = service.embed(body.model, [body.prompt], options=load, keep_alive=keep_alive, normalize=False)
+        _, vectors, _ = await until_disconnect(work, request.receive)
+        return {"embedding": vectors[0]}
 
     return router
 

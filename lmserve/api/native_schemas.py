@@ -115,3 +115,35 @@ class CreateBody(Wire):
     @property
     def target(self) -> str | None:
         return self.model or self.name
+
+
+class PullBody(Wire):
+    model: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)
+    insecure: bool = False
+    """Accepted for compatibility; the hub is always reached over HTTPS (or the configured endpoint)."""
+    stream: bool = True
+
+    @property
+    def target(self) -> str | None:
+        return self.model or self.name
+
+
+class EmbedBody(Wire):
+    """Body of POST /api/embed. An empty `input` string (or none) only loads the model."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] = ""
+    truncate: bool = True
+    options: Options | None = None
+    keep_alive: KeepAlive = None
+    dimensions: int | None = Field(None, ge=1)
+
+
+class EmbeddingsBody(Wire):
+    """Body of the legacy POST /api/embeddings. An empty `prompt` only loads the model."""
+
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: KeepAlive = None

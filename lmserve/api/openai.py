@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -350,4 +351,37 @@ def openai_router(service: Service) -> APIRouter:
     async def get_model(model_id: str) -> dict[str, Any]:
         return model_card(service.get_model(model_id))
 
+    @router.post("/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, schemas.EmbeddingRequest)
+        work = service.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
+                             dimensions=body.dimensions)
+        model, vectors, num_tokens = await until_disconnect(work, request.receive)
+        return embedding_list(model, vectors, num_tokens, body.encoding_format)
+
     return router
+
+
+def embedding_inputs(raw: str | list[str] | list[int] | list[list[int]]) -> list[str]:
+    """The texts of an embeddings request; token-id inputs are refused (another tokenizer's ids)."""
+    if isinstance(raw, str):
+        return [raw]
+    if not all(isinstance(item, str) for item in raw):
+        raise InvalidRequest("inputs given as token ids are not supported; send text", param="input")
+    return [str(item) for item in raw]
+
+
+def embedding_list(model: str, vectors: list[list[float]], num_tokens: int, encoding: str) -> dict[str, Any]:
+    """The OpenAI embeddings response; base64 is the vector's little-endian float32 bytes."""
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode_vector(vector, encoding)}
+        for i, vector in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector

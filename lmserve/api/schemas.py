@@ -205,3 +205,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
+
+
+class EmbeddingRequest(BaseModel):
+    """Body of POST /v1/embeddings. `truncate` (not OpenAI's) cuts inputs longer than the context."""
+
+    model_config = _WIRE
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate: bool = False

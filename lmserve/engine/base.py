@@ -45,7 +45,8 @@ class Backend(Protocol):
     memory there, drops the rest, builds a fresh sampler from `sampling` primed with `prompt`, and returns
     how many positions it kept. `step` decodes one batch and returns, for each entry that wants a sample,
     the token sampled after its last token. `release` frees the slot's sampler; its memory stays as a
-    prefix cache for the next request in that slot.
+    prefix cache for the next request in that slot. `embed` pools one text's hidden states into a vector
+    without touching any slot.
     """
 
     info: ModelInfo
@@ -61,5 +62,9 @@ class Backend(Protocol):
     def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
 
     def release(self, slot: int) -> None: ...
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """The mean of the model's last hidden states over `tokens` (not normalized); uses no slot."""
+        ...
 
     def close(self) -> None: ...

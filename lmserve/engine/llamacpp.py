@@ -12,8 +12,10 @@ import os
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
+import numpy as np
 
 from lmserve.engine.base import BatchEntry, ModelInfo
 from lmserve.errors import EngineFailure
@@ -84,6 +86,9 @@ class LlamaCppBackend:
         self._samplers: dict[int, lc.llama_sampler_p] = {}
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._num_threads = threads
+        self._embed_ctx: lc.llama_context_p | None = None
+        self._embed_batch: Any = None  # a llama_batch (untyped in the bindings)
         metadata = self._read_metadata()
         template = lc.llama_model_chat_template(model, None)
         self.info = ModelInfo(
@@ -188,10 +193,72 @@ class LlamaCppBackend:
             for entry, output in zip(entries, outputs, strict=True)
         ]
 
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """Mean of the final hidden states over `tokens`, decoded in a context of its own.
+
+        The embedding context is created on first use (one sequence of `num_ctx` tokens) and never touches
+        the slots. It pools nothing itself: the text is decoded `num_batch` tokens at a time and the
+        per-token states are summed here, so a long text needs no batch as large as the context (mean
+        pooling in llama.cpp needs the whole sequence in one micro-batch).
+        """
+        if not tokens:
+            raise EngineFailure("cannot embed an empty token list")
+        if len(tokens) > self.info.num_ctx:
+            raise EngineFailure(f"cannot embed {len(tokens)} tokens in a context of {self.info.num_ctx}")
+        ctx, batch = self._embedding_context()
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        num_embd = lc.llama_model_n_embd(self._model)
+        total = np.zeros(num_embd, dtype=np.float64)
+        for start in range(0, len(tokens), self._batch_capacity):
+            chunk = tokens[start : start + self._batch_capacity]
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = True
+            batch.n_tokens = len(chunk)
+            rc = lc.llama_decode(ctx, batch)
+            if rc != 0:
+                raise EngineFailure(f"llama_decode failed with code {rc} while embedding")
+            states = lc.llama_get_embeddings(ctx)
+            if not states:
+                raise EngineFailure("llama.cpp returned no embeddings")
+            total += np.ctypeslib.as_array(states, shape=(len(chunk), num_embd)).sum(axis=0, dtype=np.float64)
+        return [float(x) for x in total / len(tokens)]
+
+    def _embedding_context(self) -> tuple[lc.llama_context_p, Any]:
+        if self._embed_ctx is not None and self._embed_batch is not None:
+            return self._embed_ctx, self._embed_batch
+        cparams = lc.llama_context_default_params()
+        cparams.n_seq_max = 1
+        cparams.n_ctx = self.info.num_ctx
+        cparams.n_batch = self._batch_capacity
+        cparams.n_ubatch = self._batch_capacity
+        cparams.n_threads = self._num_threads
+        cparams.n_threads_batch = self._num_threads
+        cparams.embeddings = True
+        cparams.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
+        cparams.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise EngineFailure(f"llama.cpp could not create an embedding context of {cparams.n_ctx} tokens")
+        self._embed_ctx = ctx
+        self._embed_batch = lc.llama_batch_init(self._batch_capacity, 0, 1)
+        return ctx, self._embed_batch
+
     def close(self) -> None:
         for sampler in self._samplers.values():
             lc.llama_sampler_free(sampler)
         self._samplers.clear()
+        if self._embed_ctx is not None:
+            if self._embed_batch is not None:
+                lc.llama_batch_free(self._embed_batch)
+                self._embed_batch = None
+            lc.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if self._ctx:
             lc.llama_batch_free(self._batch)
             lc.llama_free(self._ctx)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -19,7 +21,7 @@ from lmserve.engine.base import Backend, ModelInfo
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.engine.stops import StopMatcher
-from lmserve.errors import ContextOverflow, InvalidRequest
+from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError
 from lmserve.types import Chunk, FinishReason, SamplingParams, Timings, Usage
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,21 @@ class _Tracker:
     is_stop_hit: bool = False
 
 
+@dataclass(slots=True, eq=False)
+class _EmbedJob:
+    """One text to embed; the engine thread settles `future` on `loop`."""
+
+    tokens: list[int]
+    future: asyncio.Future[list[float]]
+    loop: asyncio.AbstractEventLoop
+
+
 class Engine:
-    """Continuous batching over a backend. Thread-safe `submit`/`abort`; everything else runs in its thread."""
+    """Continuous batching over a backend. Thread-safe `submit`/`abort`/`embed`; the rest runs in its thread.
+
+    Embedding jobs share the engine thread with decoding (llama.cpp is not thread-safe): the thread runs
+    at most one of them between two decode steps, so generations keep moving while texts are embedded.
+    """
 
     def __init__(self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256) -> None:
         self.backend = backend
@@ -72,6 +87,7 @@ class Engine:
         self._trackers: dict[Sequence, _Tracker] = {}
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
+        self._embeds: deque[_EmbedJob] = deque()
         self._cond = threading.Condition()
         self._is_closing = False
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
@@ -102,6 +118,44 @@ class Engine:
             self._cond.notify()
         return stream
 
+    def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
+        """`text` tokenized for embedding: cut to one sequence's context when `truncate`, else ContextOverflow."""
+        tokens = self.tokenize(text)
+        if not tokens:
+            raise InvalidRequest("the input to embed is empty", param="input")
+        num_ctx = self.info.num_ctx
+        if len(tokens) > num_ctx:
+            if not truncate:
+                raise _input_overflow(len(tokens), num_ctx)
+            tokens = tokens[:num_ctx]
+        return tokens
+
+    async def embed(self, texts: list[str], *, truncate: bool = True, normalize: bool = True) -> list[list[float]]:
+        """One vector per text (unit length unless `normalize` is false), computed on the engine thread."""
+        prompts = [self.embedding_tokens(text, truncate=truncate) for text in texts]
+        return await self.embed_tokens(prompts, normalize=normalize)
+
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
+        """One vector per token list; each list must be non-empty and fit in one sequence's context."""
+        for tokens in prompts:
+            if not tokens:
+                raise InvalidRequest("the input to embed is empty", param="input")
+            if len(tokens) > self.info.num_ctx:
+                raise _input_overflow(len(tokens), self.info.num_ctx)
+        loop = asyncio.get_running_loop()
+        jobs = [_EmbedJob(list(tokens), loop.create_future(), loop) for tokens in prompts]
+        with self._cond:
+            if self._is_closing:
+                raise InvalidRequest("the server is shutting down")
+            self._embeds.extend(jobs)
+            self._cond.notify()
+        try:
+            vectors = await asyncio.gather(*(job.future for job in jobs))
+        finally:
+            for job in jobs:
+                job.future.cancel()  # no-op for settled ones; the thread skips the rest
+        return [unit_vector(v) for v in vectors] if normalize else list(vectors)
+
     def abort(self, seq: Sequence) -> None:
         with self._cond:
             self._aborts.append(seq)
@@ -127,22 +181,47 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._aborts or self.scheduler.has_work or self._is_closing):
+                while not (
+                    self._inbox or self._aborts or self._embeds or self.scheduler.has_work or self._is_closing
+                ):
                     self._cond.wait()
                 if self._is_closing:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
+                job = self._embeds.popleft() if self._embeds else None
             for seq in inbox:
                 self.scheduler.add(seq)
             for seq in aborts:
                 self._drop(seq)
+            if job is not None:
+                self._embed(job)
             try:
                 self._step()
             except Exception as exc:  # a failed decode fails the requests in it, never the thread
                 log.exception("engine step failed")
                 self._fail_all(str(exc))
         self._fail_all("the server is shutting down")
+        while self._embeds:
+            self._settle(self._embeds.popleft(), None, EngineFailure("the server is shutting down"))
+
+    def _embed(self, job: _EmbedJob) -> None:
+        if job.future.cancelled():  # the caller is gone (a benign race: at worst one wasted embedding)
+            return
+        try:
+            vector = self.backend.embed(job.tokens)
+        except LmserveError as exc:
+            self._settle(job, None, exc)
+        except Exception as exc:  # a failed embedding fails its request, never the thread
+            log.exception("embedding failed")
+            self._settle(job, None, EngineFailure(f"embedding failed: {exc}"))
+        else:
+            self._settle(job, vector, None)
+
+    @staticmethod
+    def _settle(job: _EmbedJob, vector: list[float] | None, error: Exception | None) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            job.loop.call_soon_threadsafe(_set_future, job.future, vector, error)
 
     def _step(self) -> None:
         outbox: list[tuple[RequestStream, Chunk]] = []
@@ -226,6 +305,27 @@ class Engine:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
                 loop.call_soon_threadsafe(_put_all, items)
+
+
+def _set_future(future: asyncio.Future[list[float]], vector: list[float] | None, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(vector or [])
+
+
+def _input_overflow(num_tokens: int, num_ctx: int) -> ContextOverflow:
+    error = ContextOverflow(num_tokens, num_ctx)
+    error.param = "input"
+    return error
+
+
+def unit_vector(vector: list[float]) -> list[float]:
+    """`vector` scaled to L2 norm 1 (a zero vector stays zero)."""
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else list(vector)
 
 
 def _put_all(items: list[tuple[RequestStream, Chunk]]) -> None:

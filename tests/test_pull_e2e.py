@@ -1,0 +1,178 @@
+"""End to end: `/api/pull` of a hub model through a real server, from a fake hub on 127.0.0.1 (nothing leaves it).
+
+The fake hub (tests/hub.py) serves `test-org/tiny-GGUF` with tiny loadable GGUFs; the server subprocess is pointed
+at it with LMSERVE_HF_ENDPOINT. Pulled with the official `ollama` client and with `lmserve pull`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import ollama
+import pytest
+
+from lmserve.api.pulling import PullCancelled, PullFeed
+from lmserve.service import Service
+from tests.hub import FakeHub, serve_hub, sha256_hex
+from tests.test_server import Server
+from tests.tiny_gguf import F16, write_tiny_llama
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+REPO = "test-org/tiny-GGUF"
+MODEL = f"hf.co/{REPO}:Q8_0"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    folder = tmp_path_factory.mktemp("hub-files")
+    return {
+        "README.md": b"# tiny\n",
+        "tiny-Q8_0.gguf": write_tiny_llama(folder / "q8.gguf", seed=1, name="tiny-q8").read_bytes(),
+        "tiny-F16.gguf": write_tiny_llama(folder / "f16.gguf", ftype=F16, seed=2, name="tiny-f16").read_bytes(),
+        "mmproj-tiny-F16.gguf": write_tiny_llama(folder / "mmproj.gguf", seed=3, name="mmproj").read_bytes(),
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(files: dict[str, bytes]) -> Iterator[FakeHub]:
+    with serve_hub({REPO: files}) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def server(hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    hf_home = str(tmp_path_factory.mktemp("hf-home"))
+    env = {"LMSERVE_HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": hf_home}
+    srv = Server("-np", "2", "-c", "512", env=env)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[ollama.Client]:
+    with ollama.Client(host=server.base_url) as c:
+        yield c
+
+
+def downloads(hub: FakeHub, data: bytes) -> int:
+    """GETs of a file's bytes (the hub redirects GGUF downloads to its CDN, by sha256)."""
+    return len(hub.requests_for(f"/cdn/{sha256_hex(data)}"))
+
+
+def test_pull_streams_progress_registers_the_model_and_it_generates(
+    client: ollama.Client, hub: FakeHub, files: dict[str, bytes]
+) -> None:
+    parts = list(client.pull(MODEL, stream=True))
+
+    statuses = [p.status for p in parts]
+    assert statuses[0] == "pulling manifest"
+    assert statuses[-2:] == ["writing manifest", "success"]
+    model = files["tiny-Q8_0.gguf"]
+    model_lines = [p for p in parts if p.status == "pulling tiny-Q8_0.gguf"]
+    assert model_lines and {p.digest for p in model_lines} == {f"sha256:{sha256_hex(model)}"}
+    assert model_lines[-1].total == model_lines[-1].completed == len(model)
+    assert "pulling mmproj-tiny-F16.gguf" in statuses  # the repo's projector comes along
+    assert "verifying sha256 digest" in statuses
+    assert downloads(hub, model) == 1
+    assert downloads(hub, files["tiny-F16.gguf"]) == 0
+
+    assert MODEL in [m.model for m in client.list().models]
+    shown = client.show(MODEL)
+    assert shown.details is not None and shown.details.family == "llama"
+    assert "vision" in (shown.capabilities or [])
+    generated = client.generate(model=MODEL, prompt="hi", raw=True, options={"num_predict": 3})
+    assert generated.done and generated.eval_count is not None and 0 < generated.eval_count <= 3
+    assert isinstance(generated.response, str)
+
+
+def test_second_pull_downloads_nothing(client: ollama.Client, hub: FakeHub, files: dict[str, bytes]) -> None:
+    list(client.pull(MODEL, stream=True))
+    before = len(hub.requests)
+    assert client.pull(MODEL).status == "success"  # stream=False: one object
+    gets = [r for r in hub.requests[before:] if r.method == "GET" and r.path.startswith("/cdn/")]
+    assert gets == []
+    assert downloads(hub, files["tiny-Q8_0.gguf"]) == 1
+
+
+def test_a_corrupt_partial_download_fails_mid_stream_then_pulls_again(
+    client: ollama.Client, server: Server, hub: FakeHub, files: dict[str, bytes]
+) -> None:
+    data = files["tiny-F16.gguf"]
+    blobs = Path(server.models_dir) / "hf-cache" / "models--test-org--tiny-GGUF" / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    (blobs / f"{sha256_hex(data)}.partial").write_bytes(b"X" * 1000)
+    seen: list[ollama.ProgressResponse] = []
+    with pytest.raises(ollama.ResponseError) as info:
+        for part in client.pull(f"hf.co/{REPO}:F16", stream=True):
+            seen.append(part)
+    assert "digest mismatch" in str(info.value)  # an error line after the stream began
+    resumed = next(p for p in seen if p.status == "pulling tiny-F16.gguf")
+    assert (resumed.completed, resumed.total) == (1000, len(data))  # it resumed the partial file
+    [ranged] = hub.requests_for(f"/cdn/{sha256_hex(data)}")
+    assert ranged.headers["range"] == "bytes=1000-"
+
+    assert client.pull(f"hf.co/{REPO}:F16").status == "success"
+    assert downloads(hub, data) == 2
+    assert f"hf.co/{REPO}:F16" in [m.model for m in client.list().models]
+
+
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [("hf.co/test-org/missing-GGUF", 404), ("hf.co/test-org/tiny-GGUF:Q2_K", 400), ("llama3", 400)],
+)
+def test_pull_errors_come_before_streaming(client: ollama.Client, name: str, status: int) -> None:
+    for stream in (True, False):
+        with pytest.raises(ollama.ResponseError) as info:
+            result = client.pull(name, stream=stream)
+            if stream:
+                list(cast(Iterator[Any], result))
+        assert info.value.status_code == status
+    if name == "llama3":
+        assert "hf.co" in str(info.value)
+
+
+def test_cli_pull_prints_progress_and_success(server: Server) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+    env["LMSERVE_HOST"] = server.base_url.removeprefix("http://")
+    done = subprocess.run([sys.executable, "-m", "lmserve", "pull", f"hf.co/{REPO}"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "success" in done.stdout + done.stderr
+    listed = subprocess.run([sys.executable, "-m", "lmserve", "list"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert f"hf.co/{REPO}:latest" in listed.stdout
+
+
+class _SlowPull:
+    """A stand-in for Service whose pull reports progress until its callback raises."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
+        progress({"status": "pulling manifest"})
+        try:
+            for completed in range(10_000):
+                progress({"status": "pulling x.gguf", "total": 10_000, "completed": completed})
+                threading.Event().wait(0.001)
+        finally:
+            self.stopped.set()
+
+
+async def test_abort_stops_the_worker_at_its_next_progress_line() -> None:
+    service = _SlowPull()
+    feed = PullFeed(cast(Service, service), "hf.co/org/repo")
+    head = await feed.head()
+    assert [line["status"] for line in head] == ["pulling manifest", "pulling x.gguf"]
+    feed.abort()
+    with pytest.raises(PullCancelled):
+        await feed.wait()
+    assert await asyncio.to_thread(service.stopped.wait, 5)
