@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -28,6 +28,9 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
                32: "BF16"}  # fmt: skip
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
+_LOAD_FIELDS = {"num_ctx": "num_ctx", "num_batch": "num_batch", "num_gpu": "num_gpu_layers",
+                "num_thread": "num_threads"}  # fmt: skip
+"""Modelfile PARAMETER name → LoadOptions field."""
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -153,6 +156,10 @@ class StoreCatalog:
     def sampling_defaults(self, name: str) -> SamplingParams:
         return sampling_from_parameters(self.store.find(name).manifest.parameters)
 
+    def load_parameters(self, name: str) -> dict[str, Any]:
+        parameters = self.store.find(name).manifest.parameters
+        return {field: int(parameters[key]) for key, field in _LOAD_FIELDS.items() if key in parameters}
+
     def copy(self, source: str, destination: str) -> None:
         self.store.copy(parse_name(source), parse_name(destination))
 
@@ -162,7 +169,8 @@ class StoreCatalog:
     def load(self, name: str, options: LoadOptions) -> LoadedModel:
         entry = self.store.find(name)
         manifest = entry.manifest
-        engine = self._engine_factory(self.store.blob_path(manifest.model), options)
+        adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
+        engine = self._engine_factory(self.store.blob_path(manifest.model), replace(options, adapters=adapters))
         info = engine.info
         template: Prompter
         if manifest.template:

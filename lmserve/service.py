@@ -67,6 +67,10 @@ class Catalog(Protocol):
         """The model's own sampling defaults (its Modelfile PARAMETERs) over the server's."""
         ...
 
+    def load_parameters(self, name: str) -> dict[str, Any]:
+        """The model's own load-time options, as LoadOptions field names (e.g. {"num_ctx": 2048})."""
+        ...
+
     def copy(self, source: str, destination: str) -> None: ...
 
     def delete(self, name: str) -> None: ...
@@ -152,7 +156,11 @@ class Service:
             lease = current.keep_alive if current is not None else self.keep_alive
         else:
             lease = self._keep_alive(keep_alive)
-        return await self.loaded.acquire(canonical, options or self.load_options, lease)
+        return await self.loaded.acquire(canonical, options or self.load_defaults(canonical), lease)
+
+    def load_defaults(self, name: str) -> LoadOptions:
+        """Load-time options for `name`: its Modelfile PARAMETERs (num_ctx, num_batch …) over the server's."""
+        return replace(self.load_options, **self.catalog.load_parameters(self.catalog.resolve(name)))
 
     async def sampling_defaults(self, name: str) -> SamplingParams:
         """The model's Modelfile PARAMETERs over the server defaults (a request's own fields go on top)."""
@@ -401,6 +409,9 @@ class StaticCatalog:
 
     def sampling_defaults(self, name: str) -> SamplingParams:
         return self._models[name].sampling
+
+    def load_parameters(self, name: str) -> dict[str, Any]:
+        return {}
 
     def copy(self, source: str, destination: str) -> None:
         raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")

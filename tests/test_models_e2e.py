@@ -135,3 +135,14 @@ def test_the_served_model_stays_loaded_after_requests_with_the_default_keep_aliv
     client.generate(model=MODEL, prompt="Hi", options={"num_predict": 2})
     served = [m for m in client.ps().models if m.model == MODEL]
     assert served and served[0].expires_at is not None and served[0].expires_at.year == 9999
+
+
+def test_load_time_parameters_request_over_modelfile_over_server(client: ollama.Client) -> None:
+    client.create(model="short-ctx", from_=MODEL, parameters={"num_ctx": 128})
+    long_prompt = "word " * 400  # ~400 tokens: over the Modelfile's context (llama.cpp pads 128 to 256), under 1024
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model="short-ctx", prompt=long_prompt, raw=True, options={"num_predict": 1})
+    assert info.value.status_code == 400 and "context" in str(info.value)
+    reply = client.generate(model="short-ctx", prompt=long_prompt, raw=True, options={"num_predict": 1, "num_ctx": 1024})
+    assert reply.done
+    client.delete("short-ctx")

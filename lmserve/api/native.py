@@ -206,7 +206,7 @@ def native_router(service: Service) -> APIRouter:
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_options)
+        load = to_load_options(body.options, service.load_defaults(body.model))
         if body.images:
             images = [decode_image(img, "images") for img in body.images]
             del images
@@ -237,7 +237,7 @@ def native_router(service: Service) -> APIRouter:
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_options)
+        load = to_load_options(body.options, service.load_defaults(body.model))
         if not body.messages:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
@@ -366,7 +366,7 @@ def native_router(service: Service) -> APIRouter:
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.EmbedBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_options)
+        load = to_load_options(body.options, service.load_defaults(body.model))
         await service.load(body.model, load, keep_alive)
         load_ns = time.perf_counter_ns() - started
         vectors: list[list[float]] = []
@@ -384,7 +384,7 @@ def native_router(service: Service) -> APIRouter:
         """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
         body = await parse_body(request, wire.EmbeddingsBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_options)
+        load = to_load_options(body.options, service.load_defaults(body.model))
         if not body.prompt:
             await service.load(body.model, load, keep_alive)
             return {"embedding": []}
