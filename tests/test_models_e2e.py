@@ -143,6 +143,7 @@ def test_load_time_parameters_request_over_modelfile_over_server(client: ollama.
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model="short-ctx", prompt=long_prompt, raw=True, options={"num_predict": 1})
     assert info.value.status_code == 400 and "context" in str(info.value)
-    reply = client.generate(model="short-ctx", prompt=long_prompt, raw=True, options={"num_predict": 1, "num_ctx": 1024})
+    options = {"num_predict": 1, "num_ctx": 1024}
+    reply = client.generate(model="short-ctx", prompt=long_prompt, raw=True, options=options)
     assert reply.done
     client.delete("short-ctx")
