@@ -70,6 +70,8 @@ class LoadOptions:
     num_gpu_layers: int = 0
     num_threads: int | None = None
     num_batch: int = 512
+    adapters: tuple[str, ...] = ()
+    """Paths of LoRA adapter GGUFs applied at scale 1.0 (the Modelfile's ADAPTERs; set by the catalog)."""
 
 
 @dataclass(slots=True)

@@ -207,6 +207,9 @@ def native_router(service: Service) -> APIRouter:
         body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_load_options(body.options, service.load_defaults(body.model))
+        if body.suffix:
+            raise InvalidRequest(f"model '{body.model}' does not support insert (suffix): its template has no "
+                                 "fill-in-the-middle form", param="suffix")
         if body.images:
             images = [decode_image(img, "images") for img in body.images]
             del images

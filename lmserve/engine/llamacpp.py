@@ -78,6 +78,14 @@ class LlamaCppBackend:
             lc.llama_model_free(model)
             raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}")
         self._ctx = ctx
+        self._adapters: list[Any] = []  # llama_adapter_lora pointers (the bindings annotate them as c_void_p)
+        try:
+            self._load_adapters(options.adapters)
+        except EngineFailure:
+            self._free_adapters()
+            lc.llama_free(ctx)
+            lc.llama_model_free(model)
+            raise
         self._memory = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(options.num_batch, 0, 1)
         self._batch_capacity = options.num_batch
@@ -245,6 +253,11 @@ class LlamaCppBackend:
         ctx = lc.llama_init_from_model(self._model, cparams)
         if not ctx:
             raise EngineFailure(f"llama.cpp could not create an embedding context of {cparams.n_ctx} tokens")
+        try:
+            self._apply_adapters(ctx)
+        except EngineFailure:
+            lc.llama_free(ctx)
+            raise
         self._embed_ctx = ctx
         self._embed_batch = lc.llama_batch_init(self._batch_capacity, 0, 1)
         return ctx, self._embed_batch
@@ -263,11 +276,41 @@ class LlamaCppBackend:
             lc.llama_batch_free(self._batch)
             lc.llama_free(self._ctx)
             self._ctx = None
+        self._free_adapters()  # after every context using them, before the model
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None
 
     # ---- helpers --------------------------------------------------------------------------------
+
+    def _load_adapters(self, paths: tuple[str, ...]) -> None:
+        """Load each LoRA adapter GGUF for the model and apply them all to the context at scale 1.0."""
+        for adapter_path in paths:
+            if not Path(adapter_path).is_file():
+                raise EngineFailure(f"LoRA adapter file not found: {adapter_path}")
+            adapter = lc.llama_adapter_lora_init(self._model, os.fsencode(adapter_path))
+            if not adapter:
+                raise EngineFailure(
+                    f"llama.cpp could not load the LoRA adapter {Path(adapter_path).name}: not a LoRA GGUF "
+                    "for this model"
+                )
+            self._adapters.append(adapter)
+        self._apply_adapters(self._ctx)
+
+    def _apply_adapters(self, ctx: lc.llama_context_p) -> None:
+        if not self._adapters:
+            return
+        count = len(self._adapters)
+        adapters = (lc.llama_adapter_lora_p_ctypes * count)(*self._adapters)
+        scales = (ctypes.c_float * count)(*([1.0] * count))
+        rc = lc.llama_set_adapters_lora(ctx, adapters, count, scales)
+        if rc != 0:
+            raise EngineFailure(f"llama.cpp could not apply {count} LoRA adapter(s): code {rc}")
+
+    def _free_adapters(self) -> None:
+        for adapter in self._adapters:
+            lc.llama_adapter_lora_free(adapter)
+        self._adapters.clear()
 
     def _build_sampler(self, s: SamplingParams) -> lc.llama_sampler_p:
         params = lc.llama_sampler_chain_default_params()
