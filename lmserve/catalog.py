@@ -199,7 +199,7 @@ class StoreCatalog:
                                             parent=manifest.parent)
         if modelfile.projector:
             manifest.projector = self.store.import_file(_local_path(modelfile.projector, base_dir))
-        manifest.adapters += [self.store.import_file(_local_path(a, base_dir)) for a in modelfile.adapters]
+        manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
             manifest.template = modelfile.template
@@ -211,11 +211,18 @@ class StoreCatalog:
         self.store.save(target, manifest)
         return self.store.get(target)
 
-    def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
-        if source.startswith("@sha256:") or source.startswith("sha256:"):
+    def _blob(self, source: str, base_dir: Path | None) -> str:
+        """The digest of an uploaded blob (`@sha256:…`) or of a local file imported into the store."""
+        if source.startswith(("@sha256:", "sha256:")):
             digest = source.lstrip("@")
             if not self.store.has_blob(digest):
                 raise InvalidRequest(f"blob {digest} is not in the store; upload it first", param="files")
+            return digest
+        return self.store.import_file(_local_path(source, base_dir))
+
+    def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
+        if source.startswith(("@sha256:", "sha256:")):
+            digest = self._blob(source, base_dir)
             return Manifest(model=digest, details=gguf_details(gguf_metadata(self.store.blob_path(digest))))
         if is_gguf_path(source) or Path(source).is_absolute():
             path = _local_path(source, base_dir)

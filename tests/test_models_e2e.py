@@ -14,6 +14,7 @@ import pytest
 from lmserve.store.modelfile import parse as parse_modelfile
 from tests.test_server import MODEL, Server
 from tests.tiny_gguf import write_tiny_llama
+from tests.tiny_lora import write_tiny_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -147,3 +148,37 @@ def test_load_time_parameters_request_over_modelfile_over_server(client: ollama.
     reply = client.generate(model="short-ctx", prompt=long_prompt, raw=True, options=options)
     assert reply.done
     client.delete("short-ctx")
+
+
+def test_cli_create_with_an_adapter_applies_the_lora(server: Server, client: ollama.Client, tmp_path: Path) -> None:
+    write_tiny_llama(tmp_path / "base.gguf")
+    write_tiny_lora(tmp_path / "lora.gguf", tmp_path / "base.gguf")
+    (tmp_path / "Base").write_text("FROM ./base.gguf\n")
+    (tmp_path / "Adapted").write_text("FROM ./base.gguf\nADAPTER ./lora.gguf\n")
+    env = {**os.environ, "LMSERVE_HOST": f"127.0.0.1:{server.port}"}
+    for name, modelfile in (("tiny-base", "Base"), ("tiny-lora", "Adapted")):
+        created = subprocess.run([sys.executable, "-m", "lmserve", "create", name, "-f", str(tmp_path / modelfile)],
+                                 env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert created.returncode == 0, created.stderr
+    shown = parse_modelfile(client.show("tiny-lora").modelfile or "")
+    assert len(shown.adapters) == 1 and not parse_modelfile(client.show("tiny-base").modelfile or "").adapters
+    options = {"temperature": 0, "num_predict": 8}
+    outputs = {name: client.generate(model=name, prompt="hello world", raw=True, options=options, keep_alive=0)
+               for name in ("tiny-base", "tiny-lora")}
+    assert all(reply.done and reply.eval_count for reply in outputs.values())
+    assert outputs["tiny-base"].response != outputs["tiny-lora"].response
+    again = client.generate(model="tiny-lora", prompt="hello world", raw=True, options=options, keep_alive=0)
+    assert again.response == outputs["tiny-lora"].response
+    client.delete("tiny-base")
+    client.delete("tiny-lora")
+
+
+def test_api_create_with_uploaded_weights_and_adapter(client: ollama.Client, tmp_path: Path) -> None:
+    write_tiny_llama(tmp_path / "base.gguf")
+    write_tiny_lora(tmp_path / "lora.gguf", tmp_path / "base.gguf")
+    base, lora = client.create_blob(tmp_path / "base.gguf"), client.create_blob(tmp_path / "lora.gguf")
+    assert client.create(model="api-lora", files={"base.gguf": base}, adapters={"lora.gguf": lora}).status == "success"
+    shown = parse_modelfile(client.show("api-lora").modelfile or "")
+    assert len(shown.adapters) == 1
+    assert client.generate(model="api-lora", prompt="hi", raw=True, options={"num_predict": 2}, keep_alive=0).done
+    client.delete("api-lora")

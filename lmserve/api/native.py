@@ -89,7 +89,7 @@ def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> Load
         "num_gpu_layers": options.num_gpu,
         "num_threads": options.num_thread,
     }
-    given = {k: v for k, v in changes.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
     return replace(defaults, **given) if given else None
 
 
@@ -424,6 +424,7 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
         if source is None:
             raise InvalidRequest("one of modelfile, from or files is required", param="from")
         modelfile = Modelfile(from_=source)
+    modelfile.adapters += ["@" + check_digest(digest) for digest in (body.adapters or {}).values()]
     if body.template is not None:
         modelfile.template = body.template
     if body.system is not None:

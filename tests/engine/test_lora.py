@@ -1,0 +1,90 @@
+"""LoRA adapters (the Modelfile's ADAPTER) applied by the llama.cpp backend, with a tiny base model and adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.loop import Engine
+from lmserve.errors import EngineFailure
+from lmserve.types import LoadOptions, SamplingParams
+from tests.tiny_gguf import write_tiny_llama
+from tests.tiny_lora import tiny_llama_shapes, write_tiny_lora
+
+PROMPTS = ["hello world", "ab", "The cat sat"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("lora")
+    base = write_tiny_llama(folder / "base.gguf")
+    return base, write_tiny_lora(folder / "lora.gguf", base)
+
+
+def options(*adapters: Path) -> LoadOptions:
+    return LoadOptions(
+        num_ctx=128, num_parallel=2, num_batch=64, num_threads=2, adapters=tuple(str(a) for a in adapters)
+    )
+
+
+async def greedy(path: Path, *adapters: Path) -> tuple[list[str], list[float]]:
+    """Greedy continuations of PROMPTS, and the embedding of the first, from a fresh engine."""
+    engine = Engine(LlamaCppBackend(path, options(*adapters)))
+    try:
+        texts = []
+        for prompt in PROMPTS:
+            stream = engine.submit(
+                engine.tokenize(prompt), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), special=True
+            )
+            texts.append("".join([chunk.text async for chunk in stream]))
+        (vector,) = await engine.embed([PROMPTS[0]])
+        return texts, vector
+    finally:
+        engine.close()
+
+
+async def test_an_adapter_changes_the_output_and_only_where_it_is_loaded(files: tuple[Path, Path]) -> None:
+    base, lora = files
+    plain, plain_vector = await greedy(base)
+    adapted, adapted_vector = await greedy(base, lora)
+    assert all(a != b for a, b in zip(plain, adapted, strict=True))
+    assert max(abs(a - b) for a, b in zip(plain_vector, adapted_vector, strict=True)) > 0.1  # embeddings too
+    assert (await greedy(base, lora))[0] == adapted  # deterministic
+    assert await greedy(base) == (plain, plain_vector)  # the adapter belonged to the other load only
+
+
+async def test_the_same_adapter_twice_is_twice_the_change(files: tuple[Path, Path], tmp_path: Path) -> None:
+    base, lora = files
+    doubled = write_tiny_lora(tmp_path / "double.gguf", base, alpha=8.0)  # alpha / rank = 2
+    twice, twice_vector = await greedy(base, lora, lora)
+    once_doubled, doubled_vector = await greedy(base, doubled)
+    assert twice == once_doubled
+    assert twice_vector == pytest.approx(doubled_vector, abs=1e-4)
+    assert twice != (await greedy(base, lora))[0]
+
+
+def test_the_adapter_paths_are_load_options() -> None:
+    assert options() != options(Path("a.gguf"))
+    assert options(Path("a.gguf")) == options(Path("a.gguf"))
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-an-adapter", "other-arch", "wrong-shapes", "garbage"])
+def test_a_bad_adapter_is_an_engine_failure_naming_the_file(
+    files: tuple[Path, Path], tmp_path: Path, kind: str
+) -> None:
+    base, _ = files
+    bad = tmp_path / f"{kind}.gguf"
+    if kind == "not-an-adapter":
+        bad.write_bytes(base.read_bytes())
+    elif kind == "other-arch":
+        write_tiny_lora(bad, base, architecture="qwen2")
+    elif kind == "wrong-shapes":
+        write_tiny_lora(bad, tiny_llama_shapes(n_vocab=300))
+    elif kind == "garbage":
+        bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(EngineFailure) as info:
+        LlamaCppBackend(base, options(files[1], bad))
+    assert bad.name in info.value.message
+    LlamaCppBackend(base, options(files[1])).close()  # what the failed load created was freed
