@@ -105,6 +105,11 @@ class Engine:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= num_ctx:
             raise ContextOverflow(len(prompt), num_ctx)
+        num_vocab = self.info.num_vocab
+        if min(prompt) < 0 or max(prompt) >= num_vocab:
+            raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
+        if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
         room = num_ctx - len(prompt)
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special)

@@ -91,6 +91,7 @@ async def test_empty_prompt_loads_and_keep_alive_zero_unloads(
         ("/api/generate", {"model": "fake", "prompt": "hi", "keep_alive": "soon"}, 400),
         ("/api/generate", {"model": "fake", "prompt": "hi", "images": ["aGk="]}, 400),
         ("/api/generate", {"model": "fake", "prompt": "def f(", "suffix": "return x"}, 400),
+        ("/api/generate", {"model": "fake", "prompt": "hi", "raw": True, "context": [999999]}, 400),
         ("/api/chat", {"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}, 400),
         ("/api/chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
         ("/api/show", {"model": "nope"}, 404),

@@ -9,7 +9,7 @@ import pytest
 
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
-from lmserve.errors import ContextOverflow
+from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import Chunk, SamplingParams
 
 
@@ -87,3 +87,15 @@ async def test_abort_frees_the_slot() -> None:
     text, _ = await collect(engine, "again", max_tokens=3)
     assert text == FakeBackend.expected(5, 3)
     engine.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "bias"),
+    [([1, 2, 257], {}), ([-1, 2], {}), ([1, 2], {300: 1.0}), ([1, 2], {-5: 1.0})],
+)
+async def test_token_ids_outside_the_vocabulary_are_refused(
+    engine: Engine, prompt: list[int], bias: dict[int, float]
+) -> None:
+    with pytest.raises(InvalidRequest):
+        engine.submit(prompt, SamplingParams(logit_bias=bias))
+    assert engine.num_waiting == 0
