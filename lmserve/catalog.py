@@ -181,6 +181,7 @@ class StoreCatalog:
         return LoadedModel(
             name=str(entry.name), engine=engine, template=template,
             sampling=sampling_from_parameters(manifest.parameters), system=manifest.system, messages=messages,
+            template_source=manifest.template or info.chat_template,
             created=int(manifest.modified_at),
         )
 

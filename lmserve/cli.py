@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
                        help=f"most prompt tokens prefilled in one step (default 256; {env_name('prefill_chunk')})")
     serve.add_argument("-a", "--alias", metavar="NAME", help=f"name the model answers to ({env_name('alias')})")
+    serve.add_argument("--tool-call-parser", dest="tool_call_parser", metavar="NAME",
+                       help=f"tool-call format: lfm2, hermes, llama3_json, pythonic (default: detect from the chat "
+                       f"template; {env_name('tool_call_parser')})")
     _add_client_commands(commands)
     return parser
 

@@ -34,6 +34,8 @@ class ServerConfig:
     keep_alive: float | None = 300.0
     """Seconds a model stays loaded after its last request (None: forever)."""
     max_loaded_models: int = 3
+    tool_call_parser: str | None = None
+    """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     hf_endpoint: str | None = None
     """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
 
@@ -64,6 +66,7 @@ _ENV_NAMES = {
     "models_dir": "MODELS",
     "keep_alive": "KEEP_ALIVE",
     "max_loaded_models": "MAX_LOADED_MODELS",
+    "tool_call_parser": "TOOL_CALL_PARSER",
     "hf_endpoint": "HF_ENDPOINT",
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models"}

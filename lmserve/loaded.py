@@ -39,6 +39,8 @@ class LoadedModel:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
+    template_source: str | None = None
+    """The template text the prompter renders (Modelfile TEMPLATE or the GGUF's), for tool-format detection."""
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()
     owned_by: str = "lmserve"

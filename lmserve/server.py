@@ -52,7 +52,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         name = catalog.resolve(config.alias)
     loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
     service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive,
-                      hf_endpoint=config.hf_endpoint)
+                      hf_endpoint=config.hf_endpoint, tool_call_parser=config.tool_call_parser)
     return service, name
 
 

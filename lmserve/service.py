@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.engine.loop import RequestStream
 from lmserve.engine.quantize import parse_quant
 from lmserve.engine.quantize import quantize as run_quantize
@@ -21,7 +22,7 @@ from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
 
 DEFAULT_KEEP_ALIVE = 300.0
 
@@ -78,18 +79,28 @@ class Catalog(Protocol):
 
 @dataclass(slots=True)
 class Generation:
-    """A submitted request: its prompt size, its stream of chunks, and the model lease it holds."""
+    """A submitted request: its prompt size, its stream of chunks, and the model lease it holds.
+
+    With a tool parser, text is filtered through it: call markup never reaches `Chunk.text`, parsed calls
+    arrive in `Chunk.tool_calls`, and a reply that made calls finishes with "tool_calls".
+    """
 
     model: str
     num_prompt_tokens: int
     stream: RequestStream
     on_done: Callable[[], None] = lambda: None
     load_ns: int = 0
+    tool_parser: ToolCallParser | None = None
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        parsing = StreamingToolParser(self.tool_parser) if self.tool_parser is not None else None
+        num_calls = 0
         try:
             async for chunk in self.stream:
+                if parsing is not None:
+                    chunk, added = _parse_tools(parsing, chunk, num_calls)
+                    num_calls += added
                 yield chunk
         finally:
             self._release()
@@ -112,6 +123,18 @@ class Generation:
             self.on_done()
 
 
+def _parse_tools(parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int) -> tuple[Chunk, int]:
+    text, calls = parsing.push(chunk.text)
+    if chunk.finish_reason is not None:
+        tail, more = parsing.finish()
+        text, calls = text + tail, calls + more
+    finish = chunk.finish_reason
+    if finish == "stop" and num_calls_before + len(calls) > 0:
+        finish = "tool_calls"
+    tool_calls = [ToolCall(call.name, call.arguments, call.id) for call in calls]
+    return replace(chunk, text=text, tool_calls=tool_calls, finish_reason=finish), len(calls)
+
+
 class Service:
     """Answers chat and completion requests over the catalog's models, loading them on demand."""
 
@@ -123,12 +146,14 @@ class Service:
         load_options: LoadOptions | None = None,
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
         hf_endpoint: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.catalog = catalog
         self.loaded = loaded
         self.load_options = load_options or LoadOptions()
         self.keep_alive = keep_alive
         self.hf_endpoint = hf_endpoint
+        self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
 
     # ---- models ----------------------------------------------------------------------------------
 
@@ -189,13 +214,20 @@ class Service:
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
-            prompt = self.render_chat(resident.model, request)
-            generation = self._submit(resident, self._tokenize(resident.model, prompt), request.sampling)
+            model = resident.model
+            prompt = self.render_chat(model, request)
+            parser = self.tool_parser(model) if request.tools else None
+            generation = self._submit(resident, self._tokenize(model, prompt), request.sampling, parser)
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:
             self.loaded.release(resident)
             raise
+
+    def tool_parser(self, model: LoadedModel) -> ToolCallParser | None:
+        """The server's --tool-call-parser, else the one the model's template implies; None when unknown."""
+        name = self.tool_call_parser or detect_parser(model.template_source or model.engine.info.chat_template)
+        return get_parser(name) if name else None
 
     async def complete(self, request: CompletionRequest) -> Generation:
         resident = await self.acquire(request.model, request.options, request.keep_alive)
@@ -283,13 +315,17 @@ class Service:
     def _tokenize(self, model: LoadedModel, prompt: str) -> list[int]:
         return model.engine.tokenize(prompt, add_special=True, parse_special=True)
 
-    def _submit(self, resident: Resident, tokens: list[int], sampling: SamplingParams) -> Generation:
-        stream = resident.model.engine.submit(tokens, sampling)
+    def _submit(
+        self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None
+    ) -> Generation:
+        # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
+        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None)
         return Generation(
             model=resident.model.name,
             num_prompt_tokens=len(tokens),
             stream=stream,
             on_done=lambda: self.loaded.release(resident),
+            tool_parser=parser,
         )
 
     def close(self) -> None:

@@ -55,6 +55,8 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: str | None = None
+    """A GBNF grammar (root rule `root`) the output must match: structured output (see chat/structured.py)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -76,12 +78,14 @@ class LoadOptions:
 
 @dataclass(slots=True)
 class ChatRequest:
-    """A chat turn to complete, engine-neutral."""
+    """A chat turn to complete, engine-neutral. `tools` are OpenAI-shaped function definitions; a
+    `forced_tool` ("*" for any) means the reply must be a call (tool_choice required or named)."""
 
     model: str
     messages: list[Message]
     sampling: SamplingParams
     tools: list[dict[str, Any]] = field(default_factory=list)
+    forced_tool: str | None = None
     add_generation_prompt: bool = True
     options: LoadOptions | None = None
     """Load-time options the request asks for (None: the server's)."""
@@ -131,6 +135,7 @@ class Chunk:
 
     text: str = ""
     finish_reason: FinishReason | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None

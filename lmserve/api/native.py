@@ -128,7 +128,7 @@ def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[
     usage, timings = final.usage, final.timings
     fields: dict[str, Any] = {
         "done": True,
-        "done_reason": final.finish_reason,
+        "done_reason": "stop" if final.finish_reason == "tool_calls" else final.finish_reason,
         "total_duration": time.perf_counter_ns() - started_ns,
         "load_duration": generation.load_ns,
         "prompt_eval_count": (usage.prompt_tokens - usage.cached_tokens) if usage else generation.num_prompt_tokens,
@@ -144,31 +144,53 @@ def _failed(chunk: Chunk) -> bool:
 
 
 async def ndjson_lines(
-    generation: Generation, piece: Callable[[str], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
+    generation: Generation, piece: Callable[[Chunk], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
 ) -> AsyncIterator[bytes]:
     async for chunk in generation:
         if chunk.finish_reason is not None and _failed(chunk):
             yield line({"error": chunk.error or "the generation failed"})
             return
-        if chunk.text:
-            yield line(piece(chunk.text))
+        if chunk.text or chunk.tool_calls:
+            yield line(piece(chunk))
         if chunk.finish_reason is not None:
             yield line(last(chunk))
             return
 
 
 async def collect(generation: Generation) -> tuple[str, Chunk]:
+    """The whole answer (tool calls gathered on the final chunk); the generation is aborted if this stops early."""
     parts: list[str] = []
+    calls: list[ToolCall] = []
     try:
         async for chunk in generation:
             parts.append(chunk.text)
+            calls += chunk.tool_calls
             if chunk.finish_reason is not None:
                 if _failed(chunk):
                     raise EngineFailure(chunk.error or "the generation failed")
-                return "".join(parts), chunk
+                return "".join(parts), replace(chunk, tool_calls=calls)
     finally:
         generation.abort()
     raise EngineFailure("the generation ended without a result")
+
+
+def assistant_message(text: str, chunk: Chunk) -> dict[str, Any]:
+    """The native assistant message; tool calls carry `arguments` as an object, whole, in one chunk."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if chunk.tool_calls:
+        message["content"] = text.strip()
+        message["tool_calls"] = [
+            {"function": {"name": call.name, "arguments": _arguments_object(call.arguments)}}
+            for call in chunk.tool_calls
+        ]
+    return message
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
 
 
 def error_line(exc: Exception) -> bytes:
@@ -230,7 +252,7 @@ def native_router(service: Service) -> APIRouter:
             return {**head(), "response": "", **final_fields(generation, final, started), "context": context}
 
         if body.stream:
-            frames = ndjson_lines(generation, lambda text: {**head(), "response": text, "done": False}, last)
+            frames = ndjson_lines(generation, lambda chunk: {**head(), "response": chunk.text, "done": False}, last)
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
         text, final = await until_disconnect(collect(generation), request.receive)
         return JSONResponse({**last(final), "response": text})
@@ -258,12 +280,12 @@ def native_router(service: Service) -> APIRouter:
 
         if body.stream:
             frames = ndjson_lines(
-                generation, lambda text: {**head(), "message": {"role": "assistant", "content": text}, "done": False},
+                generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk), "done": False},
                 last,
             )
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
         text, final = await until_disconnect(collect(generation), request.receive)
-        return JSONResponse({**last(final), "message": {"role": "assistant", "content": text}})
+        return JSONResponse({**last(final), "message": assistant_message(text, final)})
 
     @router.post("/api/create", response_model=None)
     async def create(request: Request) -> Response:

@@ -212,8 +212,15 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def chat_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if final.tool_calls:
+        message["tool_calls"] = [tool_call_body(call) for call in final.tool_calls]
+        message["content"] = text.strip() or None
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason}
     return {**head, "choices": [choice], "usage": usage_body(usage)}
 
@@ -224,14 +231,16 @@ def text_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[s
 
 
 async def collect(generation: Generation) -> tuple[str, Chunk, Usage]:
-    """The whole answer of a generation; the generation is aborted if collecting stops early."""
+    """The whole answer of a generation (tool calls gathered on the final chunk); aborted if collecting stops early."""
     parts: list[str] = []
+    calls: list[ToolCall] = []
     try:
         async for chunk in generation:
             parts.append(chunk.text)
+            calls += chunk.tool_calls
             if chunk.finish_reason is not None:
                 _raise_if_failed(chunk)
-                return "".join(parts), chunk, _usage(generation, chunk)
+                return "".join(parts), replace(chunk, tool_calls=calls), _usage(generation, chunk)
     finally:
         generation.abort()
     raise EngineFailure("the generation ended without a result")
@@ -265,13 +274,24 @@ async def chat_frames(generation: Generation, head: Head, include_usage: bool) -
     """SSE frames of a chat completion: role, content deltas, finish, optional usage, [DONE]."""
     content = TextFrame(_frame(head, _delta({"content": HOLE}), include_usage))
     yield sse_json(_frame(head, _delta({"role": "assistant", "content": ""}), include_usage))
+    num_calls = 0
     async for chunk in generation:
         if chunk.text:
             yield content(chunk.text)
+        for call in chunk.tool_calls:
+            for delta in tool_call_deltas(num_calls, call):
+                yield sse_json(_frame(head, _delta(delta), include_usage))
+            num_calls += 1
         if chunk.finish_reason is not None:
             async for frame in _finish(generation, head, chunk, _delta({}, chunk.finish_reason), include_usage):
                 yield frame
             return
+
+
+def tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """A call as stream deltas: index, id, type, name and empty arguments first; then the arguments."""
+    head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+    return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
 
 
 async def completion_frames(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from lmserve.engine.base import BatchEntry, ModelInfo
+from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams
 
 EOG = 256
@@ -20,7 +21,13 @@ class FakeBackend:
     """Decodes by echoing a fixed sentence, rotated by the prompt length and the seed."""
 
     def __init__(
-        self, *, num_ctx: int = 2048, num_parallel: int = 4, eog_after: int | None = None, step_delay: float = 0.0
+        self,
+        *,
+        num_ctx: int = 2048,
+        num_parallel: int = 4,
+        eog_after: int | None = None,
+        step_delay: float = 0.0,
+        script: str | None = None,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
@@ -32,6 +39,8 @@ class FakeBackend:
         )
         self.eog_after = eog_after
         self.step_delay = step_delay
+        self.script = script.encode() if script is not None else None
+        """When set, every sequence answers exactly these bytes, then ends."""
         self.steps: list[list[BatchEntry]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
@@ -50,6 +59,11 @@ class FakeBackend:
         self._counts[slot] = 0
         return num_reused
 
+    def check_grammar(self, grammar: str) -> None:
+        """Any grammar with a root rule passes; the fake never constrains what it echoes."""
+        if "root ::=" not in grammar:
+            raise InvalidRequest("the output grammar is invalid: it has no root rule")
+
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
         self.steps.append(entries)
         if self.step_delay:
@@ -62,7 +76,9 @@ class FakeBackend:
             offset, _ = self._slots[entry.slot]
             count = self._counts[entry.slot]
             self._counts[entry.slot] = count + 1
-            if self.eog_after is not None and count >= self.eog_after:
+            if self.script is not None:
+                out.append(self.script[count] if count < len(self.script) else EOG)
+            elif self.eog_after is not None and count >= self.eog_after:
                 out.append(EOG)
             else:
                 out.append(_TEXT[(offset + count) % len(_TEXT)])

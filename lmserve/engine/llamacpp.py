@@ -18,7 +18,7 @@ import llama_cpp as lc
 import numpy as np
 
 from lmserve.engine.base import BatchEntry, ModelInfo
-from lmserve.errors import EngineFailure
+from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import LoadOptions, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -154,18 +154,22 @@ class LlamaCppBackend:
         if num_reused <= 0 or not lc.llama_memory_seq_rm(self._memory, slot, num_reused, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)  # hybrid/recurrent memory cannot be cut
             num_reused = 0
-        sampler = self._build_sampler(sampling)
-        if sampling.repeat_last_n != 0 and (
-            sampling.repeat_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty
-        ):
-            window = prompt if sampling.repeat_last_n < 0 else prompt[-sampling.repeat_last_n :]
-            for token in window:
-                lc.llama_sampler_accept(sampler, token)
+        sampler = self._build_sampler(sampling, prompt)
         old = self._samplers.pop(slot, None)
         if old is not None:
             lc.llama_sampler_free(old)
         self._samplers[slot] = sampler
         return num_reused
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise InvalidRequest unless llama.cpp parses `grammar` (GBNF, root rule `root`).
+
+        The grammar is parsed without the vocabulary: this touches no model state, so any thread may call it.
+        """
+        sampler = lc.llama_sampler_init_grammar(None, grammar.encode("utf-8"), b"root")  # type: ignore[arg-type]
+        if not sampler:
+            raise InvalidRequest("the output grammar is invalid: llama.cpp could not parse it (see the server log)")
+        lc.llama_sampler_free(sampler)
 
     def release(self, slot: int) -> None:
         sampler = self._samplers.pop(slot, None)
@@ -312,7 +316,12 @@ class LlamaCppBackend:
             lc.llama_adapter_lora_free(adapter)
         self._adapters.clear()
 
-    def _build_sampler(self, s: SamplingParams) -> lc.llama_sampler_p:
+    def _build_sampler(self, s: SamplingParams, prompt: list[int]) -> lc.llama_sampler_p:
+        """The slot's chain: logit bias, penalties (primed with the prompt), grammar, then the filters and the pick.
+
+        Only the penalty sampler sees the prompt: a grammar accepts nothing but generated tokens. With a grammar,
+        an end-of-generation token is allowed exactly when the grammar is complete, so generation ends there.
+        """
         params = lc.llama_sampler_chain_default_params()
         params.no_perf = True
         chain = lc.llama_sampler_chain_init(params)
@@ -327,12 +336,18 @@ class LlamaCppBackend:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self._num_vocab, len(bias), array))
         if s.repeat_last_n != 0 and (s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
             last_n = self.info.num_ctx if s.repeat_last_n < 0 else s.repeat_last_n
-            lc.llama_sampler_chain_add(
-                chain,
-                lc.llama_sampler_init_penalties(
-                    self._num_vocab, last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
-                ),
+            penalties = lc.llama_sampler_init_penalties(
+                self._num_vocab, last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
             )
+            for token in prompt if s.repeat_last_n < 0 else prompt[-s.repeat_last_n :]:
+                lc.llama_sampler_accept(penalties, token)
+            lc.llama_sampler_chain_add(chain, penalties)
+        if s.grammar is not None:
+            grammar = lc.llama_sampler_init_grammar(self._vocab, s.grammar.encode("utf-8"), b"root")
+            if not grammar:
+                lc.llama_sampler_free(chain)
+                raise EngineFailure("llama.cpp could not parse the output grammar")
+            lc.llama_sampler_chain_add(chain, grammar)
         if s.is_greedy:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
             return chain  # type: ignore[no-any-return]

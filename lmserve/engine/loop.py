@@ -110,6 +110,10 @@ class Engine:
             raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
+        if sampling.grammar is not None:
+            if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
+                raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
+            self.backend.check_grammar(sampling.grammar)
         room = num_ctx - len(prompt)
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special)

@@ -1,0 +1,61 @@
+"""The `lfm2` format (LFM2, LFM2.5): `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`, or the markers
+around a JSON list `[{"name": …, "arguments": {…}}]`. An echo of the call body after the end marker is dropped."""
+
+from __future__ import annotations
+
+import json
+
+from lmserve.chat.tools.base import BlockFormat, ParsedCall, calls_from_json
+from lmserve.chat.tools.pythonic import parse_call_list
+
+__all__ = ["Lfm2Parser"]
+
+
+def _match_skipping_space(form: str, text: str) -> int | None:
+    """Matches `text` against `form`, whitespace ignored on both sides: the length of `text` that spells all of
+    `form`; None when `text` ends while still matching; -1 on a mismatch."""
+    f = t = 0
+    while True:
+        while f < len(form) and form[f].isspace():
+            f += 1
+        if f == len(form):
+            return t
+        while t < len(text) and text[t].isspace():
+            t += 1
+        if t == len(text):
+            return None
+        if form[f] != text[t]:
+            return -1
+        f += 1
+        t += 1
+
+
+class Lfm2Parser(BlockFormat):
+    """LFM2/LFM2.5: a Pythonic or JSON list between `<|tool_call_start|>` and `<|tool_call_end|>`."""
+
+    name = "lfm2"
+    start_marker = "<|tool_call_start|>"
+    end_marker = "<|tool_call_end|>"
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        stripped = body.strip()
+        if stripped.startswith(("{", "[{")):
+            try:
+                return calls_from_json(json.loads(stripped))
+            except (ValueError, RecursionError):
+                pass  # maybe Python-style dicts: the literal reader below takes them
+        return parse_call_list(stripped, lenient=True)
+
+    def echo_length(self, body: str, text: str, final: bool) -> int | None:
+        form = body.strip()
+        forms = [form, form[1:-1].strip()] if form.startswith("[") and form.endswith("]") else [form]
+        partial = False
+        for candidate in filter(None, forms):
+            n = _match_skipping_space(candidate, text)
+            if n is None:
+                partial = True
+            elif n > 0:
+                return n
+        if partial:  # the output ended inside an echo (or in whitespace after the block): drop it
+            return len(text) if final else None
+        return 0
