@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.structured import json_object_grammar as json_object_grammar  # for the dialects' translators
+from lmserve.chat.structured import schema_grammar as schema_grammar
 from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
+from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.loop import RequestStream
 from lmserve.engine.quantize import parse_quant
 from lmserve.engine.quantize import quantize as run_quantize
@@ -217,7 +220,17 @@ class Service:
             model = resident.model
             prompt = self.render_chat(model, request)
             parser = self.tool_parser(model) if request.tools else None
-            generation = self._submit(resident, self._tokenize(model, prompt), request.sampling, parser)
+            sampling = request.sampling
+            if request.forced_tool is not None:
+                if parser is None:
+                    raise InvalidRequest(
+                        f"model '{model.name}' has no known tool-call format to force a call in; start the server "
+                        "with --tool-call-parser",
+                        param="tool_choice",
+                    )
+                grammar = forced_call_grammar(parser, request.tools, request.forced_tool)
+                sampling = replace(sampling, grammar=grammar, stop=[], logit_bias=dict(sampling.logit_bias))
+            generation = self._submit(resident, self._tokenize(model, prompt), sampling, parser)
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:

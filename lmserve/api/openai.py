@@ -37,7 +37,7 @@ from lmserve.api.streaming import (
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, ModelListing, Service
+from lmserve.service import Generation, ModelListing, Service, json_object_grammar, schema_grammar
 from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
@@ -105,11 +105,38 @@ def to_chat_request(req: schemas.ChatCompletionRequest, defaults: SamplingParams
     """The engine-neutral chat request. Tools are passed as the JSON objects the template expects."""
     if req.logprobs:
         raise InvalidRequest("logprobs are not supported", param="logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        log.debug("response_format %s is not enforced", req.response_format.type)
     messages = [_to_message(i, m) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
-    return ChatRequest(model=req.model, messages=messages, sampling=to_sampling_params(req, defaults), tools=tools)
+    forced = _forced_tool(req.tool_choice, tools)
+    sampling = to_sampling_params(req, defaults)
+    sampling.grammar = response_grammar(req.response_format)
+    return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced)
+
+
+def response_grammar(response_format: schemas.ResponseFormat | None) -> str | None:
+    """The grammar that enforces `response_format` (json_object: any object; json_schema: its schema)."""
+    if response_format is None or isinstance(response_format, schemas.TextFormat):
+        return None
+    if isinstance(response_format, schemas.JsonObjectFormat):
+        return json_object_grammar()
+    if response_format.json_schema.schema_ is None:
+        raise InvalidRequest("response_format.json_schema.schema is required", param="response_format")
+    return schema_grammar(response_format.json_schema.schema_, param="response_format")
+
+
+def _forced_tool(choice: str | schemas.NamedToolChoice | None, tools: list[dict[str, Any]]) -> str | None:
+    """tool_choice "required" → "*" (any tool); a named choice → that name, which must be among the tools."""
+    if choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise InvalidRequest("tool_choice requires tools", param="tool_choice")
+    if choice == "required":
+        return "*"
+    assert isinstance(choice, schemas.NamedToolChoice)
+    name = choice.function.name
+    if name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
+    return name
 
 
 def _to_message(index: int, m: schemas.ChatMessage) -> Message:

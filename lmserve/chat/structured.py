@@ -38,7 +38,8 @@ _STRING_KW = frozenset({"minLength", "maxLength", "pattern", "format"})
 _NUMBER_KW = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _OBJECT_KW = frozenset({"properties", "required", "additionalProperties"})
 _ARRAY_KW = frozenset({"items", "prefixItems", "minItems", "maxItems", "uniqueItems"})
-ENFORCED = frozenset({"type", "enum", "const", "$ref", "anyOf", "allOf"}) | _STRING_KW | _NUMBER_KW | _OBJECT_KW | _ARRAY_KW
+ENFORCED = (frozenset({"type", "enum", "const", "$ref", "anyOf", "allOf"})
+            | _STRING_KW | _NUMBER_KW | _OBJECT_KW | _ARRAY_KW)
 """Keywords the grammar enforces (`allOf` with one schema only, `uniqueItems` only when false)."""
 _KNOWN = ANNOTATIONS | _CONTAINERS | ENFORCED
 _TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
@@ -72,8 +73,8 @@ _PRIMITIVES: dict[str, tuple[str, tuple[str, ...]]] = {
     "boolean": ('( "true" | "false" ) space', ("space",)),
     "null": ('"null" space', ("space",)),
     "date": ('[1-9] [0-9]{3} "-" ( ( "0" [13578] | "1" [02] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] ) '
-             '| ( "0" [469] | "11" ) "-" ( "0" [1-9] | [12] [0-9] | "30" ) | "02-" ( "0" [1-9] | "1" [0-9] | "2" [0-8] ) )',
-             ()),
+             '| ( "0" [469] | "11" ) "-" ( "0" [1-9] | [12] [0-9] | "30" ) '
+             '| "02-" ( "0" [1-9] | "1" [0-9] | "2" [0-8] ) )', ()),
     "time": ('( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{1,6} )? '
              '( "Z" | [-+] ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )', ()),
     "date-time": ('date "T" time', ("date", "time")),
@@ -299,7 +300,7 @@ class _Compiler:
             self.fail(path, f"'{key}' {int(value)} is larger than {MAX_COUNT}")
         return int(value)
 
-    def bounds(self, schema: dict[str, Any], low: int | None, high: int | None, path: str) -> tuple[int, int | None]:
+    def bounds(self, low: int | None, high: int | None, path: str) -> tuple[int, int | None]:
         lo = 0 if low is None else low
         if high is not None and lo > high:
             self.fail(path, "no length satisfies both bounds")
@@ -325,7 +326,7 @@ class _Compiler:
             if not isinstance(pattern, str):
                 self.fail(path, "'pattern' must be a string")
             return self.rule(hint, '"\\"" ' + _Pattern(self, path).compile(pattern) + ' "\\"" space')
-        lo, hi = self.bounds(schema, self.count(schema, "minLength", path), self.count(schema, "maxLength", path), path)
+        lo, hi = self.bounds(self.count(schema, "minLength", path), self.count(schema, "maxLength", path), path)
         if lo == 0 and hi is None:
             return self.use("string")
         return self.rule(hint, '"\\"" ' + _repeat(self.use("char"), lo, hi) + ' "\\"" space')
@@ -343,10 +344,10 @@ class _Compiler:
                 self.fail(path, f"JSON schema keyword '{key}' with the fraction {value} is not supported "
                                 "for type number (whole-number bounds are)")
         # The tightest lower and upper bound, as (value, exclusive).
-        lows = [(int(math.ceil(v)) if integer else int(v), False) for k, v in given.items() if k == "minimum"]
+        lows = [(math.ceil(v) if integer else int(v), False) for k, v in given.items() if k == "minimum"]
         lows += [(math.floor(v) + 1, False) if integer else (int(v), True)
                  for k, v in given.items() if k == "exclusiveMinimum"]
-        highs = [(int(math.floor(v)) if integer else int(v), False) for k, v in given.items() if k == "maximum"]
+        highs = [(math.floor(v) if integer else int(v), False) for k, v in given.items() if k == "maximum"]
         highs += [(math.ceil(v) - 1, False) if integer else (int(v), True)
                   for k, v in given.items() if k == "exclusiveMaximum"]
         low = max(lows, key=lambda b: (b[0], b[1])) if lows else None
@@ -435,10 +436,8 @@ class _Compiler:
             children = sorted(c for c in node if c)
             other = _char_class([(ord(c), ord(c)) for c in children] + list(_UNSAFE_RANGES), negated=True)
             parts = [f"{other} safe*"] + [f"{_literal(c)} {rule_for(node[c])}" for c in children]
-            body = _group(parts)
-            if "" not in node:
-                body += "?"
-            return self.rule(f"{hint}-key", body)
+            body = " | ".join(parts)
+            return self.rule(f"{hint}-key", f"( {body} )" if "" in node else f"( {body} )?")
 
         return f'"\\"" {rule_for(trie)} "\\"" space'
 
@@ -449,7 +448,7 @@ class _Compiler:
             if prefix is not None:
                 self.fail(path, "'items' as a list beside 'prefixItems' is not supported")
             prefix, items = items, None
-        lo, hi = self.bounds(schema, self.count(schema, "minItems", path), self.count(schema, "maxItems", path), path)
+        lo, hi = self.bounds(self.count(schema, "minItems", path), self.count(schema, "maxItems", path), path)
         self.nesting += 1
         try:
             if prefix is not None:
@@ -575,9 +574,9 @@ class _Pattern:
         if negated and not has_category:
             return _char_class(ranges + list(_UNSAFE_RANGES), negated=True)
         if has_category or negated:  # spell the class out over printable ASCII
-            members = [c for c in _PRINTABLE if _matches(items, c) != negated and c not in _UNSAFE]
-            ranges = [(c, c) for c in members]
-            escapes = [] if negated else [c for c in sorted(_UNSAFE) if _matches(items, c)]
+            members = [c for c in _PRINTABLE if c not in _UNSAFE and _surely(items, c, negated=negated)]
+            ranges = _runs(members)
+            escapes = [] if negated else [c for c in sorted(_UNSAFE) if _surely(items, c, negated=False)]
         else:
             escapes = [c for c in sorted(_UNSAFE) if any(lo <= c <= hi for lo, hi in ranges)]
             ranges = _subtract(ranges, _UNSAFE_RANGES)
@@ -594,14 +593,30 @@ def _op(item: tuple[Any, Any]) -> str:
     return str(item[0].name)
 
 
-def _matches(items: list[tuple[Any, Any]], code: int) -> bool:
+def _surely(items: list[tuple[Any, Any]], code: int, *, negated: bool) -> bool:
+    """Whether the class (`negated` or not) matches `code` both with ASCII and with Unicode categories."""
+    return all(_matches(items, code, flags) != negated for flags in (re.ASCII, re.UNICODE))
+
+
+def _matches(items: list[tuple[Any, Any]], code: int, flags: int) -> bool:
     for item in items:
         op, av = _op(item), item[1]
         if (op == "LITERAL" and av == code) or (op == "RANGE" and av[0] <= code <= av[1]):
             return True
-        if op == "CATEGORY" and re.fullmatch(_CATEGORIES[av.name], chr(code), re.ASCII):
+        if op == "CATEGORY" and re.fullmatch(_CATEGORIES[av.name], chr(code), flags):
             return True
     return False
+
+
+def _runs(codes: list[int]) -> list[tuple[int, int]]:
+    """Sorted code points as ranges of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for code in codes:
+        if out and out[-1][1] == code - 1:
+            out[-1] = (out[-1][0], code)
+        else:
+            out.append((code, code))
+    return out
 
 
 def _subtract(ranges: list[tuple[int, int]], holes: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:

@@ -161,7 +161,8 @@ class LlamaCppBackend:
         self._samplers[slot] = sampler
         return num_reused
 
-    def check_grammar(self, grammar: str) -> None:
+    @staticmethod
+    def check_grammar(grammar: str) -> None:
         """Raise InvalidRequest unless llama.cpp parses `grammar` (GBNF, root rule `root`).
 
         The grammar is parsed without the vocabulary: this touches no model state, so any thread may call it.
