@@ -28,7 +28,7 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, ModelListing, Service
+from lmserve.service import Generation, ModelListing, Service, json_object_grammar, schema_grammar
 from lmserve.store.modelfile import Modelfile, parse_parameter
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
@@ -60,9 +60,12 @@ def parse_keep_alive(value: wire.KeepAlive) -> float | None:
     return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
-def to_sampling_params(options: wire.Options | None, defaults: SamplingParams) -> SamplingParams:
-    """Request options over the model's defaults (Modelfile PARAMETER over the server's)."""
+def to_sampling_params(
+    options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None
+) -> SamplingParams:
+    """Request options over the model's defaults (Modelfile PARAMETER over the server's); `format` → grammar."""
     params = replace(defaults, stop=list(defaults.stop), logit_bias=dict(defaults.logit_bias))
+    params.grammar = format_grammar(format)
     if options is None:
         return params
     for name in ("temperature", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
@@ -77,6 +80,17 @@ def to_sampling_params(options: wire.Options | None, defaults: SamplingParams) -
     if options.num_predict is not None:
         params.max_tokens = None if options.num_predict < 0 else options.num_predict
     return params
+
+
+def format_grammar(format: str | dict[str, Any] | None) -> str | None:
+    """The grammar enforcing a request's `format`: "json" (any JSON object) or a JSON schema."""
+    if format is None or format == "":
+        return None
+    if format == "json":
+        return json_object_grammar()
+    if isinstance(format, dict):
+        return schema_grammar(format, param="format")
+    raise InvalidRequest(f"format {format!r} is not supported: use \"json\" or a JSON schema", param="format")
 
 
 def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
@@ -240,7 +254,7 @@ def native_router(service: Service) -> APIRouter:
         if not body.prompt and not body.context:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
         defaults = await service.sampling_defaults(body.model)
-        record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults),
+        record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
                                    context=list(body.context or ()), options=load, keep_alive=keep_alive)
         generation = await service.generate(record, system=body.system, template=body.template, raw=body.raw)
 
@@ -267,7 +281,8 @@ def native_router(service: Service) -> APIRouter:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
         defaults = await service.sampling_defaults(body.model)
-        record = ChatRequest(body.model, to_messages(body.messages), to_sampling_params(body.options, defaults),
+        sampling = to_sampling_params(body.options, defaults, body.format)
+        record = ChatRequest(body.model, to_messages(body.messages), sampling,
                              tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
         generation = await service.chat(record)
 

@@ -167,7 +167,7 @@ class LlamaCppBackend:
 
         The grammar is parsed without the vocabulary: this touches no model state, so any thread may call it.
         """
-        sampler = lc.llama_sampler_init_grammar(None, grammar.encode("utf-8"), b"root")  # type: ignore[arg-type]
+        sampler = lc.llama_sampler_init_grammar(None, grammar.encode("utf-8"), b"root")
         if not sampler:
             raise InvalidRequest("the output grammar is invalid: llama.cpp could not parse it (see the server log)")
         lc.llama_sampler_free(sampler)

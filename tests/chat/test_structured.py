@@ -116,6 +116,7 @@ REJECTED: dict[str, tuple[Any, str]] = {
     "unevaluatedProperties": ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
     "nullable": ({"type": "string", "nullable": True}, "'nullable'"),
     "format email": ({"type": "string", "format": "email"}, "'format'"),
+    "format on integer": ({"type": "integer", "format": "int64"}, "'int64'"),
     "format with length": ({"type": "string", "format": "date", "maxLength": 20}, "'format' combined"),
     "pattern with length": ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'pattern' combined"),
     "fractional number bound": ({"type": "number", "minimum": 0.5}, "'minimum'"),
