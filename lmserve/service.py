@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
-from lmserve.chat.structured import json_object_grammar as json_object_grammar  # for the dialects' translators
-from lmserve.chat.structured import schema_grammar as schema_grammar
 from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.loop import RequestStream

@@ -27,8 +27,9 @@ from lmserve.api import native_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
+from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, ModelListing, Service, json_object_grammar, schema_grammar
+from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile, parse_parameter
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest

@@ -36,8 +36,9 @@ from lmserve.api.streaming import (
     until_disconnect,
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
+from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, ModelListing, Service, json_object_grammar, schema_grammar
+from lmserve.service import Generation, ModelListing, Service
 from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
