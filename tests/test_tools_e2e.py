@@ -136,3 +136,5 @@ def test_lfm2_format_is_detected_and_forced_calls_parse(lfm2_server: Server) -> 
         [call] = choice.message.tool_calls or []
         check_call(call, UNIT)
         assert "<|tool_call_start|>" not in (choice.message.content or "")
+    with ollama.Client(host=lfm2_server.base_url) as native:
+        assert "tools" in (native.show(model).capabilities or [])
