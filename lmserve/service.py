@@ -19,7 +19,7 @@ from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.loop import RequestStream
 from lmserve.engine.quantize import parse_quant
 from lmserve.engine.quantize import quantize as run_quantize
-from lmserve.errors import InvalidRequest, ModelNotFound
+from lmserve.errors import EngineFailure, InvalidRequest, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
@@ -105,6 +105,22 @@ class Generation:
                 yield chunk
         finally:
             self._release()
+
+    async def collect(self) -> tuple[str, Chunk]:
+        """The whole answer: all its text, and the final chunk carrying every tool call; aborts if this stops early."""
+        parts: list[str] = []
+        calls: list[ToolCall] = []
+        try:
+            async for chunk in self:
+                parts.append(chunk.text)
+                calls += chunk.tool_calls
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason in ("error", "abort"):
+                        raise EngineFailure(chunk.error or "the generation failed")
+                    return "".join(parts), replace(chunk, tool_calls=calls)
+        finally:
+            self.abort()
+        raise EngineFailure("the generation ended without a result")
 
     @property
     def output_tokens(self) -> list[int]:

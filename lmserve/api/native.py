@@ -28,7 +28,7 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.chat.structured import json_object_grammar, schema_grammar
-from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile, parse_parameter
 from lmserve.store.modelfile import parse as parse_modelfile
@@ -172,23 +172,6 @@ async def ndjson_lines(
             return
 
 
-async def collect(generation: Generation) -> tuple[str, Chunk]:
-    """The whole answer (tool calls gathered on the final chunk); the generation is aborted if this stops early."""
-    parts: list[str] = []
-    calls: list[ToolCall] = []
-    try:
-        async for chunk in generation:
-            parts.append(chunk.text)
-            calls += chunk.tool_calls
-            if chunk.finish_reason is not None:
-                if _failed(chunk):
-                    raise EngineFailure(chunk.error or "the generation failed")
-                return "".join(parts), replace(chunk, tool_calls=calls)
-    finally:
-        generation.abort()
-    raise EngineFailure("the generation ended without a result")
-
-
 def assistant_message(text: str, chunk: Chunk) -> dict[str, Any]:
     """The native assistant message; tool calls carry `arguments` as an object, whole, in one chunk."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -269,7 +252,7 @@ def native_router(service: Service) -> APIRouter:
         if body.stream:
             frames = ndjson_lines(generation, lambda chunk: {**head(), "response": chunk.text, "done": False}, last)
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-        text, final = await until_disconnect(collect(generation), request.receive)
+        text, final = await until_disconnect(generation.collect(), request.receive)
         return JSONResponse({**last(final), "response": text})
 
     @router.post("/api/chat", response_model=None)
@@ -300,7 +283,7 @@ def native_router(service: Service) -> APIRouter:
                 last,
             )
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-        text, final = await until_disconnect(collect(generation), request.receive)
+        text, final = await until_disconnect(generation.collect(), request.receive)
         return JSONResponse({**last(final), "message": assistant_message(text, final)})
 
     @router.post("/api/create", response_model=None)

@@ -259,24 +259,9 @@ def text_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[s
 
 
 async def collect(generation: Generation) -> tuple[str, Chunk, Usage]:
-    """The whole answer of a generation (tool calls gathered on the final chunk); aborted if collecting stops early."""
-    parts: list[str] = []
-    calls: list[ToolCall] = []
-    try:
-        async for chunk in generation:
-            parts.append(chunk.text)
-            calls += chunk.tool_calls
-            if chunk.finish_reason is not None:
-                _raise_if_failed(chunk)
-                return "".join(parts), replace(chunk, tool_calls=calls), _usage(generation, chunk)
-    finally:
-        generation.abort()
-    raise EngineFailure("the generation ended without a result")
-
-
-def _raise_if_failed(chunk: Chunk) -> None:
-    if chunk.finish_reason in ("error", "abort"):
-        raise EngineFailure(chunk.error or "the generation failed")
+    """The whole answer of a generation (tool calls gathered on the final chunk), and its usage."""
+    text, final = await generation.collect()
+    return text, final, _usage(generation, final)
 
 
 def _usage(generation: Generation, final: Chunk) -> Usage:
