@@ -7,6 +7,7 @@ chunks back to their own wire format.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -367,8 +368,6 @@ class Service:
         "success"; an exception it raises stops the download. The hub is `hf_endpoint`, else HF_ENDPOINT, else
         huggingface.co; the token is HF_TOKEN, else the stored huggingface token.
         """
-        import os
-
         from lmserve.store.names import parse_name
         from lmserve.store.pull import PullProgress
         from lmserve.store.pull import pull as pull_files
@@ -435,80 +434,6 @@ class Service:
         if dimensions is not None:
             vectors = [unit_vector(v[:dimensions]) if normalize else v[:dimensions] for v in vectors]
         return resident.model.name, vectors, sum(len(p) for p in prompts)
-
-
-class StaticCatalog:
-    """A fixed set of already-loaded models (tests, and `serve` of a single file)."""
-
-    def __init__(self, models: list[LoadedModel]) -> None:
-        self._models = {m.name: m for m in models}
-        self._aliases = {alias: m.name for m in models for alias in m.aliases}
-
-    def listing(self) -> list[ModelListing]:
-        return [
-            ModelListing(m.name, m.created, m.owned_by, size=m.engine.info.size_bytes, details=_details(m))
-            for m in self._models.values()
-        ]
-
-    def resolve(self, name: str) -> str:
-        for candidate in (name, name + ":latest"):
-            if candidate in self._models:
-                return candidate
-            if candidate in self._aliases:
-                return self._aliases[candidate]
-        raise ModelNotFound(name)
-
-    def describe(self, name: str) -> ModelDescription:
-        model = self._models[name]
-        listing = next(item for item in self.listing() if item.name == name)
-        info = model.engine.info
-        return ModelDescription(
-            listing=listing,
-            modelfile=f"FROM {info.path}\n",
-            template=info.chat_template or "",
-            system=model.system or "",
-            model_info=dict(info.metadata),
-        )
-
-    def sampling_defaults(self, name: str) -> SamplingParams:
-        return self._models[name].sampling
-
-    def load_parameters(self, name: str) -> dict[str, Any]:
-        return {}
-
-    def copy(self, source: str, destination: str) -> None:
-        raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")
-
-    def delete(self, name: str) -> None:
-        raise InvalidRequest("this server serves a fixed model; start it with a model store to delete models")
-
-    def load(self, name: str, options: LoadOptions) -> LoadedModel:
-        return self._models[name]
-
-
-def static_service(models: list[LoadedModel]) -> Service:
-    """A service over models that are already loaded; unloading forgets them, it never closes their engines."""
-    catalog = StaticCatalog(models)
-    loaded = LoadedModels(catalog.load, max_loaded=len(models) or 1, on_unload=lambda model: None)
-    return Service(catalog, loaded, keep_alive=None)
-
-
-def _details(model: LoadedModel) -> dict[str, Any]:
-    info = model.engine.info
-    return {
-        "parent_model": "",
-        "format": "gguf",
-        "family": info.architecture,
-        "families": [info.architecture] if info.architecture else None,
-        "parameter_size": _parameter_size(info.num_params),
-        "quantization_level": info.description.split()[-1] if info.description else "",
-    }
-
-
-def _parameter_size(num_params: int) -> str:
-    if num_params >= 10**9:
-        return f"{num_params / 10**9:.1f}B"
-    return f"{num_params / 10**6:.0f}M" if num_params else ""
 
 
 def _check_messages(messages: list[Message]) -> None:

@@ -11,12 +11,13 @@ from api_wire import API_KEY
 from fastapi import FastAPI
 
 from lmserve.api.app import create_app
+from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
 from lmserve.loaded import LoadedModel
-from lmserve.service import Service, static_service
+from lmserve.service import Service
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ from starlette.types import Message, Scope
 
 from lmserve.api.app import create_app
 from lmserve.api.streaming import HOLE, TextFrame, dumps, until_disconnect
+from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.base import BatchEntry
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
 from lmserve.loaded import LoadedModel
-from lmserve.service import static_service
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import pytest
 import pytest_asyncio
 
 from lmserve.api.app import create_app
+from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
 from lmserve.loaded import LoadedModel
-from lmserve.service import static_service
 
 HERMES_TEMPLATE = "{# hermes-style: <tool_call> #}" + (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
