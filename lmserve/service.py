@@ -93,6 +93,7 @@ class Generation:
     on_done: Callable[[], None] = lambda: None
     load_ns: int = 0
     tool_parser: ToolCallParser | None = None
+    max_tool_calls: int | None = None
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -101,7 +102,7 @@ class Generation:
         try:
             async for chunk in self.stream:
                 if parsing is not None:
-                    chunk, added = _parse_tools(parsing, chunk, num_calls)
+                    chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
                     num_calls += added
                 yield chunk
         finally:
@@ -141,11 +142,15 @@ class Generation:
             self.on_done()
 
 
-def _parse_tools(parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int) -> tuple[Chunk, int]:
+def _parse_tools(
+    parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int, max_calls: int | None
+) -> tuple[Chunk, int]:
     text, calls = parsing.push(chunk.text)
     if chunk.finish_reason is not None:
         tail, more = parsing.finish()
         text, calls = text + tail, calls + more
+    if max_calls is not None:
+        calls = calls[: max(0, max_calls - num_calls_before)]
     finish = chunk.finish_reason
     if finish == "stop" and num_calls_before + len(calls) > 0:
         finish = "tool_calls"
@@ -246,6 +251,7 @@ class Service:
                 grammar = forced_call_grammar(parser, request.tools, request.forced_tool)
                 sampling = replace(sampling, grammar=grammar, stop=[], logit_bias=dict(sampling.logit_bias))
             generation = self._submit(resident, self._tokenize(model, prompt), sampling, parser)
+            generation.max_tool_calls = None if request.parallel_tool_calls else 1
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:

@@ -86,6 +86,8 @@ class ChatRequest:
     sampling: SamplingParams
     tools: list[dict[str, Any]] = field(default_factory=list)
     forced_tool: str | None = None
+    parallel_tool_calls: bool = True
+    """False: at most one call per reply (later ones are dropped)."""
     add_generation_prompt: bool = True
     options: LoadOptions | None = None
     """Load-time options the request asks for (None: the server's)."""

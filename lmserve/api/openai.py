@@ -111,7 +111,8 @@ def to_chat_request(req: schemas.ChatCompletionRequest, defaults: SamplingParams
     forced = _forced_tool(req.tool_choice, tools)
     sampling = to_sampling_params(req, defaults)
     sampling.grammar = response_grammar(req.response_format)
-    return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced)
+    return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
+                       parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
 def response_grammar(response_format: schemas.ResponseFormat | None) -> str | None:

@@ -117,3 +117,12 @@ async def test_native_chat_gives_arguments_as_an_object(http: httpx.AsyncClient)
     calls = [x["message"]["tool_calls"] for x in lines if x["message"].get("tool_calls")]
     assert calls == [message["tool_calls"]]
     assert lines[-1]["done"] is True
+
+
+@pytest.mark.parametrize("http", [CALL + CALL.replace("Paris", "Lyon")], indirect=True)
+async def test_parallel_tool_calls_false_keeps_the_first_call(http: httpx.AsyncClient) -> None:
+    body = {"model": "fake", "messages": ASK, "tools": TOOLS, "parallel_tool_calls": False}
+    calls = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris"]
+    streamed = (await http.post("/v1/chat/completions", json={**body, "stream": True})).text
+    assert streamed.count('"name":"get_weather"') == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import socket
 import struct
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 from PIL import Image as PILImage
 from PIL import ImageFile
@@ -196,6 +198,29 @@ async def test_name_resolving_to_private_address_refused(
     assert no_connect == []
 
 
+async def test_https_goes_to_checked_ip_with_host_and_sni(
+    monkeypatch: pytest.MonkeyPatch, no_connect: list[object]
+) -> None:
+    sent: list[httpx.Request] = []
+
+    async def fake_getaddrinfo(self: Any, host: str, port: int, **kw: Any) -> list[Any]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+
+    async def fake_send(self: httpx.AsyncClient, request: httpx.Request, **kw: Any) -> httpx.Response:
+        sent.append(request)
+        raise httpx.ConnectError("test: not connecting", request=request)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", fake_getaddrinfo)
+    monkeypatch.setattr(httpx.AsyncClient, "send", fake_send)
+    with refused("fetching the image failed: ConnectError"):
+        await fetch_image("https://Images.Example.com/a.png?x=1", POLICY)
+    [req] = sent
+    assert str(req.url) == "https://93.184.216.34/a.png?x=1"
+    assert req.headers["host"] == "images.example.com"
+    assert req.extensions["sni_hostname"] == "images.example.com"
+    assert no_connect == []
+
+
 async def test_guard_sees_connections(no_connect: list[object]) -> None:
     """Sanity check of the fixture: an allowed fetch does try to connect (and the failure is a 400)."""
     with refused("fetching the image failed"):
@@ -242,10 +267,8 @@ async def server() -> AsyncIterator[Server]:
             pass
         finally:
             w.close()
-            try:
+            with contextlib.suppress(ConnectionError):
                 await w.wait_closed()
-            except ConnectionError:
-                pass
 
     tcp = await asyncio.start_server(handle, "127.0.0.1", 0)
     srv.port = tcp.sockets[0].getsockname()[1]
@@ -315,6 +338,7 @@ async def test_redirect_hop_refused(location: str, why: str, server: Server, no_
     assert server.hosts == [f"127.0.0.1:{server.port}"]
     assert no_connect and all(addr == ("127.0.0.1", server.port) for addr in no_connect)
 
+
 async def _fetch_expecting(server: Server, path: str, why: str, policy: MediaPolicy = LOCAL) -> None:
     with refused(why):
         await fetch_image(server.base + path, policy)
@@ -322,7 +346,9 @@ async def _fetch_expecting(server: Server, path: str, why: str, policy: MediaPol
 
 async def test_redirect_loop(server: Server) -> None:
     server.routes["/loop"] = reply("307 Temporary Redirect", {"Location": "/loop", "Content-Length": "0"})
-    await _fetch_expecting(server, "/loop", "more than 3", MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_redirects=3))
+    await _fetch_expecting(
+        server, "/loop", "more than 3", MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_redirects=3)
+    )
     assert len(server.hosts) == 4
 
 
@@ -333,11 +359,18 @@ async def test_redirect_loop(server: Server) -> None:
         ({}, PNG, LOCAL, "content type '\\(none\\)'"),
         ({"Content-Type": "application/octet-stream"}, b"not an image", LOCAL, "not a valid image"),
         ({"Content-Type": "image/png", "Content-Length": "999999999"}, PNG, LOCAL, "too large: 999999999"),
-        ({"Content-Type": "image/png"}, b"x" * 5000, MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_bytes=4096),
-         "more than 4096"),  # no Content-Length: the stream cap stops it
-        ({"Content-Type": "image/png", "Transfer-Encoding": "chunked"}, b"1000\r\n" + b"x" * 4096 + b"\r\n" +
-         b"1000\r\n" + b"x" * 4096 + b"\r\n0\r\n\r\n", MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_bytes=5000),
-         "more than 5000"),
+        (
+            {"Content-Type": "image/png"},
+            b"x" * 5000,
+            MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_bytes=4096),
+            "more than 4096",
+        ),  # no Content-Length: the stream cap stops it
+        (
+            {"Content-Type": "image/png", "Transfer-Encoding": "chunked"},
+            b"1000\r\n" + b"x" * 4096 + b"\r\n" + b"1000\r\n" + b"x" * 4096 + b"\r\n0\r\n\r\n",
+            MediaPolicy(allowed_hosts=LOCAL.allowed_hosts, max_bytes=5000),
+            "more than 5000",
+        ),
     ],
 )
 async def test_bad_responses_refused(
