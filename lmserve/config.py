@@ -35,6 +35,8 @@ class ServerConfig:
     """Seconds a model stays loaded after its last request (None: forever)."""
     max_loaded_models: int = 3
     tool_call_parser: str | None = None
+    max_queue: int = 512
+    """Requests that may wait for a slot, per model; beyond it 503 with Retry-After."""
     """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     hf_endpoint: str | None = None
     """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
@@ -67,9 +69,11 @@ _ENV_NAMES = {
     "keep_alive": "KEEP_ALIVE",
     "max_loaded_models": "MAX_LOADED_MODELS",
     "tool_call_parser": "TOOL_CALL_PARSER",
+    "max_queue": "MAX_QUEUE",
     "hf_endpoint": "HF_ENDPOINT",
 }
-_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models"}
+_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
+         "max_queue"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk"}
 
 

@@ -28,7 +28,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     def engine_factory(path: Path, options: LoadOptions) -> Engine:
         backend = LlamaCppBackend(path, options)
-        return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk)
+        return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk,
+                      max_queue=config.max_queue)
 
     store = Store(Path(config.models_dir).expanduser())
     catalog = StoreCatalog(store, engine_factory)

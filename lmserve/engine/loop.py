@@ -21,7 +21,7 @@ from lmserve.engine.base import Backend, ModelInfo
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.engine.stops import StopMatcher
-from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError
+from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
 from lmserve.types import Chunk, FinishReason, SamplingParams, Timings, Usage
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,12 @@ class Engine:
     at most one of them between two decode steps, so generations keep moving while texts are embedded.
     """
 
-    def __init__(self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256) -> None:
+    def __init__(
+        self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512
+    ) -> None:
         self.backend = backend
+        self.max_queue = max_queue
+        """Requests allowed to wait for a slot; beyond it `submit` raises Overloaded (503)."""
         self.info: ModelInfo = backend.info
         self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens)
         self._trackers: dict[Sequence, _Tracker] = {}
@@ -122,6 +126,8 @@ class Engine:
         with self._cond:
             if self._is_closing:
                 raise InvalidRequest("the server is shutting down")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.max_queue:
+                raise Overloaded(f"{self.max_queue} requests are already waiting for this model; retry shortly")
             self._trackers[seq] = tracker
             self._inbox.append(seq)
             self._cond.notify()

@@ -146,3 +146,37 @@ def test_load_time_options_are_split_from_sampling() -> None:
     assert to_load_options(None, base) is None
     assert to_load_options(Options(temperature=1.0), base) is None
     assert to_load_options(Options(num_ctx=1024, num_thread=1), base) == LoadOptions(num_ctx=1024, num_threads=1)
+
+
+async def test_a_full_queue_is_503_with_retry_after() -> None:
+    import asyncio
+
+    from lmserve.api.app import create_app
+    from lmserve.catalog import static_service
+    from lmserve.chat.template import ChatTemplate
+    from lmserve.config import ServerConfig
+    from lmserve.engine.loop import Engine
+    from lmserve.loaded import LoadedModel
+
+    engine = Engine(FakeBackend(num_ctx=512, num_parallel=1, step_delay=0.02), max_queue=1)
+    app = create_app(static_service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))]),
+                     ServerConfig())
+    body = {"model": "fake", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 5}}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            replies = await asyncio.gather(*(client.post("/api/generate", json=body) for _ in range(6)))
+            openai_reply = None
+            for _ in range(3):
+                busy = [client.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 5})
+                        for _ in range(6)]
+                for r in await asyncio.gather(*busy):
+                    if r.status_code == 503:
+                        openai_reply = r
+    finally:
+        engine.close()
+    statuses = sorted(r.status_code for r in replies)
+    assert 503 in statuses and 200 in statuses
+    refused = next(r for r in replies if r.status_code == 503)
+    assert refused.headers["retry-after"] and set(refused.json()) == {"error"}
+    assert all(r.json()["done"] for r in replies if r.status_code == 200)
+    assert openai_reply is not None and openai_reply.json()["error"]["type"] == "overloaded_error"

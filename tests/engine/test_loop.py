@@ -9,7 +9,7 @@ import pytest
 
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
-from lmserve.errors import ContextOverflow, InvalidRequest
+from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
 from lmserve.types import Chunk, SamplingParams
 
 
@@ -99,3 +99,20 @@ async def test_token_ids_outside_the_vocabulary_are_refused(
     with pytest.raises(InvalidRequest):
         engine.submit(prompt, SamplingParams(logit_bias=bias))
     assert engine.num_waiting == 0
+
+
+async def test_a_full_queue_refuses_with_overloaded_and_the_rest_complete() -> None:
+    engine = Engine(FakeBackend(num_ctx=256, num_parallel=1, step_delay=0.01), max_queue=2)
+    try:
+        streams, refused = [], 0
+        for i in range(6):
+            try:
+                streams.append(engine.submit(engine.tokenize(f"request {i}"), SamplingParams(max_tokens=3)))
+            except Overloaded:
+                refused += 1
+        assert refused >= 3  # one may be running, at most two wait
+        for stream in streams:
+            chunks = [c async for c in stream]
+            assert chunks[-1].finish_reason == "length"
+    finally:
+        engine.close()
