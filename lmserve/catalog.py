@@ -15,9 +15,10 @@ from typing import Any, BinaryIO
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.loop import Engine
-from lmserve.errors import InvalidRequest, ModelNotFound
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Prompter
 from lmserve.service import ModelDescription, ModelListing, Service
+from lmserve.store.gguf_check import check_gguf
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
@@ -170,13 +171,26 @@ class StoreCatalog:
         entry = self.store.find(name)
         manifest = entry.manifest
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
-        engine = self._engine_factory(self.store.blob_path(manifest.model), replace(options, adapters=adapters))
+        path = self.store.blob_path(manifest.model)
+        try:
+            if not path.is_file():
+                raise EngineFailure(f"its weights file {path.name} is missing from the store")
+            check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see a bad one
+            engine = self._engine_factory(path, replace(options, adapters=adapters))
+        except LmserveError as exc:
+            raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
+        except Exception as exc:
+            raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
         info = engine.info
         template: Prompter
-        if manifest.template:
-            template = GoChatTemplate(manifest.template, system=manifest.system)
-        else:
-            template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+        try:
+            if manifest.template:
+                template = GoChatTemplate(manifest.template, system=manifest.system)
+            else:
+                template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+        except BaseException:
+            engine.close()  # not resident yet: nobody else would free it
+            raise
         messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
         return LoadedModel(
             name=str(entry.name), engine=engine, template=template,
@@ -199,7 +213,9 @@ class StoreCatalog:
             manifest.details = gguf_details(gguf_metadata(self.store.blob_path(manifest.model)),
                                             parent=manifest.parent)
         if modelfile.projector:
-            manifest.projector = self.store.import_file(_local_path(modelfile.projector, base_dir))
+            projector = _local_path(modelfile.projector, base_dir)
+            check_gguf(projector)
+            manifest.projector = self.store.import_file(projector)
         manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
@@ -218,8 +234,11 @@ class StoreCatalog:
             digest = source.lstrip("@")
             if not self.store.has_blob(digest):
                 raise InvalidRequest(f"blob {digest} is not in the store; upload it first", param="files")
+            check_gguf(self.store.blob_path(digest))
             return digest
-        return self.store.import_file(_local_path(source, base_dir))
+        path = _local_path(source, base_dir)
+        check_gguf(path)
+        return self.store.import_file(path)
 
     def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
         if source.startswith(("@sha256:", "sha256:")):
@@ -227,6 +246,7 @@ class StoreCatalog:
             return Manifest(model=digest, details=gguf_details(gguf_metadata(self.store.blob_path(digest))))
         if is_gguf_path(source) or Path(source).is_absolute():
             path = _local_path(source, base_dir)
+            check_gguf(path)
             digest = self.store.import_file(path)
             return Manifest(model=digest, details=gguf_details(gguf_metadata(path)))
         base = self.store.find(source)

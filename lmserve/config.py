@@ -40,6 +40,16 @@ class ServerConfig:
     """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     hf_endpoint: str | None = None
     """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
+    origins: tuple[str, ...] = ()
+    """Browser origins allowed by CORS, on top of DEFAULT_ORIGINS (LMSERVE_ORIGINS, comma-separated).
+
+    A `*` matches anything; after a colon at the end (`http://host:*`) it matches a port number only.
+    A lone `*` allows every origin.
+    """
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body in bytes (413 beyond it); blob uploads (/api/blobs/…) are exempt."""
+    max_messages: int = 1024
+    """Most messages one chat request may carry."""
 
     @property
     def load_options(self) -> LoadOptions:
@@ -71,10 +81,20 @@ _ENV_NAMES = {
     "tool_call_parser": "TOOL_CALL_PARSER",
     "max_queue": "MAX_QUEUE",
     "hf_endpoint": "HF_ENDPOINT",
+    "origins": "ORIGINS",
+    "max_body_bytes": "MAX_BODY",
+    "max_messages": "MAX_MESSAGES",
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
-         "max_queue"}
-_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk"}
+         "max_queue", "max_body_bytes", "max_messages"}
+_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages"}
+
+DEFAULT_ORIGINS: tuple[str, ...] = (
+    *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
+      for scheme in ("http", "https") for port in ("", ":*")),
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+)
+"""Origins CORS always allows, as the local runner does: local pages on any port, and desktop-app webviews."""
 
 
 class ConfigError(ValueError):
@@ -124,6 +144,8 @@ def parse_duration(raw: str) -> float | None:
 def _parse(field: str, raw: str) -> object:
     if field == "keep_alive":
         return parse_duration(raw)
+    if field == "origins":
+        return tuple(o.strip() for o in raw.split(",") if o.strip())
     if field in _INTS:
         try:
             return int(raw)

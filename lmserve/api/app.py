@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
@@ -23,7 +25,7 @@ from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
-from lmserve.config import ServerConfig
+from lmserve.config import DEFAULT_ORIGINS, ServerConfig
 from lmserve.errors import AuthenticationFailed, LmserveError
 from lmserve.service import Service
 
@@ -63,6 +65,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.add_exception_handler(ClientGone, _client_gone)
     if config.api_key:
         app.add_middleware(AuthMiddleware, api_key=config.api_key)
+    app.add_middleware(GuardMiddleware, config=config)  # outside auth: preflights carry no Authorization
     app.add_middleware(CatchAllMiddleware)  # added last: outermost, so it also covers the auth middleware
     return app
 
@@ -95,6 +98,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = LmserveError(str(exc.detail))
     err.status = exc.status_code
+    if isinstance(exc, BodyTooLarge):
+        err.code = BodyTooLarge.code
     err.type = _ERROR_TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
     response = error_response(path, err)
     if exc.headers:
@@ -175,3 +180,177 @@ class CatchAllMiddleware:
             if not is_started:
                 err = LmserveError(INTERNAL_ERROR)
                 await send_error(send, scope["path"], err)
+
+
+# ---- guards: DNS rebinding, CORS, request size ------------------------------------------------------
+
+BLOB_PREFIX = "/api/blobs/"
+"""Blob uploads are model weights: exempt from the body limit."""
+CORS_METHODS = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
+CORS_HEADERS = ("Authorization", "Content-Type", "Accept", "User-Agent", "X-Requested-With")
+CORS_MAX_AGE = "86400"
+_SAFE_METHODS = frozenset({"GET", "HEAD"})
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """A request body grew past the limit while it was read (raised from the receive channel)."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body is larger than the limit of {limit} bytes (LMSERVE_MAX_BODY).")
+
+
+def is_loopback_host(host: str) -> bool:
+    """localhost, *.localhost, 127.0.0.0/8 or ::1, without a port (an IPv6 address may be bracketed)."""
+    name = host.strip().lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def split_host_header(value: str) -> str:
+    """The host part of a Host header: 'localhost:11434' → 'localhost', '[::1]:80' → '[::1]'."""
+    if value.startswith("["):
+        end = value.find("]")
+        return value if end < 0 else value[: end + 1]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def origin_pattern(origin: str) -> re.Pattern[str]:
+    """An allowed-origin pattern as a regex: `*` matches anything, but only digits as a trailing `:*` port."""
+    if origin == "*":
+        return re.compile(r".*", re.DOTALL)
+    port = origin.endswith(":*")
+    body = origin[:-2] if port else origin
+    regex = ".*".join(re.escape(part) for part in body.lower().split("*"))
+    return re.compile(regex + (r":\d{1,5}" if port else ""))
+
+
+class GuardMiddleware:
+    """Host-header check (DNS rebinding), CORS, and the request-body limit, before auth and routing.
+
+    - Bound to loopback (config.host), a Host header that is not a loopback name or address gets 403: a page on
+      evil.com that rebinds its name to 127.0.0.1 must not reach the server.
+    - An allowed Origin gets Access-Control-Allow-Origin and preflights are answered here with 204 (browsers send
+      no Authorization on a preflight). A disallowed Origin gets no CORS headers, and 403 on anything but GET/HEAD.
+    - A body beyond config.max_body_bytes gets 413: at once from Content-Length, else while it is received.
+    """
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app = app
+        self._check_host = is_loopback_host(config.host)
+        self._origins = [origin_pattern(o) for o in (*DEFAULT_ORIGINS, *config.origins)]
+        self._max_body = config.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if self._check_host and self._on_socket(scope):
+            host = _header(scope, b"host").decode("latin-1")
+            if host and not is_loopback_host(split_host_header(host)):
+                await send_error(send, path, _denied(f"Host {host!r} is not allowed: the server listens on loopback."))
+                return
+        origin = _header(scope, b"origin").decode("latin-1")
+        cors: list[tuple[bytes, bytes]] = []
+        if origin:
+            if not self._origin_allowed(origin):
+                if method not in _SAFE_METHODS:
+                    await send_error(send, path, _denied(f"Origin {origin!r} is not allowed (LMSERVE_ORIGINS)."))
+                    return
+            else:
+                cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+                if method == "OPTIONS" and _header(scope, b"access-control-request-method"):
+                    await self._preflight(scope, send, cors)
+                    return
+        if self._max_body and not path.startswith(BLOB_PREFIX):
+            length = _header(scope, b"content-length")
+            if length.isdigit() and int(length) > self._max_body:
+                err = _too_large(self._max_body)
+                await send_error(send, path, err, {"Connection": "close"} | _cors_dict(cors))
+                return
+            receive = self._limited(receive)
+        if cors:
+            send = _adding_headers(send, cors)
+        try:
+            await self.app(scope, receive, send)
+        except BodyTooLarge:  # raised where no exception handler runs; the response cannot have started
+            await send_error(send, path, _too_large(self._max_body))
+
+    @staticmethod
+    def _on_socket(scope: Scope) -> bool:
+        """A real server reports the connection's local IP (or None on a unix socket); an in-process transport
+        reports the URL's host name instead: no socket there, so nothing to rebind."""
+        server = scope.get("server")
+        if not server:
+            return True
+        try:
+            ipaddress.ip_address(str(server[0]))
+        except ValueError:
+            return False
+        return True
+
+    def _origin_allowed(self, origin: str) -> bool:
+        lowered = origin.lower()
+        return any(p.fullmatch(lowered) for p in self._origins)
+
+    async def _preflight(self, scope: Scope, send: Send, cors: list[tuple[bytes, bytes]]) -> None:
+        asked = [h.strip() for h in _header(scope, b"access-control-request-headers").decode("latin-1").split(",")]
+        known = {h.lower() for h in CORS_HEADERS}
+        allowed = [*CORS_HEADERS, *(h for h in asked if h and h.lower() not in known)]
+        headers = [
+            *cors,
+            (b"access-control-allow-methods", CORS_METHODS.encode()),
+            (b"access-control-allow-headers", ", ".join(allowed).encode("latin-1")),
+            (b"access-control-max-age", CORS_MAX_AGE.encode()),
+        ]
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit = self._max_body
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        return limited_receive
+
+
+def _denied(message: str) -> LmserveError:
+    err = LmserveError(message, code="forbidden")
+    err.status = 403
+    err.type = _ERROR_TYPES[403]
+    return err
+
+
+def _too_large(limit: int) -> LmserveError:
+    err = LmserveError(str(BodyTooLarge(limit).detail), code=BodyTooLarge.code)
+    err.status = 413
+    err.type = "invalid_request_error"
+    return err
+
+
+def _cors_dict(cors: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode(): v.decode("latin-1") for k, v in cors}
+
+
+def _adding_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return wrapped
