@@ -53,7 +53,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         name = catalog.resolve(config.alias)
     loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
     service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive,
-                      hf_endpoint=config.hf_endpoint, tool_call_parser=config.tool_call_parser)
+                      hf_endpoint=config.hf_endpoint, tool_call_parser=config.tool_call_parser,
+                      max_messages=config.max_messages)
     return service, name
 
 

@@ -170,6 +170,7 @@ class Service:
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
         hf_endpoint: str | None = None,
         tool_call_parser: str | None = None,
+        max_messages: int = 1024,
     ) -> None:
         self.catalog = catalog
         self.loaded = loaded
@@ -177,6 +178,7 @@ class Service:
         self.keep_alive = keep_alive
         self.hf_endpoint = hf_endpoint
         self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
+        self.max_messages = max_messages
 
     # ---- models ----------------------------------------------------------------------------------
 
@@ -226,6 +228,11 @@ class Service:
 
     def render_chat(self, model: LoadedModel, request: ChatRequest) -> str:
         _check_messages(request.messages)
+        if len(request.messages) > self.max_messages:
+            raise InvalidRequest(
+                f"{len(request.messages)} messages is more than this server accepts ({self.max_messages})",
+                param="messages",
+            )
         messages = list(model.messages) + request.messages
         if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
             messages.insert(0, Message(role="system", content=model.system))

@@ -12,6 +12,7 @@ from lmserve.api.native import parse_keep_alive, to_load_options, to_sampling_pa
 from lmserve.api.native_schemas import Options
 from lmserve.engine.fake import FakeBackend
 from lmserve.errors import InvalidRequest
+from lmserve.service import Service
 from lmserve.types import LoadOptions, SamplingParams
 
 FINAL_FIELDS = {"done", "done_reason", "total_duration", "load_duration", "prompt_eval_count",
@@ -180,3 +181,12 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
     assert refused.headers["retry-after"] and set(refused.json()) == {"error"}
     assert all(r.json()["done"] for r in replies if r.status_code == 200)
     assert openai_reply is not None and openai_reply.json()["error"]["type"] == "overloaded_error"
+
+
+async def test_too_many_messages_is_400(service: Service, client: httpx.AsyncClient) -> None:
+    service.max_messages = 3
+    messages = [{"role": "user", "content": "hi"}] * 4
+    r = await client.post("/api/chat", json={"model": "fake", "messages": messages, "stream": False})
+    assert r.status_code == 400 and "messages" in r.json()["error"]
+    r = await client.post("/v1/chat/completions", json={"model": "fake", "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
