@@ -79,9 +79,12 @@ class LoadedModels:
         max_loaded: int = 3,
         clock: Callable[[], float] = time.time,
         on_unload: Callable[[LoadedModel], None] = lambda model: model.engine.close(),
+        on_load: Callable[[str], None] | None = None,
     ) -> None:
         self._loader = loader
         self._on_unload = on_unload
+        self.on_load = on_load
+        """Told the name of each model loaded (e.g. to count loads); None (the default) observes nothing."""
         self._max_loaded = max(1, max_loaded)
         self._clock = clock
         self._residents: dict[str, Resident] = {}
@@ -99,6 +102,11 @@ class LoadedModels:
                 model = await asyncio.to_thread(self._loader, name, options)
                 resident = Resident(model, options, keep_alive, self._clock())
                 self._residents[name] = resident
+                if self.on_load is not None:
+                    try:
+                        self.on_load(name)
+                    except Exception:
+                        log.exception("load observer failed")
             resident.users += 1
             resident.keep_alive = keep_alive
             resident.last_used = self._clock()

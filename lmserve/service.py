@@ -6,6 +6,7 @@ chunks back to their own wire format.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -26,7 +27,12 @@ from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
 from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
 
+log = logging.getLogger(__name__)
+
 DEFAULT_KEEP_ALIVE = 300.0
+
+FinishObserver = Callable[[str, Chunk], None]
+"""Told (model name, final chunk) when a generation yields its final chunk (e.g. to record metrics)."""
 
 
 @dataclass(slots=True)
@@ -94,6 +100,7 @@ class Generation:
     load_ns: int = 0
     tool_parser: ToolCallParser | None = None
     max_tool_calls: int | None = None
+    on_finish: FinishObserver | None = None
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -104,6 +111,8 @@ class Generation:
                 if parsing is not None:
                     chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
                     num_calls += added
+                if chunk.finish_reason is not None and self.on_finish is not None:
+                    _notify(self.on_finish, self.model, chunk)
                 yield chunk
         finally:
             self._release()
@@ -142,6 +151,14 @@ class Generation:
             self.on_done()
 
 
+def _notify(observer: FinishObserver, model: str, chunk: Chunk) -> None:
+    """An observer's failure is logged, never the request's."""
+    try:
+        observer(model, chunk)
+    except Exception:
+        log.exception("finish observer failed")
+
+
 def _parse_tools(
     parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int, max_calls: int | None
 ) -> tuple[Chunk, int]:
@@ -171,6 +188,7 @@ class Service:
         hf_endpoint: str | None = None,
         tool_call_parser: str | None = None,
         max_messages: int = 1024,
+        on_finish: FinishObserver | None = None,
     ) -> None:
         self.catalog = catalog
         self.loaded = loaded
@@ -179,6 +197,8 @@ class Service:
         self.hf_endpoint = hf_endpoint
         self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
         self.max_messages = max_messages
+        self.on_finish = on_finish
+        """Told of every generation's final chunk; None (the default) observes nothing."""
 
     # ---- models ----------------------------------------------------------------------------------
 
@@ -367,6 +387,7 @@ class Service:
             stream=stream,
             on_done=lambda: self.loaded.release(resident),
             tool_parser=parser,
+            on_finish=self.on_finish,
         )
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.streaming import ClientGone, dumps
@@ -32,7 +33,7 @@ from lmserve.service import Service
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})
-"""Routes that need no API key."""
+"""Routes that need no API key (not /metrics: with a key set, a scraper sends it too)."""
 
 CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -59,6 +60,15 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    metrics = Metrics(service)
+    metrics.attach(service)
+    app.state.metrics = metrics
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def metrics_endpoint() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
     app.add_exception_handler(LmserveError, _lmserve_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -66,7 +76,8 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     if config.api_key:
         app.add_middleware(AuthMiddleware, api_key=config.api_key)
     app.add_middleware(GuardMiddleware, config=config)  # outside auth: preflights carry no Authorization
-    app.add_middleware(CatchAllMiddleware)  # added last: outermost, so it also covers the auth middleware
+    app.add_middleware(CatchAllMiddleware)  # outside auth and guards, so it also covers them
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)  # outermost: sees every status
     return app
 
 
