@@ -36,6 +36,8 @@ class ServerConfig:
     max_loaded_models: int = 3
     tool_call_parser: str | None = None
     max_queue: int = 512
+    shutdown_grace: int = 10
+    """Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest then end with an error."""
     """Requests that may wait for a slot, per model; beyond it 503 with Retry-After."""
     """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     hf_endpoint: str | None = None
@@ -80,13 +82,14 @@ _ENV_NAMES = {
     "max_loaded_models": "MAX_LOADED_MODELS",
     "tool_call_parser": "TOOL_CALL_PARSER",
     "max_queue": "MAX_QUEUE",
+    "shutdown_grace": "SHUTDOWN_GRACE",
     "hf_endpoint": "HF_ENDPOINT",
     "origins": "ORIGINS",
     "max_body_bytes": "MAX_BODY",
     "max_messages": "MAX_MESSAGES",
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
-         "max_queue", "max_body_bytes", "max_messages"}
+         "max_queue", "max_body_bytes", "max_messages", "shutdown_grace"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages"}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import sys
 from pathlib import Path
+
+import uvicorn
 
 from lmserve.config import ServerConfig
 from lmserve.errors import LmserveError
@@ -64,9 +68,29 @@ def _name_for_file(path: Path) -> str:
     return stem + ":latest"
 
 
-def run(config: ServerConfig) -> int:
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM/SIGINT uvicorn stops accepting and waits for open requests; after `grace` seconds those still
+    running end with an error line/event, so every client learns why its answer stopped, and the process exits 0."""
 
+    def __init__(self, config: uvicorn.Config, service: Service, grace: float) -> None:
+        super().__init__(config)
+        self._service = service
+        self._grace = grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.get_running_loop().call_later(
+            self._grace, self._service.fail_all, "the server is shutting down"
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+        # uvicorn re-raises the captured signal once it has shut down, so the process would die of SIGTERM;
+        # a completed graceful shutdown is a normal exit.
+        self._captured_signals.clear()
+
+
+def run(config: ServerConfig) -> int:
     from lmserve.api.app import create_app
     from lmserve.engine.llamacpp import default_threads
 
@@ -86,8 +110,10 @@ def run(config: ServerConfig) -> int:
         f"  store    {Path(config.models_dir).expanduser()}",
         flush=True,
     )
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                               timeout_graceful_shutdown=config.shutdown_grace + 5)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+        GracefulServer(uv_config, service, config.shutdown_grace).run()
     finally:
         service.close()
     return 0

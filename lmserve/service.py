@@ -390,6 +390,11 @@ class Service:
             on_finish=self.on_finish,
         )
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight, on every loaded model, with an error carrying `message`."""
+        for resident in self.loaded.running():
+            resident.model.engine.fail_all(message)
+
     def close(self) -> None:
         self.loaded.close()
 

@@ -92,6 +92,7 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
         self._embeds: deque[_EmbedJob] = deque()
+        self._failure: str | None = None
         self._cond = threading.Condition()
         self._is_closing = False
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
@@ -176,6 +177,12 @@ class Engine:
             self._aborts.append(seq)
             self._cond.notify()
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline)."""
+        with self._cond:
+            self._failure = message
+            self._cond.notify()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -198,10 +205,12 @@ class Engine:
             with self._cond:
                 while not (
                     self._inbox or self._aborts or self._embeds or self.scheduler.has_work or self._is_closing
+                    or self._failure
                 ):
                     self._cond.wait()
                 if self._is_closing:
                     break
+                failure, self._failure = self._failure, None
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 job = self._embeds.popleft() if self._embeds else None
@@ -209,6 +218,8 @@ class Engine:
                 self.scheduler.add(seq)
             for seq in aborts:
                 self._drop(seq)
+            if failure is not None:
+                self._fail_all(failure)
             if job is not None:
                 self._embed(job)
             try:
