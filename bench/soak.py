@@ -15,17 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import httpx
 
@@ -83,12 +84,6 @@ class SoakResult:
         return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def default_python() -> str:
     venv_python = ROOT / ".venv/bin/python"
     return str(venv_python if venv_python.exists() else sys.executable)
@@ -103,59 +98,35 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate the server's whole process group; SIGKILL if it lingers."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
+def _load_throughput() -> ModuleType:
+    """bench/ is not a package: load the sibling throughput.py (server start/stop) by path."""
+    name = "lmserve_bench_throughput"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("throughput.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def log_tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join("    | " + line for line in text)
-
-
-@dataclass
-class RunningServer:
-    base: str
-    pid: int
-    log: Path
+throughput = _load_throughput()
 
 
 @contextlib.contextmanager
 def running_server(python: str, args: list[str], env: dict[str, str] | None = None,
-                   timeout: float = 180.0) -> Iterator[RunningServer]:
-    """Start `lmserve serve` with `args` on a free port and a temporary model store; wait for
-    /health; yield it; always kill it (and its process group) afterwards."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+                   timeout: float = 180.0) -> Iterator[Any]:
+    """`lmserve serve` with `args` on a free port and a temporary model store (throughput.running: waits for
+    /health, yields base URL and pid, always kills the process group)."""
+    port = throughput.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="lmserve-soak-"))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
     environ["LMSERVE_MODELS"] = str(tmp / "models")
     environ.update(env or {})
-    log = tmp / "server.log"
     argv = [python, "-m", "lmserve", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=ROOT, env=environ, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with status {proc.returncode}:\n{log_tail(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{log_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
-                    break
-            time.sleep(0.25)
-        yield RunningServer(base, proc.pid, log)
-    finally:
-        stop(proc)
+    with throughput.running(argv, port, "/health", tmp / "server.log", timeout, env=environ) as started:
+        yield started
 
 
 def prompt(n: int) -> str:

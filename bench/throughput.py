@@ -65,6 +65,12 @@ class LevelResult:
         return self.tokens / self.wall if self.wall > 0 else 0.0
 
 
+@dataclass
+class Started:
+    base: str
+    pid: int
+
+
 class StartError(RuntimeError):
     pass
 
@@ -136,12 +142,15 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 
 @contextlib.contextmanager
-def running(argv: list[str], port: int, health: str, log: Path, timeout: float) -> Iterator[str]:
-    """Start a server, wait until `health` answers 200, yield its base URL; always kill it."""
+def running(
+    argv: list[str], port: int, health: str, log: Path, timeout: float, env: dict[str, str] | None = None
+) -> Iterator[Started]:
+    """Start a server (with `env` as its whole environment when given), wait until `health` answers 200, yield
+    its base URL and pid; always kill it and its process group."""
     base = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=ROOT, start_new_session=True)
+                                cwd=ROOT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -153,7 +162,7 @@ def running(argv: list[str], port: int, health: str, log: Path, timeout: float) 
                 if httpx.get(base + health, timeout=2.0).status_code == 200:
                     break
             time.sleep(0.25)
-        yield base
+        yield Started(base, proc.pid)
     finally:
         stop(proc)
 
@@ -221,7 +230,8 @@ def bench_server(name: str, args: argparse.Namespace, logdir: Path) -> list[Leve
     print(f"[{name}] $ {shlex.join(argv)}")
     log = logdir / f"{name}.log"
     try:
-        with running(argv, port, health, log, args.start_timeout) as base:
+        with running(argv, port, health, log, args.start_timeout) as started:
+            base = started.base
             asyncio.run(run_level(base, 1, 1, min(16, args.max_tokens)))  # warm-up
             results = []
             for streams in args.concurrency:
