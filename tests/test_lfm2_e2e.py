@@ -24,8 +24,6 @@ from lmserve.store.modelfile import parse as parse_modelfile
 from tests.test_server import Server
 from tests.tiny_lfm2 import write_tiny_lfm2
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
 TEMPLATE = (
     "<|startoftext|><|im_start|>system\n{{ .System }}<|im_end|>\n<|im_start|>user\n{{ .Prompt }}<|im_end|>\n"
     "<|im_start|>assistant\n"

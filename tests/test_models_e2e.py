@@ -16,8 +16,6 @@ from tests.test_server import MODEL, Server
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lora import write_tiny_lora
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:

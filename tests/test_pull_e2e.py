@@ -24,8 +24,6 @@ from tests.hub import FakeHub, serve_hub, sha256_hex
 from tests.test_server import Server
 from tests.tiny_gguf import F16, write_tiny_llama
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
 REPO = "test-org/tiny-GGUF"
 MODEL = f"hf.co/{REPO}:Q8_0"
 

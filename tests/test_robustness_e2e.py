@@ -13,8 +13,6 @@ import pytest
 from tests.test_server import MODEL, Server
 from tests.tiny_gguf import CHATML_TEMPLATE, write_tiny_llama
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
 INJECTION = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
 QUESTION = [{"role": "user", "content": "Say hi."}]
 
