@@ -28,11 +28,11 @@ class Options(Wire):
     num_predict: int | None = None
     num_keep: int | None = None
     num_ctx: int | None = Field(None, ge=1)
-    num_batch: int | None = Field(None, ge=1)
+    num_batch: int | None = Field(None, ge=1, le=8192)
     num_gpu: int | None = None
     main_gpu: int | None = None
     use_mmap: bool | None = None
-    num_thread: int | None = Field(None, ge=1)
+    num_thread: int | None = Field(None, ge=1, le=1024)
 
 
 class FunctionCall(Wire):

@@ -64,9 +64,12 @@ class LlamaCppBackend:
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         threads = options.num_threads or default_threads()
+        # A request's num_ctx is untrusted: never allocate more per sequence than the model was trained for.
+        trained = lc.llama_model_n_ctx_train(model)
+        num_ctx = min(options.num_ctx, trained) if trained > 0 else options.num_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = options.num_parallel
-        cparams.n_ctx = options.num_ctx * options.num_parallel
+        cparams.n_ctx = num_ctx * options.num_parallel
         cparams.n_batch = options.num_batch
         cparams.n_ubatch = options.num_batch
         cparams.n_threads = threads
@@ -336,7 +339,7 @@ class LlamaCppBackend:
                 array[i].bias = value
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self._num_vocab, len(bias), array))
         if s.repeat_last_n != 0 and (s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
-            last_n = self.info.num_ctx if s.repeat_last_n < 0 else s.repeat_last_n
+            last_n = self.info.num_ctx if s.repeat_last_n < 0 else min(s.repeat_last_n, self.info.num_ctx)
             penalties = lc.llama_sampler_init_penalties(
                 self._num_vocab, last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
             )

@@ -190,3 +190,9 @@ async def test_too_many_messages_is_400(service: Service, client: httpx.AsyncCli
     assert r.status_code == 400 and "messages" in r.json()["error"]
     r = await client.post("/v1/chat/completions", json={"model": "fake", "messages": messages})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("options", [{"num_batch": 10**6}, {"num_thread": 10**6}, {"repeat_last_n": -2}])
+async def test_absurd_load_options_are_refused(client: httpx.AsyncClient, options: dict[str, int]) -> None:
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "x", "options": options})
+    assert r.status_code == 400

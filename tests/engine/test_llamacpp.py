@@ -148,3 +148,17 @@ async def test_a_repeated_prompt_reuses_the_cached_prefix_and_gives_the_same_tex
     follow_up = prompt + text + "<|im_end|>\n" + chat("And their moons?")
     chunks, _ = await generate(engine, follow_up, temperature=0, max_tokens=4)
     assert chunks[-1].usage is not None and chunks[-1].usage.cached_tokens >= num_prompt
+
+
+async def test_a_context_beyond_the_trained_one_is_clamped_to_it(model_path: Path) -> None:
+    backend = LlamaCppBackend(model_path, LoadOptions(num_ctx=10**6, num_parallel=1, num_batch=64))
+    try:
+        assert backend.info.num_ctx == 8192  # SmolLM2's trained context
+    finally:
+        backend.close()
+
+
+async def test_a_huge_repeat_window_is_bounded_by_the_context(engine: Engine) -> None:
+    _, text = await generate(engine, chat("Hi"), temperature=0, max_tokens=4, repeat_penalty=1.1,
+                             repeat_last_n=2**30)
+    assert text
