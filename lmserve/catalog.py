@@ -171,12 +171,13 @@ class StoreCatalog:
         entry = self.store.find(name)
         manifest = entry.manifest
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
+        projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
         path = self.store.blob_path(manifest.model)
         try:
             if not path.is_file():
                 raise EngineFailure(f"its weights file {path.name} is missing from the store")
             check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see a bad one
-            engine = self._engine_factory(path, replace(options, adapters=adapters))
+            engine = self._engine_factory(path, replace(options, adapters=adapters, projector=projector))
         except LmserveError as exc:
             raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
         except Exception as exc:
@@ -215,6 +216,9 @@ class StoreCatalog:
         if modelfile.projector:
             projector = _local_path(modelfile.projector, base_dir)
             check_gguf(projector)
+            if gguf_metadata(projector).get("general.architecture") != "clip":
+                raise InvalidRequest(f"{projector.name} is not a vision projector (an mmproj GGUF has architecture "
+                                     "'clip')", param="modelfile")
             manifest.projector = self.store.import_file(projector)
         manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
         if modelfile.template is not None:
@@ -303,6 +307,7 @@ class StaticCatalog:
             template=info.chat_template or "",
             system=model.system or "",
             model_info=dict(info.metadata),
+            capabilities=["completion", "vision"] if info.image_marker is not None else ["completion"],
         )
 
     def sampling_defaults(self, name: str) -> SamplingParams:

@@ -56,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", dest="tool_call_parser", metavar="NAME",
                        help=f"tool-call format: lfm2, hermes, llama3_json, pythonic (default: detect from the chat "
                        f"template; {env_name('tool_call_parser')})")
+    serve.add_argument("--mmproj", metavar="PATH",
+                       help=f"vision projector GGUF for a model given as a .gguf path ({env_name('mmproj')})")
+    serve.add_argument("--image-min-tokens", dest="image_min_tokens", type=int, metavar="N",
+                       help=f"fewest tokens per image or tile (default: the projector's; "
+                       f"{env_name('image_min_tokens')})")
+    serve.add_argument("--image-max-tokens", dest="image_max_tokens", type=int, metavar="N",
+                       help=f"most tokens per image or tile (default: the projector's; "
+                       f"{env_name('image_max_tokens')})")
+    serve.add_argument("--image-allow-host", dest="image_allow_hosts", action="append", metavar="HOST",
+                       help="let image URLs reach HOST (name, IP or host:port) even when it is private or loopback; "
+                       f"repeatable ({env_name('image_allow_hosts')}, comma-separated)")
     _add_client_commands(commands)
     return parser
 
@@ -97,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = vars(args).copy()
         if flags.pop("model_path", None) is not None:
             flags["model"] = args.model_path
+        if flags.get("image_allow_hosts") is not None:
+            flags["image_allow_hosts"] = tuple(flags["image_allow_hosts"])
         try:
             config = resolve(flags)
         except ConfigError as exc:

@@ -35,11 +35,11 @@ class ServerConfig:
     """Seconds a model stays loaded after its last request (None: forever)."""
     max_loaded_models: int = 3
     tool_call_parser: str | None = None
+    """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     max_queue: int = 512
+    """Requests that may wait for a slot, per model; beyond it 503 with Retry-After."""
     shutdown_grace: int = 10
     """Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest then end with an error."""
-    """Requests that may wait for a slot, per model; beyond it 503 with Retry-After."""
-    """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
     hf_endpoint: str | None = None
     """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
     origins: tuple[str, ...] = ()
@@ -52,6 +52,16 @@ class ServerConfig:
     """Largest request body in bytes (413 beyond it); blob uploads (/api/blobs/…) are exempt."""
     max_messages: int = 1024
     """Most messages one chat request may carry."""
+    mmproj: str | None = None
+    """Vision projector (mmproj) GGUF for a model given as a .gguf path."""
+    image_min_tokens: int = 0
+    """Fewest tokens per image (or tile); 0: the projector's default."""
+    image_max_tokens: int = 0
+    """Most tokens per image (or tile); 0: the projector's default."""
+    image_allow_hosts: tuple[str, ...] = ()
+    """Hosts (name, IP or host:port) image URLs may reach even when private or loopback (comma-separated)."""
+    image_max_bytes: int = 20 * 1024 * 1024
+    """Largest image accepted, in bytes (data URI, base64 or download)."""
 
     @property
     def load_options(self) -> LoadOptions:
@@ -61,6 +71,8 @@ class ServerConfig:
             num_gpu_layers=self.n_gpu_layers,
             num_threads=self.threads,
             num_batch=self.batch_size,
+            image_min_tokens=self.image_min_tokens,
+            image_max_tokens=self.image_max_tokens,
         )
 
 
@@ -87,10 +99,18 @@ _ENV_NAMES = {
     "origins": "ORIGINS",
     "max_body_bytes": "MAX_BODY",
     "max_messages": "MAX_MESSAGES",
+    "mmproj": "MMPROJ",
+    "image_min_tokens": "IMAGE_MIN_TOKENS",
+    "image_max_tokens": "IMAGE_MAX_TOKENS",
+    "image_allow_hosts": "IMAGE_ALLOW_HOSTS",
+    "image_max_bytes": "IMAGE_MAX_BYTES",
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
-         "max_queue", "max_body_bytes", "max_messages", "shutdown_grace"}
-_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages"}
+         "max_queue", "max_body_bytes", "max_messages", "shutdown_grace", "image_min_tokens", "image_max_tokens",
+         "image_max_bytes"}
+_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages",
+             "image_max_bytes"}
+_LISTS = {"origins", "image_allow_hosts"}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
@@ -130,6 +150,13 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
         value = values.get(name)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("image_min_tokens", "image_max_tokens"):
+        value = values.get(name)
+        if isinstance(value, int) and value < 0:
+            raise ConfigError(f"{name.replace('_', '-')} must not be negative, got {value}")
+    low, high = values.get("image_min_tokens"), values.get("image_max_tokens")
+    if isinstance(low, int) and isinstance(high, int) and 0 < high < low:
+        raise ConfigError(f"image-max-tokens ({high}) is below image-min-tokens ({low})")
     return ServerConfig(**values)  # type: ignore[arg-type]
 
 
@@ -147,7 +174,7 @@ def parse_duration(raw: str) -> float | None:
 def _parse(field: str, raw: str) -> object:
     if field == "keep_alive":
         return parse_duration(raw)
-    if field == "origins":
+    if field in _LISTS:
         return tuple(o.strip() for o in raw.split(",") if o.strip())
     if field in _INTS:
         try:

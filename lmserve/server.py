@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from lmserve.config import ServerConfig
-from lmserve.errors import LmserveError
+from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 from lmserve.types import LoadOptions
@@ -50,7 +50,11 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     path = Path(name).expanduser()
     if is_gguf_path(name) or path.is_file():
         name = _name_for_file(path)
-        catalog.create(name, Modelfile(from_=str(path.resolve())))
+        projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
+        catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
+    elif config.mmproj:
+        raise InvalidRequest(f"--mmproj goes with a model given as a .gguf path, not the name '{name}' (a stored "
+                             "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
     name = catalog.resolve(name)
     if config.alias:
         catalog.copy(name, config.alias)

@@ -6,6 +6,7 @@ chunks back to their own wire format.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.media import to_bitmap
 from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
+from lmserve.engine.base import PromptImage
 from lmserve.engine.loop import RequestStream
 from lmserve.engine.quantize import parse_quant
 from lmserve.engine.quantize import quantize as run_quantize
@@ -253,7 +256,9 @@ class Service:
                 f"{len(request.messages)} messages is more than this server accepts ({self.max_messages})",
                 param="messages",
             )
-        messages = list(model.messages) + request.messages
+        messages = list(model.messages) + [
+            self._with_image_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
+        ]
         if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
             messages.insert(0, Message(role="system", content=model.system))
         return model.template.render(
@@ -277,7 +282,9 @@ class Service:
                     )
                 grammar = forced_call_grammar(parser, request.tools, request.forced_tool)
                 sampling = replace(sampling, grammar=grammar, stop=[], logit_bias=dict(sampling.logit_bias))
-            generation = self._submit(resident, self._tokenize(model, prompt), sampling, parser)
+            images = [image for message in request.messages for image in message.images]
+            tokens, places = await self._tokenize_prompt(model, prompt, images)
+            generation = self._submit(resident, tokens, sampling, parser, places)
             generation.max_tool_calls = None if request.parallel_tool_calls else 1
             generation.load_ns = time.perf_counter_ns() - started
             return generation
@@ -303,21 +310,27 @@ class Service:
         self, request: CompletionRequest, *, system: str | None = None, template: str | None = None, raw: bool = False
     ) -> Generation:
         """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens."""
-        if raw:
+        if raw and not request.images:
             return await self.complete(request)
+        if raw:
+            template = "{{ .Prompt }}"  # the images' markers, then the prompt as it is
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
-            messages = [Message(role="user", content=request.prompt)]
+            user = self._with_image_markers(model, Message("user", request.prompt, list(request.images)), "images")
+            messages = [replace(user, images=[])]
             if system is not None:
                 messages.insert(0, Message(role="system", content=system))
             if template is not None:
                 prompt = GoChatTemplate(template, system=model.system).render(messages)
             else:
                 prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling))
-            tokens = list(request.context) + self._tokenize(model, prompt)
-            generation = self._submit(resident, tokens, request.sampling)
+            tokens, places = await self._tokenize_prompt(model, prompt, request.images)
+            if request.context:
+                tokens = list(request.context) + tokens
+                places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
+            generation = self._submit(resident, tokens, request.sampling, images=places)
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:
@@ -332,6 +345,14 @@ class Service:
 
     def describe(self, name: str) -> ModelDescription:
         return self.catalog.describe(self.catalog.resolve(name))
+
+    def check_vision(self, name: str) -> None:
+        """Raise InvalidRequest unless model `name` can see images (it has a vision projector)."""
+        if "vision" not in self.describe(name).capabilities:
+            raise InvalidRequest(
+                f"model '{name}' has no vision projector (it cannot see images); use a vision model",
+                param="messages",
+            )
 
     def copy(self, source: str, destination: str) -> None:
         self.catalog.copy(self.catalog.resolve(source), destination)
@@ -376,11 +397,37 @@ class Service:
     def _tokenize(self, model: LoadedModel, prompt: str) -> list[int]:
         return model.engine.tokenize(prompt, add_special=True, parse_special=True)
 
+    @staticmethod
+    def _with_image_markers(model: LoadedModel, message: Message, where: str) -> Message:
+        """`message` with one image marker per image before its text; 400 when the model has no vision."""
+        if not message.images:
+            return message
+        marker = model.engine.info.image_marker
+        if marker is None:
+            raise InvalidRequest(
+                f"{where} contains an image, but model '{model.name}' has no vision projector (it cannot see images)",
+                param="messages" if where.startswith("messages") else "images",
+            )
+        return replace(message, content=marker * len(message.images) + message.content)
+
+    async def _tokenize_prompt(
+        self, model: LoadedModel, prompt: str, images: list[bytes]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt's tokens and, with images, their places (decoded and preprocessed off the event loop)."""
+        if not images:
+            return self._tokenize(model, prompt), []
+
+        def prepare() -> tuple[list[int], list[PromptImage]]:
+            return model.engine.tokenize_images(prompt, [to_bitmap(image) for image in images])
+
+        return await asyncio.to_thread(prepare)
+
     def _submit(
-        self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None
+        self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
+        images: list[PromptImage] | None = None,
     ) -> Generation:
         # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
-        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None)
+        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images)
         return Generation(
             model=resident.model.name,
             num_prompt_tokens=len(tokens),
@@ -478,10 +525,5 @@ class Service:
 def _check_messages(messages: list[Message]) -> None:
     if not messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
-    for i, message in enumerate(messages):
-        if message.images:
-            raise InvalidRequest(
-                f"messages[{i}] contains an image, but this model has no vision projector", param="messages"
-            )
 
 

@@ -34,6 +34,15 @@ class Message:
     name: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Bitmap:
+    """A decoded image: `width` x `height` pixels as packed 8-bit RGB (`rgb` has width * height * 3 bytes)."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling. Defaults are the server defaults (request → Modelfile → here).
@@ -74,6 +83,12 @@ class LoadOptions:
     num_batch: int = 512
     adapters: tuple[str, ...] = ()
     """Paths of LoRA adapter GGUFs applied at scale 1.0 (the Modelfile's ADAPTERs; set by the catalog)."""
+    projector: str | None = None
+    """Path of the vision projector (mmproj) GGUF; None: the model takes no images (set by the catalog)."""
+    image_min_tokens: int = 0
+    """Fewest tokens one image (or tile) may become; 0: the projector's own default."""
+    image_max_tokens: int = 0
+    """Most tokens one image (or tile) may become; 0: the projector's own default."""
 
 
 @dataclass(slots=True)
@@ -104,6 +119,8 @@ class CompletionRequest:
     sampling: SamplingParams
     context: list[int] = field(default_factory=list)
     """Tokens of an earlier exchange to continue (the native dialect's `context`)."""
+    images: list[bytes] = field(default_factory=list)
+    """Encoded images (checked by chat/media.py) shown to a vision model before the prompt text."""
     options: LoadOptions | None = None
     keep_alive: float | None = None
 

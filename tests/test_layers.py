@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.loaded": BASE | {"lmserve.engine"},
     "lmserve.service": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat", "lmserve.loaded"},
     "lmserve.catalog": BASE | {"lmserve.engine", "lmserve.store", "lmserve.chat", "lmserve.loaded", "lmserve.service"},
-    "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured"},
+    "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media"},
 }
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},
                          "lmserve.store": {"fastapi", "starlette", "uvicorn"}}

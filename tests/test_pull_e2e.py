@@ -7,6 +7,7 @@ at it with LMSERVE_HF_ENDPOINT. Pulled with the official `ollama` client and wit
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import subprocess
 import sys
@@ -17,12 +18,14 @@ from typing import Any, cast
 
 import ollama
 import pytest
+from PIL import Image
 
 from lmserve.api.pulling import PullCancelled, PullFeed
 from lmserve.service import Service
 from tests.hub import FakeHub, serve_hub, sha256_hex
 from tests.test_server import Server
-from tests.tiny_gguf import F16, write_tiny_llama
+from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.tiny_lfm2_vl import LFM2_VL_SPECIALS, write_tiny_lfm2_mmproj
 
 REPO = "test-org/tiny-GGUF"
 MODEL = f"hf.co/{REPO}:Q8_0"
@@ -33,9 +36,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     folder = tmp_path_factory.mktemp("hub-files")
     return {
         "README.md": b"# tiny\n",
-        "tiny-Q8_0.gguf": write_tiny_llama(folder / "q8.gguf", seed=1, name="tiny-q8").read_bytes(),
-        "tiny-F16.gguf": write_tiny_llama(folder / "f16.gguf", ftype=F16, seed=2, name="tiny-f16").read_bytes(),
-        "mmproj-tiny-F16.gguf": write_tiny_llama(folder / "mmproj.gguf", seed=3, name="mmproj").read_bytes(),
+        # A tiny LFM2-VL: two text GGUFs (the file names pick the quant) and the projector that fits them.
+        "tiny-Q8_0.gguf": write_tiny_lfm2(folder / "q8.gguf", seed=1, extra_specials=LFM2_VL_SPECIALS).read_bytes(),
+        "tiny-F16.gguf": write_tiny_lfm2(folder / "f16.gguf", seed=2, extra_specials=LFM2_VL_SPECIALS).read_bytes(),
+        "mmproj-tiny-F16.gguf": write_tiny_lfm2_mmproj(folder / "mmproj.gguf", seed=3).read_bytes(),
     }
 
 
@@ -84,9 +88,14 @@ def test_pull_streams_progress_registers_the_model_and_it_generates(
 
     assert MODEL in [m.model for m in client.list().models]
     shown = client.show(MODEL)
-    assert shown.details is not None and shown.details.family == "llama"
+    assert shown.details is not None and shown.details.family == "lfm2"
     assert "vision" in (shown.capabilities or [])
     generated = client.generate(model=MODEL, prompt="hi", raw=True, options={"num_predict": 3})
+    assert generated.done and generated.eval_count is not None and 0 < generated.eval_count <= 3
+    image = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(image, "PNG")
+    seen = client.generate(model=MODEL, prompt="what is it?", images=[image.getvalue()], options={"num_predict": 3})
+    assert seen.prompt_eval_count is not None and seen.prompt_eval_count > 64  # the pulled projector sees it
     assert generated.done and generated.eval_count is not None and 0 < generated.eval_count <= 3
     assert isinstance(generated.response, str)
 

@@ -9,10 +9,15 @@ then the byte tokens and single-letter pieces of `tests.tiny_gguf`, so any text 
 `LFM2_TEMPLATE`, a faithful copy of the LFM2 text chat template (pass `chat_template=None` to leave it out). The
 F32 weights (~750 KB) are seeded random numbers scaled so that greedy output depends on the prompt: it loads,
 decodes with hybrid memory (`llama_model_is_hybrid`) and produces varied gibberish.
+
+`extra_specials=[...]` appends more control tokens after the `n_vocab` base tokens (ids `n_vocab`, `n_vocab + 1`,
+…; every base id is unchanged) with short embedding rows drawn from a separate seeded stream, so the base weights
+are the same as without them. `tests.tiny_lfm2_vl` uses it for LFM2-VL's image tokens (`LFM2_VL_SPECIALS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -39,6 +44,16 @@ LFM2_SPECIALS = [
 """LFM2's special tokens; a token's id is its index."""
 
 PAD_ID, BOS_ID, EOT_ID, EOS_ID = 0, 1, 2, 7
+
+LFM2_VL_SPECIALS = [
+    "<image>",
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|img_thumbnail|>",
+    *(f"<|img_row_{row}_col_{col}|>" for row in range(1, 11) for col in range(1, 11)),
+]
+"""LFM2-VL's image tokens: the chat template's `<image>` placeholder, the markers libmtmd wraps an image in, and
+the tile markers (a tiled image has at most 10 tiles, so rows and columns run 1..10). Pass as `extra_specials`."""
 
 LFM2_TEMPLATE = (
     "{{- bos_token -}}\n"
@@ -110,9 +125,16 @@ def write_tiny_lfm2(
     chat_template: str | None = LFM2_TEMPLATE,
     n_vocab: int = 360,
     name: str = "tiny-lfm2",
+    extra_specials: Sequence[str] = (),
 ) -> Path:
-    """Write a tiny random LFM2 GGUF with F32 tensors; return its path."""
+    """Write a tiny random LFM2 GGUF with F32 tensors; return its path.
+
+    `extra_specials` are control tokens appended after the `n_vocab` base tokens (the vocab then has
+    `n_vocab + len(extra_specials)` tokens; base ids and base weights are unchanged).
+    """
     path = Path(path)
+    extra = list(extra_specials)
+    total_vocab = n_vocab + len(extra)
     writer = gguf.GGUFWriter(path, "lfm2")
     writer.add_name(name)
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
@@ -125,8 +147,11 @@ def write_tiny_lfm2(
     writer.add_rope_freq_base(1000000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_shortconv_l_cache(CONV_L_CACHE)
-    writer.add_vocab_size(n_vocab)
+    writer.add_vocab_size(total_vocab)
     tokens, scores, types = lfm2_vocab(n_vocab)
+    tokens += extra
+    scores += [0.0] * len(extra)
+    types += [int(gguf.TokenType.CONTROL)] * len(extra)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -139,7 +164,7 @@ def write_tiny_lfm2(
     writer.add_add_space_prefix(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    for tensor_name, array in _tensors(n_vocab, seed):
+    for tensor_name, array in _tensors(n_vocab, seed, len(extra)):
         writer.add_tensor(tensor_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -148,8 +173,11 @@ def write_tiny_lfm2(
     return path
 
 
-def _tensors(n_vocab: int, seed: int) -> list[tuple[str, np.ndarray]]:
-    """Tensor names and arrays in numpy order (rows, cols): GGUF stores the dimensions reversed."""
+def _tensors(n_vocab: int, seed: int, n_extra: int = 0) -> list[tuple[str, np.ndarray]]:
+    """Tensor names and arrays in numpy order (rows, cols): GGUF stores the dimensions reversed.
+
+    `n_extra` more embedding rows (for `extra_specials`) come from their own stream, after the `n_vocab` rows.
+    """
     rng = np.random.default_rng(seed)
     head_dim = NUM_EMBD // NUM_HEAD
 
@@ -165,6 +193,10 @@ def _tensors(n_vocab: int, seed: int) -> list[tuple[str, np.ndarray]]:
     # get short rows, so the (tied) output favours text pieces: gibberish, but mostly valid UTF-8 and seldom EOS.
     embedding = weight(n_vocab, NUM_EMBD, scale=0.3)
     embedding[: len(LFM2_SPECIALS) + 256] *= 0.3
+    if n_extra:
+        extra_rng = np.random.default_rng([seed, 1])
+        extra_rows = (extra_rng.standard_normal((n_extra, NUM_EMBD)) * 0.09).astype(np.float32)
+        embedding = np.concatenate([embedding, extra_rows])
     tensors = [("token_embd.weight", embedding), ("token_embd_norm.weight", ones(NUM_EMBD))]
     for i, kind in enumerate(LAYER_TYPES):
         tensors.append((f"blk.{i}.attn_norm.weight", ones(NUM_EMBD)))

@@ -26,6 +26,7 @@ from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
+from lmserve.chat.media import MediaPolicy
 from lmserve.config import DEFAULT_ORIGINS, ServerConfig
 from lmserve.errors import AuthenticationFailed, LmserveError
 from lmserve.service import Service
@@ -53,8 +54,9 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
             expiry.cancel()
 
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.include_router(openai_router(service))
-    app.include_router(native_router(service))
+    media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
+    app.include_router(openai_router(service, media))
+    app.include_router(native_router(service, media))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

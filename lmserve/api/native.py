@@ -8,8 +8,6 @@ service, and its chunks written back as NDJSON lines with durations in nanosecon
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import re
 import tempfile
@@ -27,6 +25,7 @@ from lmserve.api import native_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
+from lmserve.chat.media import MediaPolicy, decode_base64
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Generation, ModelListing, Service
@@ -108,24 +107,24 @@ def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> Load
     return replace(defaults, **given) if given else None
 
 
-def to_messages(messages: list[wire.ChatMessage]) -> list[Message]:
+def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
+    """The engine-neutral messages; their base64 `images` are decoded and checked under `media`."""
+    policy = media or MediaPolicy()
     out = []
     for i, m in enumerate(messages):
         calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
-        images = [decode_image(img, f"messages[{i}].images") for img in m.images or ()]
+        images = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
         role = "system" if m.role == "developer" else m.role
         out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name))
     return out
 
 
-def decode_image(data: str, where: str) -> bytes:
-    """Base64 image bytes, with or without a data: prefix."""
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
+def decode_image(data: str, where: str, policy: MediaPolicy) -> bytes:
+    """Checked image bytes from base64, with or without a data: prefix (size, format and pixel caps)."""
     try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{where} is not valid base64", param="images") from None
+        return decode_base64(data, policy).data
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc.message}", param="images") from None
 
 
 # ---- records → NDJSON -----------------------------------------------------------------------------
@@ -209,9 +208,10 @@ def tag(listing: ModelListing) -> dict[str, Any]:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def native_router(service: Service) -> APIRouter:
+def native_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
     """The /api routes over `service`, plus `GET /`."""
     router = APIRouter()
+    policy = media or MediaPolicy()
 
     @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def root() -> str:
@@ -230,24 +230,26 @@ def native_router(service: Service) -> APIRouter:
         if body.suffix:
             raise InvalidRequest(f"model '{body.model}' does not support insert (suffix): its template has no "
                                  "fill-in-the-middle form", param="suffix")
+        images: list[bytes] = []
         if body.images:
-            images = [decode_image(img, "images") for img in body.images]
-            del images
-            raise InvalidRequest(f"model '{body.model}' has no vision projector; images are not supported",
-                                 param="images")
+            service.check_vision(body.model)
+            images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
         defaults = await service.sampling_defaults(body.model)
         record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
-                                   context=list(body.context or ()), options=load, keep_alive=keep_alive)
+                                   context=list(body.context or ()), images=images, options=load,
+                                   keep_alive=keep_alive)
         generation = await service.generate(record, system=body.system, template=body.template, raw=body.raw)
 
         def head() -> dict[str, Any]:
             return {"model": body.model, "created_at": now_iso()}
 
         def last(final: Chunk) -> dict[str, Any]:
-            context = generation.prompt_tokens + generation.output_tokens
-            return {**head(), "response": "", **final_fields(generation, final, started), "context": context}
+            done = {**head(), "response": "", **final_fields(generation, final, started)}
+            if images:  # image positions hold placeholders, no tokens: such a context could not be sent back
+                return done
+            return {**done, "context": generation.prompt_tokens + generation.output_tokens}
 
         if body.stream:
             frames = ndjson_lines(generation, lambda chunk: {**head(), "response": chunk.text, "done": False}, last)
@@ -266,7 +268,9 @@ def native_router(service: Service) -> APIRouter:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
         defaults = await service.sampling_defaults(body.model)
         sampling = to_sampling_params(body.options, defaults, body.format)
-        record = ChatRequest(body.model, to_messages(body.messages), sampling,
+        if any(m.images for m in body.messages):
+            service.check_vision(body.model)
+        record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
                              tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
         generation = await service.chat(record)
 

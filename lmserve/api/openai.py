@@ -9,14 +9,14 @@ streamed answer is sent, so they are ordinary HTTP errors.
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import binascii
 import hashlib
 import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from lmserve.api.streaming import (
     until_disconnect,
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
+from lmserve.chat.media import MediaPolicy, decode_data_uri, fetch_image
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, ModelListing, Service
@@ -102,11 +103,21 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def to_chat_request(req: schemas.ChatCompletionRequest, defaults: SamplingParams | None = None) -> ChatRequest:
-    """The engine-neutral chat request. Tools are passed as the JSON objects the template expects."""
+def to_chat_request(
+    req: schemas.ChatCompletionRequest, defaults: SamplingParams | None = None,
+    images: list[list[bytes]] | None = None,
+) -> ChatRequest:
+    """The engine-neutral chat request. Tools are passed as the JSON objects the template expects.
+
+    `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
+    """
     if req.logprobs:
         raise InvalidRequest("logprobs are not supported", param="logprobs")
-    messages = [_to_message(i, m) for i, m in enumerate(req.messages)]
+    if images is None:
+        if has_images(req):
+            raise InvalidRequest("this request's images were not loaded", param="messages")
+        images = [[] for _ in req.messages]
+    messages = [_to_message(i, m, images[i]) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
     sampling = to_sampling_params(req, defaults)
@@ -141,8 +152,8 @@ def _forced_tool(choice: str | schemas.NamedToolChoice | None, tools: list[dict[
     return name
 
 
-def _to_message(index: int, m: schemas.ChatMessage) -> Message:
-    text, images = _content(index, m.content)
+def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes]) -> Message:
+    text = _content(m.content)
     calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
     role = "system" if m.role == "developer" else m.role
     return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
@@ -152,41 +163,58 @@ def _arguments(arguments: str | dict[str, Any]) -> str:
     return arguments if isinstance(arguments, str) else dumps(arguments)
 
 
-def _content(index: int, content: str | list[schemas.ContentPart] | None) -> tuple[str, list[bytes]]:
-    """Text (and refusal) parts joined by newlines, in order; image parts as bytes (see `_image_bytes`)."""
+def _content(content: str | list[schemas.ContentPart] | None) -> str:
+    """Text (and refusal) parts joined by newlines, in order; image parts are carried apart (`load_images`)."""
     if content is None:
-        return "", []
+        return ""
     if isinstance(content, str):
-        return content, []
+        return content
     texts: list[str] = []
-    images: list[bytes] = []
-    for j, part in enumerate(content):
+    for part in content:
         if isinstance(part, schemas.TextPart):
             texts.append(part.text)
         elif isinstance(part, schemas.RefusalPart):
             texts.append(part.refusal)
-        else:
-            images.append(_image_bytes(part.image_url.url, f"messages[{index}].content[{j}].image_url.url"))
-    return "\n".join(texts), images
+    return "\n".join(texts)
 
 
-def _image_bytes(url: str, where: str) -> bytes:
-    """A data: URI decoded to its bytes; an http(s) URL as its UTF-8 text.
+def _image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]]]:
+    """Per message, its image parts as (where, url)."""
+    return [
+        [(f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
+         for j, part in enumerate(m.content) if isinstance(part, schemas.ImagePart)]
+        if isinstance(m.content, list) else []
+        for i, m in enumerate(req.messages)
+    ]
 
-    Placeholder until chat/media.py fetches and checks images: the service rejects any image for a
-    model without a vision projector, so the URL bytes never reach an engine.
+
+def has_images(req: schemas.ChatCompletionRequest) -> bool:
+    return any(_image_urls(req))
+
+
+async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -> list[list[bytes]]:
+    """Each message's images as checked bytes: data URIs decoded, http(s) URLs fetched (concurrently) under `policy`.
+
+    Any refusal is a 400 naming the part and saying why (see chat/media.py).
     """
-    if url.startswith("data:"):
-        header, comma, data = url.partition(",")
-        if not comma or not header.endswith(";base64"):
-            raise InvalidRequest(f"{where} must be a base64 data URI", param="messages")
+
+    async def one(where: str, url: str) -> bytes:
         try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest(f"{where} is not valid base64", param="messages") from None
-    if url.startswith(("http://", "https://")):
-        return url.encode()
-    raise InvalidRequest(f"{where} must be an http(s) URL or a data: URI", param="messages")
+            if url[:5].lower() == "data:":
+                return decode_data_uri(url, policy).data
+            if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+                return (await fetch_image(url, policy)).data
+            raise InvalidRequest("an image must be an http(s) URL or a data: URI (other schemes are refused)")
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc.message}", param="messages") from None
+
+    jobs: list[list[Awaitable[bytes]]] = [[one(where, url) for where, url in parts] for parts in _image_urls(req)]
+    flat = await asyncio.gather(*(job for parts in jobs for job in parts))
+    out: list[list[bytes]] = []
+    for parts in jobs:
+        out.append(list(flat[: len(parts)]))
+        flat = flat[len(parts) :]
+    return out
 
 
 def to_completion_request(
@@ -349,14 +377,20 @@ def model_card(model: ModelListing) -> dict[str, Any]:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
 
 
-def openai_router(service: Service) -> APIRouter:
-    """The /v1 routes over `service`."""
+def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
+    """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults)."""
     router = APIRouter(prefix="/v1")
+    policy = media or MediaPolicy()
 
     @router.post("/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, schemas.ChatCompletionRequest)
-        generation = await service.chat(to_chat_request(body, await service.sampling_defaults(body.model)))
+        defaults = await service.sampling_defaults(body.model)
+        images = None
+        if has_images(body):
+            service.check_vision(body.model)  # before fetching anything
+            images = await load_images(body, policy)
+        generation = await service.chat(to_chat_request(body, defaults, images))
         head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
         if body.stream:
             frames = chat_frames(generation, head, body.include_usage)

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import httpx
 from PIL import Image as PILImage
+from PIL import ImageOps
 
 from lmserve.errors import InvalidRequest
+from lmserve.types import Bitmap
 
 PARAM = "image_url"
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
@@ -81,6 +83,26 @@ def check_image(data: bytes, policy: MediaPolicy) -> Image:
     except Exception as e:  # Pillow raises many types for bad data: UnidentifiedImageError, OSError, SyntaxError…
         raise _refuse(f"not a valid image ({', '.join(FORMATS)}): {e}") from None
     return Image(data, PILImage.MIME.get(fmt, "application/octet-stream"), width, height)
+
+
+def to_bitmap(data: bytes) -> Bitmap:
+    """Decode a checked image (see `check_image`) into packed RGB pixels for a vision model.
+
+    The EXIF orientation is applied (a phone photo is shown upright) and transparency is laid on white.
+    """
+    try:
+        with PILImage.open(io.BytesIO(data), formats=FORMATS) as img:
+            img.seek(0)  # the first frame of an animation
+            upright = ImageOps.exif_transpose(img)
+            if upright.mode in ("RGBA", "LA", "P", "PA") or "transparency" in upright.info:
+                rgba = upright.convert("RGBA")
+                rgb = PILImage.new("RGB", rgba.size, (255, 255, 255))
+                rgb.paste(rgba, mask=rgba.getchannel("A"))
+            else:
+                rgb = upright.convert("RGB")
+            return Bitmap(rgb.width, rgb.height, rgb.tobytes())
+    except Exception as e:  # checked images decode; this guards images that skipped the check
+        raise _refuse(f"not a valid image ({', '.join(FORMATS)}): {e}") from None
 
 
 def _b64decode(text: str, policy: MediaPolicy) -> bytes:

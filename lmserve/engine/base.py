@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lmserve.types import SamplingParams
+from lmserve.types import Bitmap, SamplingParams
 
 
 @dataclass(slots=True)
@@ -25,16 +25,44 @@ class ModelInfo:
     num_params: int = 0
     description: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    image_marker: str | None = None
+    """The text that stands for one image in a prompt; None when the model has no vision projector."""
+
+
+@dataclass(slots=True, eq=False)
+class PromptImage:
+    """An image's place in a tokenized prompt: `length` positions from `start`, encoded by the backend.
+
+    Those positions hold one placeholder id (negative, derived from the image's pixels, so the same image
+    gives the same placeholders and a slot's prefix cache can match it). `handle` is the backend's own
+    record of the preprocessed image.
+    """
+
+    start: int
+    length: int
+    handle: object
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass(slots=True)
 class BatchEntry:
-    """Tokens of one sequence to decode in this step, starting at position `pos` of its slot."""
+    """Tokens of one sequence to decode in this step, starting at position `pos` of its slot.
+
+    An image entry has no tokens: the backend encodes `image` into its `length` positions from `pos`.
+    """
 
     slot: int
     tokens: list[int]
     pos: int
     wants_sample: bool
+    image: PromptImage | None = None
+
+    @property
+    def num_positions(self) -> int:
+        return self.image.length if self.image is not None else len(self.tokens)
 
 
 class Backend(Protocol):
@@ -44,14 +72,23 @@ class Backend(Protocol):
     `num_reused` positions of the slot's memory (a prefix the slot already holds) when the model can cut its
     memory there, drops the rest, builds a fresh sampler from `sampling` primed with `prompt`, and returns
     how many positions it kept. `step` decodes one batch and returns, for each entry that wants a sample,
-    the token sampled after its last token. `release` frees the slot's sampler; its memory stays as a
-    prefix cache for the next request in that slot. `embed` pools one text's hidden states into a vector
-    without touching any slot.
+    the token sampled after its last token (image entries are decoded first, each on its own). `release`
+    frees the slot's sampler; its memory stays as a prefix cache for the next request in that slot. `embed`
+    pools one text's hidden states into a vector without touching any slot.
     """
 
     info: ModelInfo
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
+
+        Returns the tokens, with each image's positions filled by its placeholder id, and the images' places.
+        Raises InvalidRequest when the markers and images do not match or an image cannot be preprocessed.
+        Callable from any thread.
+        """
+        ...
 
     def token_bytes(self, token: int, *, special: bool) -> bytes: ...
 

@@ -7,13 +7,16 @@ a pure function of the prompt and the sampling seed, so a test can predict it (`
 from __future__ import annotations
 
 import time
+import zlib
 
-from lmserve.engine.base import BatchEntry, ModelInfo
+from lmserve.engine.base import BatchEntry, ModelInfo, PromptImage
 from lmserve.errors import InvalidRequest
-from lmserve.types import SamplingParams
+from lmserve.types import Bitmap, SamplingParams
 
 EOG = 256
 EMBED_SIZE = 256
+IMAGE_MARKER = "<image>"
+PIXELS_PER_IMAGE_TOKEN = 256
 _TEXT = b"The quick brown fox jumps over the lazy dog. "
 
 
@@ -28,6 +31,7 @@ class FakeBackend:
         eog_after: int | None = None,
         step_delay: float = 0.0,
         script: str | None = None,
+        vision: bool = False,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
@@ -36,6 +40,7 @@ class FakeBackend:
             num_parallel=num_parallel,
             num_vocab=257,
             chat_template=None,
+            image_marker=IMAGE_MARKER if vision else None,
         )
         self.eog_after = eog_after
         self.step_delay = step_delay
@@ -47,6 +52,20 @@ class FakeBackend:
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Text as bytes; each marker becomes one position per 256 pixels (at least one) of its image."""
+        pieces = text.split(IMAGE_MARKER)
+        if len(pieces) != len(images) + 1:
+            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
+        tokens = list(pieces[0].encode("utf-8"))
+        places: list[PromptImage] = []
+        for image, piece in zip(images, pieces[1:], strict=True):
+            length = max(1, image.width * image.height // PIXELS_PER_IMAGE_TOKEN)
+            places.append(PromptImage(len(tokens), length, image))
+            tokens += [-1 - zlib.crc32(image.rgb)] * length
+            tokens += piece.encode("utf-8")
+        return tokens, places
 
     def token_bytes(self, token: int, *, special: bool) -> bytes:
         return b"" if token == EOG else bytes([token])

@@ -17,12 +17,12 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from lmserve.engine.base import Backend, ModelInfo
+from lmserve.engine.base import Backend, ModelInfo, PromptImage
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
-from lmserve.types import Chunk, FinishReason, SamplingParams, Timings, Usage
+from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,29 @@ class Engine:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    def submit(self, prompt: list[int], sampling: SamplingParams, *, special: bool = False) -> RequestStream:
-        """Queue a request; raise ContextOverflow when the prompt cannot fit in one sequence's context."""
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize a prompt in which each `info.image_marker` stands for the next image (see Backend)."""
+        if self.info.image_marker is None:
+            raise InvalidRequest("this model has no vision projector; images are not supported", param="images")
+        return self.backend.tokenize_images(text, images)
+
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
+        images: list[PromptImage] | None = None,
+    ) -> RequestStream:
+        """Queue a request; raise ContextOverflow when the prompt cannot fit in one sequence's context.
+
+        `images` are the places of images in `prompt` (from `tokenize_images`); every other position must be
+        a token id of the vocabulary, and the prompt must end with text (the next token is sampled after it).
+        """
         num_ctx = self.info.num_ctx
+        images = images or []
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= num_ctx:
             raise ContextOverflow(len(prompt), num_ctx)
         num_vocab = self.info.num_vocab
-        if min(prompt) < 0 or max(prompt) >= num_vocab:
-            raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
+        _check_prompt(prompt, images, num_vocab)
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
         if sampling.grammar is not None:
@@ -121,7 +134,8 @@ class Engine:
             self.backend.check_grammar(sampling.grammar)
         room = num_ctx - len(prompt)
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special)
+        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special,
+                       images=list(images))
         stream = RequestStream(self, seq, asyncio.get_running_loop())
         tracker = _Tracker(stream=stream, stops=StopMatcher(sampling.stop), submitted_ns=time.perf_counter_ns())
         with self._cond:
@@ -263,7 +277,7 @@ class Engine:
         now = time.perf_counter_ns()
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
-                seq.num_prefilled += len(entry.tokens)
+                seq.num_prefilled += entry.num_positions
             if token is None:
                 continue
             tracker = self._trackers[seq]
@@ -340,6 +354,21 @@ def _set_future(future: asyncio.Future[list[float]], vector: list[float] | None,
         future.set_exception(error)
     else:
         future.set_result(vector or [])
+
+
+def _check_prompt(prompt: list[int], images: list[PromptImage], num_vocab: int) -> None:
+    """Every position outside `images` holds a vocabulary id; images lie in order inside, before the end."""
+    text = prompt
+    if images:
+        text, previous_end = [], 0
+        for image in images:
+            if image.start < previous_end or image.length < 1 or image.end >= len(prompt):
+                raise InvalidRequest("an image must be followed by text in the prompt", param="images")
+            text += prompt[previous_end : image.start]
+            previous_end = image.end
+        text += prompt[previous_end:]
+    if text and (min(text) < 0 or max(text) >= num_vocab):
+        raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
 
 
 def _input_overflow(num_tokens: int, num_ctx: int) -> ContextOverflow:

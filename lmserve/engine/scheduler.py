@@ -7,6 +7,10 @@ running streams keep producing tokens while a long prompt is processed.
 A slot's memory outlives its sequence: the scheduler remembers which tokens each slot holds and gives a
 new sequence the free slot sharing the longest prefix with its prompt, so that prefix is not computed
 again (a multi-turn chat, or many requests with one system prompt).
+
+An image in a prompt is prefilled whole, in a step of its own for that sequence: it takes its length from
+the prefill budget, and may exceed the budget when it is the first prefill of the step (else it could wait
+forever behind a small budget).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lmserve.engine.base import BatchEntry
+from lmserve.engine.base import BatchEntry, PromptImage
 from lmserve.types import SamplingParams
 
 
@@ -31,10 +35,30 @@ class Sequence:
     num_cached: int = 0
     output: list[int] = field(default_factory=list)
     is_aborted: bool = False
+    images: list[PromptImage] = field(default_factory=list)
+    """Images in the prompt, in order; their positions hold placeholder ids."""
 
     @property
     def is_prefilling(self) -> bool:
         return self.num_prefilled < len(self.prompt)
+
+    def image_at(self, pos: int) -> PromptImage | None:
+        """The image starting at prompt position `pos`, if any."""
+        for image in self.images:
+            if image.start == pos:
+                return image
+        return None
+
+    def text_end(self, pos: int) -> int:
+        """Where the run of text tokens starting at `pos` ends: the next image's start, or the prompt's end."""
+        return min((image.start for image in self.images if image.start >= pos), default=len(self.prompt))
+
+    def cut_outside_images(self, pos: int) -> int:
+        """`pos`, moved back to an image's start when it falls inside that image (an image is decoded whole)."""
+        for image in self.images:
+            if image.start < pos < image.end:
+                return image.start
+        return pos
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +104,7 @@ class Scheduler:
             if length > best_len:
                 best, best_len = i, length
         seq.slot = self._free_slots.pop(best)
-        seq.num_cached = min(best_len, len(seq.prompt) - 1)
+        seq.num_cached = seq.cut_outside_images(min(best_len, len(seq.prompt) - 1))
         self.running.append(seq)
         return seq
 
@@ -116,15 +140,25 @@ class Scheduler:
                 plan.append((seq, BatchEntry(seq.slot, [seq.output[-1]], seq.num_tokens, True)))
                 budget -= 1
         budget = min(budget, self.max_prefill_tokens)
+        has_prefill = False
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.is_prefilling:
-                start = seq.num_prefilled
-                chunk = seq.prompt[start : start + budget]
+            if not seq.is_prefilling:
+                continue
+            start = seq.num_prefilled
+            image = seq.image_at(start)
+            if image is not None:
+                if image.length > budget and has_prefill:
+                    continue  # next step, first in line
+                plan.append((seq, BatchEntry(seq.slot, [], start, False, image=image)))
+                budget -= image.length
+            else:
+                chunk = seq.prompt[start : min(start + budget, seq.text_end(start))]
                 is_last = start + len(chunk) == len(seq.prompt)
                 plan.append((seq, BatchEntry(seq.slot, chunk, start, is_last)))
                 budget -= len(chunk)
+            has_prefill = True
         return plan
 
 

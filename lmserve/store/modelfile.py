@@ -7,7 +7,8 @@ r'''Modelfile: `parse(text)` → `Modelfile`, errors with line numbers; `to_text
   may follow a closing quote.
 - FROM is required: a model name, a `.gguf` path (relative to the Modelfile; the store resolves it) or a
   directory. Our choice: a FROM naming a `.gguf` file whose file name starts with `mmproj` (any case) is the
-  vision projector, before or after the model's FROM; any other second FROM is an error.
+  vision projector, before or after the model's FROM; so is a second FROM naming a store blob (`…/sha256-<hex>`,
+  as `show --modelfile` prints a stored projector). Any other second FROM is an error.
 - PARAMETER takes only the names in `PARAMETER_TYPES`, typed int/float/bool/str (ranges are the sampler's
   business). `stop` repeats into a list; otherwise, and for TEMPLATE, SYSTEM and REQUIRES, the last value wins.
 - MESSAGE <role> <text>, role system/user/assistant/tool, repeats, as do ADAPTER and LICENSE.
@@ -214,6 +215,8 @@ def _apply_from(modelfile: Modelfile, value: str, number: int) -> None:
         if modelfile.projector is not None:
             raise ModelfileError("a second vision projector (mmproj*.gguf) FROM", number)
         modelfile.projector = value
+    elif modelfile.from_ and modelfile.projector is None and _is_blob(value):
+        modelfile.projector = value
     elif modelfile.from_:
         raise ModelfileError("a second FROM must be a vision projector: a .gguf file named mmproj*", number)
     else:
@@ -231,6 +234,10 @@ def _apply_parameter(modelfile: Modelfile, name: str, value: str, number: int) -
         stops.append(str(typed))
     else:
         modelfile.parameters[name] = typed
+
+
+def _is_blob(value: str) -> bool:
+    return re.fullmatch(r"sha256-[0-9a-f]{64}", re.split(r"[\\/]", value)[-1]) is not None
 
 
 def _is_projector(value: str) -> bool:

@@ -79,10 +79,13 @@ def test_to_chat_request_messages() -> None:
         {"role": "tool", "tool_call_id": "call_9", "content": "42", "name": "f"},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
     ]  # fmt: skip
-    request = to_chat_request(chat_req(messages=messages, max_tokens=5))
+    req = chat_req(messages=messages, max_tokens=5)
+    with pytest.raises(InvalidRequest):  # image parts need their images loaded first (load_images)
+        to_chat_request(req)
+    request = to_chat_request(req, images=[[], [png, b"fetched"], [], [], []])
     system, user, assistant, tool, refusal = request.messages
     assert (system.role, system.content) == ("system", "rules")
-    assert (user.content, user.images) == ("one\ntwo", [png, b"https://example.com/a.png"])
+    assert (user.content, user.images) == ("one\ntwo", [png, b"fetched"])
     assert (assistant.content, assistant.tool_calls) == ("", [ToolCall(name="f", arguments='{"x":1}', id="call_9")])
     assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_9", "f", "42")
     assert (refusal.role, refusal.content) == ("assistant", "no")

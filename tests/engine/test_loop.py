@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from lmserve.engine.base import PromptImage
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
-from lmserve.types import Chunk, SamplingParams
+from lmserve.types import Bitmap, Chunk, SamplingParams
 
 
 @pytest.fixture
@@ -116,3 +117,51 @@ async def test_a_full_queue_refuses_with_overloaded_and_the_rest_complete() -> N
             assert chunks[-1].finish_reason == "length"
     finally:
         engine.close()
+
+
+def bitmap(width: int, height: int, shade: int = 0) -> Bitmap:
+    return Bitmap(width, height, bytes([shade]) * (width * height * 3))
+
+
+async def test_image_requests_decode_beside_text_requests_and_count_image_positions() -> None:
+    backend = FakeBackend(num_ctx=256, num_parallel=4, vision=True)
+    eng = Engine(backend, max_batch_tokens=32, max_prefill_tokens=16)
+    try:
+        tokens, images = eng.tokenize_images("look <image> here", [bitmap(32, 16)])  # 512 px: 2 positions
+        assert [(i.start, i.length) for i in images] == [(5, 2)]
+        assert len(tokens) == len("look  here") + 2
+
+        async def run(prompt: list[int], places: list[PromptImage] | None) -> Chunk:
+            chunks = [c async for c in eng.submit(prompt, SamplingParams(max_tokens=6), images=places)]
+            return chunks[-1]
+
+        text_only = eng.tokenize("plain text")
+        finals = await asyncio.gather(run(tokens, images), run(text_only, None), run(tokens, images))
+        assert [f.usage.prompt_tokens for f in finals if f.usage] == [len(tokens), len(text_only), len(tokens)]
+        image_steps = [e for step in backend.steps for e in step if e.image is not None]
+        assert len(image_steps) == 2 and all(e.tokens == [] and e.num_positions == 2 for e in image_steps)
+        # Text and image entries of different sequences share steps: nothing waits for an image to finish alone.
+        assert any(any(e.image is not None for e in step) and any(e.image is None for e in step)
+                   for step in backend.steps)
+    finally:
+        eng.close()
+
+
+async def test_image_prompts_are_checked_at_submit() -> None:
+    eng = Engine(FakeBackend(num_ctx=64, num_parallel=1, vision=True))
+    try:
+        tokens, images = eng.tokenize_images("a<image>", [bitmap(16, 16)])
+        with pytest.raises(InvalidRequest, match="followed by text"):  # no text after the image to sample from
+            eng.submit(tokens, SamplingParams(), images=images)
+        tokens, images = eng.tokenize_images("a<image>b", [bitmap(16, 16)])
+        with pytest.raises(InvalidRequest, match="token ids"):  # placeholders outside an image are no tokens
+            eng.submit(tokens, SamplingParams())
+        with pytest.raises(InvalidRequest, match="markers"):
+            eng.tokenize_images("a<image>b<image>", [bitmap(16, 16)])
+    finally:
+        eng.close()
+
+
+async def test_a_model_without_vision_refuses_images(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match="no vision"):
+        engine.tokenize_images("x", [bitmap(4, 4)])

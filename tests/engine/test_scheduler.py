@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lmserve.engine.base import PromptImage
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.types import SamplingParams
 
@@ -114,3 +115,73 @@ def test_a_finished_slot_remembers_the_tokens_it_decoded() -> None:
     s.output = [10, 11, 12]
     scheduler.remove(s)
     assert scheduler.slot_tokens[0] == [0, 1, 2, 10, 11]
+
+
+def image_seq(layout: list[int | str]) -> Sequence:
+    """A prompt from a layout: an int is that many text tokens, "imgN" an image of N positions."""
+    prompt: list[int] = []
+    images: list[PromptImage] = []
+    for part in layout:
+        if isinstance(part, int):
+            prompt += range(100, 100 + part)
+        else:
+            length = int(part.removeprefix("img"))
+            images.append(PromptImage(len(prompt), length, handle=part))
+            prompt += [-5] * length
+    return Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=4, images=images)
+
+
+def prefill_plan(scheduler: Scheduler, s: Sequence) -> list[tuple[int, int, bool, bool]]:
+    """Run the prefill to the end: (pos, positions, is image, wants sample) per step."""
+    steps = []
+    while s.is_prefilling:
+        (entry,) = [e for q, e in scheduler.schedule() if q is s]
+        steps.append((entry.pos, entry.num_positions, entry.image is not None, entry.wants_sample))
+        s.num_prefilled += entry.num_positions
+    return steps
+
+
+def test_an_image_is_prefilled_whole_in_a_step_of_its_own() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=8)
+    s = image_seq([5, "img12", 10])
+    scheduler.add(s)
+    admit_all(scheduler)
+    # Text stops at the image; the image goes whole even over the budget (it is the step's first prefill).
+    assert prefill_plan(scheduler, s) == [(0, 5, False, False), (5, 12, True, False), (17, 8, False, False),
+                                          (25, 2, False, True)]
+
+
+def test_an_image_over_the_remaining_budget_waits_for_the_next_step() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=16)
+    text, image = seq(10), image_seq(["img12", 3])
+    for s in (text, image):
+        scheduler.add(s)
+    admit_all(scheduler)
+    plan = scheduler.schedule()
+    assert [(q is text, e.num_positions) for q, e in plan] == [(True, 10)]  # 10 + 12 > 16: the image waits
+    text.num_prefilled = 10
+    text.output = [1]
+    plan = scheduler.schedule()
+    assert [(q is image, e.image is not None) for q, e in plan] == [(False, False), (True, True)]
+
+
+def test_a_reused_prefix_never_ends_inside_an_image() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    first = image_seq([4, "img8", 2])
+    scheduler.add(first)
+    admit_all(scheduler)
+    first.num_prefilled = len(first.prompt)
+    scheduler.remove(first)
+    # Same text and image, then different text: the whole image is reusable.
+    again = image_seq([4, "img8", 1])
+    again.prompt[-1] = 7
+    scheduler.add(again)
+    admit_all(scheduler)
+    assert again.num_cached == 12
+    # A slot holding only part of an image (cut memory) reuses up to the image's start.
+    scheduler.remove(again)
+    scheduler.slot_tokens[again.slot] = again.prompt[:9]
+    third = image_seq([4, "img8", 3])
+    scheduler.add(third)
+    admit_all(scheduler)
+    assert third.num_cached == 4

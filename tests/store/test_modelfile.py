@@ -57,6 +57,8 @@ def test_the_seed_lfm2_example() -> None:
             Modelfile(from_="./lfm2-vl.gguf", projector="./mmproj-lfm2-vl-f16.gguf"),
         ),
         ("FROM dir/MMPROJ.GGUF\nFROM llava:7b", Modelfile(from_="llava:7b", projector="dir/MMPROJ.GGUF")),
+        (f"FROM /s/blobs/sha256-{'a' * 64}\nFROM /s/blobs/sha256-{'b' * 64}",  # as show --modelfile prints one
+         Modelfile(from_=f"/s/blobs/sha256-{'a' * 64}", projector=f"/s/blobs/sha256-{'b' * 64}")),
         ("# a comment\n\n   # indented comment\nFROM x\n", Modelfile(from_="x")),
         ("FROM x\r\nSYSTEM hi\r\n", Modelfile(from_="x", system="hi")),
         ("FROM x\nSYSTEM You are # not a comment", Modelfile(from_="x", system="You are # not a comment")),
