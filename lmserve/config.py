@@ -52,6 +52,8 @@ class ServerConfig:
     """Largest request body in bytes (413 beyond it); blob uploads (/api/blobs/…) are exempt."""
     max_messages: int = 1024
     """Most messages one chat request may carry."""
+    max_images: int = 16
+    """Most images one request may carry."""
     mmproj: str | None = None
     """Vision projector (mmproj) GGUF for a model given as a .gguf path."""
     image_min_tokens: int = 0
@@ -99,6 +101,7 @@ _ENV_NAMES = {
     "origins": "ORIGINS",
     "max_body_bytes": "MAX_BODY",
     "max_messages": "MAX_MESSAGES",
+    "max_images": "MAX_IMAGES",
     "mmproj": "MMPROJ",
     "image_min_tokens": "IMAGE_MIN_TOKENS",
     "image_max_tokens": "IMAGE_MAX_TOKENS",
@@ -107,9 +110,9 @@ _ENV_NAMES = {
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
          "max_queue", "max_body_bytes", "max_messages", "shutdown_grace", "image_min_tokens", "image_max_tokens",
-         "image_max_bytes"}
+         "image_max_bytes", "max_images"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages",
-             "image_max_bytes"}
+             "image_max_bytes", "max_images"}
 _LISTS = {"origins", "image_allow_hosts"}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (

@@ -62,7 +62,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
     service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive,
                       hf_endpoint=config.hf_endpoint, tool_call_parser=config.tool_call_parser,
-                      max_messages=config.max_messages)
+                      max_messages=config.max_messages, max_images=config.max_images)
     return service, name
 
 

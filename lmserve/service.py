@@ -191,6 +191,7 @@ class Service:
         hf_endpoint: str | None = None,
         tool_call_parser: str | None = None,
         max_messages: int = 1024,
+        max_images: int = 16,
         on_finish: FinishObserver | None = None,
     ) -> None:
         self.catalog = catalog
@@ -200,6 +201,7 @@ class Service:
         self.hf_endpoint = hf_endpoint
         self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
         self.max_messages = max_messages
+        self.max_images = max_images
         self.on_finish = on_finish
         """Told of every generation's final chunk; None (the default) observes nothing."""
 
@@ -346,13 +348,16 @@ class Service:
     def describe(self, name: str) -> ModelDescription:
         return self.catalog.describe(self.catalog.resolve(name))
 
-    def check_vision(self, name: str) -> None:
-        """Raise InvalidRequest unless model `name` can see images (it has a vision projector)."""
+    def check_images(self, name: str, count: int, *, param: str = "messages") -> None:
+        """Raise InvalidRequest unless model `name` can see images (it has a vision projector) and `count` images
+        are within the server's per-request limit."""
         if "vision" not in self.describe(name).capabilities:
             raise InvalidRequest(
-                f"model '{name}' has no vision projector (it cannot see images); use a vision model",
-                param="messages",
+                f"model '{name}' has no vision projector (it cannot see images); use a vision model", param=param
             )
+        if count > self.max_images:
+            raise InvalidRequest(f"{count} images is more than this server accepts in one request ({self.max_images})",
+                                 param=param)
 
     def copy(self, source: str, destination: str) -> None:
         self.catalog.copy(self.catalog.resolve(source), destination)

@@ -232,7 +232,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
                                  "fill-in-the-middle form", param="suffix")
         images: list[bytes] = []
         if body.images:
-            service.check_vision(body.model)
+            service.check_images(body.model, len(body.images), param="images")
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
@@ -269,7 +269,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         defaults = await service.sampling_defaults(body.model)
         sampling = to_sampling_params(body.options, defaults, body.format)
         if any(m.images for m in body.messages):
-            service.check_vision(body.model)
+            service.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
                              tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
         generation = await service.chat(record)

@@ -388,7 +388,7 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         defaults = await service.sampling_defaults(body.model)
         images = None
         if has_images(body):
-            service.check_vision(body.model)  # before fetching anything
+            service.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
             images = await load_images(body, policy)
         generation = await service.chat(to_chat_request(body, defaults, images))
         head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)

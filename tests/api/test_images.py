@@ -218,3 +218,11 @@ async def test_show_lists_vision_only_for_the_vision_model(vision: httpx.AsyncCl
     seer = (await vision.post("/api/show", json={"model": "seer"})).json()
     fake = (await vision.post("/api/show", json={"model": "fake"})).json()
     assert "vision" in seer["capabilities"] and "vision" not in fake["capabilities"]
+
+
+async def test_more_images_than_the_server_accepts_is_400(vision: httpx.AsyncClient, vision_engine: Engine) -> None:
+    too_many = [data_uri(png(8, 8))] * 17  # the default limit is 16 (LMSERVE_MAX_IMAGES)
+    assert_refused(await vision.post("/v1/chat/completions", json=image_chat(*too_many)), "more than this server")
+    image = base64.b64encode(png(8, 8)).decode()
+    response = await vision.post("/api/generate", json={"model": "seer", "prompt": "x", "images": [image] * 17})
+    assert response.status_code == 400 and "more than this server" in response.json()["error"]
