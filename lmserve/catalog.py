@@ -214,12 +214,11 @@ class StoreCatalog:
             manifest.details = gguf_details(gguf_metadata(self.store.blob_path(manifest.model)),
                                             parent=manifest.parent)
         if modelfile.projector:
-            projector = _local_path(modelfile.projector, base_dir)
-            check_gguf(projector)
-            if gguf_metadata(projector).get("general.architecture") != "clip":
-                raise InvalidRequest(f"{projector.name} is not a vision projector (an mmproj GGUF has architecture "
-                                     "'clip')", param="modelfile")
-            manifest.projector = self.store.import_file(projector)
+            digest = self._blob(modelfile.projector, base_dir)
+            if gguf_metadata(self.store.blob_path(digest)).get("general.architecture") != "clip":
+                raise InvalidRequest(f"{Path(modelfile.projector).name} is not a vision projector (an mmproj GGUF has "
+                                     "architecture 'clip')", param="modelfile")
+            manifest.projector = digest
         manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time

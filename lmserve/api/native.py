@@ -440,15 +440,18 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
     if body.modelfile:
         modelfile = parse_modelfile(body.modelfile)
     else:
-        source = body.from_
+        source, projector = body.from_, None
         if source is None and body.files:
             ggufs = [digest for name, digest in body.files.items() if not name.lower().startswith("mmproj")]
-            if len(ggufs) != 1:
-                raise InvalidRequest("files must name exactly one model GGUF", param="files")
+            projectors = [digest for name, digest in body.files.items() if name.lower().startswith("mmproj")]
+            if len(ggufs) != 1 or len(projectors) > 1:
+                raise InvalidRequest("files must name exactly one model GGUF (and at most one mmproj* projector)",
+                                     param="files")
             source = "@" + check_digest(ggufs[0])
+            projector = "@" + check_digest(projectors[0]) if projectors else None
         if source is None:
             raise InvalidRequest("one of modelfile, from or files is required", param="from")
-        modelfile = Modelfile(from_=source)
+        modelfile = Modelfile(from_=source, projector=projector)
     modelfile.adapters += ["@" + check_digest(digest) for digest in (body.adapters or {}).values()]
     if body.template is not None:
         modelfile.template = body.template
