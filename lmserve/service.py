@@ -33,6 +33,8 @@ from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Me
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE = 300.0
+MAX_KEEP_ALIVE = 100 * 365 * 24 * 3600.0
+"""A longer keep_alive means forever (and keeps expiry dates representable)."""
 
 FinishObserver = Callable[[str, Chunk], None]
 """Told (model name, final chunk) when a generation yields its final chunk (e.g. to record metrics)."""
@@ -244,8 +246,10 @@ class Service:
 
     @staticmethod
     def _keep_alive(keep_alive: float) -> float | None:
-        """Negative or infinite → forever (None); else seconds."""
-        if keep_alive < 0 or math.isinf(keep_alive):
+        """Negative, infinite or beyond a century → forever (None); else seconds. NaN is refused."""
+        if math.isnan(keep_alive):
+            raise InvalidRequest("keep_alive must be a number of seconds or a duration, not NaN", param="keep_alive")
+        if keep_alive < 0 or keep_alive > MAX_KEEP_ALIVE:
             return None
         return keep_alive
 

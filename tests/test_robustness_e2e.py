@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,3 +97,48 @@ def test_a_model_truncated_after_create_fails_clearly(server: Server, client: ol
     assert_default_model_answers(server)
     running = httpx.get(server.base_url + "/api/ps", timeout=30).json()["models"]
     assert all(not m["name"].startswith(("cut", "gone")) for m in running)
+
+
+def metric(server: Server, name: str) -> float:
+    for line in httpx.get(server.base_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def running_sequences(server: Server) -> float:
+    return metric(server, "lmserve_running_sequences")
+
+
+LONG = {"temperature": 0.8, "ignore_eos": True, "max_tokens": 400}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a long story."}], "stream": True,
+                                  **LONG}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a long story."}], **LONG}),
+        ("/api/generate", {"prompt": "Tell a long story.", "options": {"num_predict": 400}}),
+        ("/api/chat", {"messages": [{"role": "user", "content": "Tell a long story."}], "stream": False,
+                       "options": {"num_predict": 400}}),
+    ],
+)
+def test_a_client_that_hangs_up_frees_its_sequence_at_once(server: Server, path: str, body: dict[str, object]) -> None:
+    """The engine's running count drops when the socket closes, and the answer is never finished (an aborted
+    generation adds nothing to the generated-token count; a finished one would add its 400 tokens)."""
+    generated = metric(server, "lmserve_generated_tokens_total")
+    payload = json.dumps({"model": MODEL, **body}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 10
+        while running_sequences(server) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert running_sequences(server) == 1
+    # the socket is closed mid-generation (streamed or not)
+    closed = time.monotonic()
+    while running_sequences(server) > 0 and time.monotonic() - closed < 60:
+        time.sleep(0.01)
+    assert running_sequences(server) == 0
+    assert metric(server, "lmserve_generated_tokens_total") == generated

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
+from lmserve.api.openapi import install as install_openapi
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
@@ -57,6 +58,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     app.include_router(openai_router(service, media))
     app.include_router(native_router(service, media))
+    install_openapi(app)  # /openapi.json: with the request bodies the routes parse by hand
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -108,12 +108,21 @@ class _ServiceCollector(Collector):
         residents = self._service.running()
         queue = GaugeMetricFamily("lmserve_queue_depth", "Requests waiting for a sequence slot.", labels=["model"])
         running = GaugeMetricFamily("lmserve_running_sequences", "Sequences being generated.", labels=["model"])
+        step = CounterMetricFamily("lmserve_engine_step_seconds", "Engine thread time in decode steps (since load).",
+                                   labels=["model"])
+        decode = CounterMetricFamily("lmserve_engine_decode_seconds",
+                                     "Engine thread time in the backend's batch decode and sampling (since load).",
+                                     labels=["model"])
         for resident in residents:
             engine = resident.model.engine
             queue.add_metric([resident.model.name], engine.num_waiting)
             running.add_metric([resident.model.name], engine.num_running)
+            step.add_metric([resident.model.name], engine.step_ns * _NS)
+            decode.add_metric([resident.model.name], engine.decode_ns * _NS)
         yield queue
         yield running
+        yield step
+        yield decode
         yield GaugeMetricFamily("lmserve_loaded_models", "Models in memory.", value=len(residents))
 
     def describe(self) -> Iterator[Metric]:

@@ -27,6 +27,9 @@ class ModelInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     image_marker: str | None = None
     """The text that stands for one image in a prompt; None when the model has no vision projector."""
+    can_cut_memory: bool = True
+    """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
+    state at a prefix must be saved as a snapshot to be reused."""
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +106,18 @@ class Backend(Protocol):
     def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
 
     def release(self, slot: int) -> None: ...
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """Make `slot` hold the first `length` positions of `source`'s memory; False when it cannot."""
+        ...
+
+    def save_state(self, slot: int) -> bytes:
+        """The slot's whole memory state (a snapshot to restore later with `restore_state`)."""
+        ...
+
+    def restore_state(self, slot: int, state: bytes) -> bool:
+        """Replace the slot's memory with a snapshot from `save_state`; False when it does not fit."""
+        ...
 
     def embed(self, tokens: list[int]) -> list[float]:
         """The mean of the model's last hidden states over `tokens` (not normalized); uses no slot."""

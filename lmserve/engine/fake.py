@@ -47,6 +47,7 @@ class FakeBackend:
         self.script = script.encode() if script is not None else None
         """When set, every sequence answers exactly these bytes, then ends."""
         self.steps: list[list[BatchEntry]] = []
+        self.copies: list[tuple[int, int, int]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
 
@@ -105,6 +106,17 @@ class FakeBackend:
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """The fake's memory is nothing; copies are recorded for tests (`copies`)."""
+        self.copies.append((source, slot, length))
+        return True
+
+    def save_state(self, slot: int) -> bytes:
+        return b"fake-state-%d" % slot
+
+    def restore_state(self, slot: int, state: bytes) -> bool:
+        return state.startswith(b"fake-state-")
 
     def embed(self, tokens: list[int]) -> list[float]:
         """A histogram of the token (byte) values: texts with the same bytes point the same way."""

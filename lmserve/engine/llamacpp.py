@@ -154,6 +154,7 @@ class LlamaCppBackend:
             description=self._model_desc(),
             metadata=metadata,
             image_marker=self._image_marker,
+            can_cut_memory=not (lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model)),
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------
@@ -247,6 +248,35 @@ class LlamaCppBackend:
             lc.llama_sampler_free(old)
         self._samplers[slot] = sampler
         return num_reused
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """Copy `source`'s memory into `slot`, then cut it to `length` positions.
+
+        With one KV stream per slot llama.cpp copies whole streams (the buffer copy runs at the next decode, before
+        that batch is computed); the cut needs memory that can be cut, so hybrid models say no.
+        """
+        if not self.info.can_cut_memory:
+            return False
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        lc.llama_memory_seq_cp(self._memory, source, slot, -1, -1)
+        if not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
+            lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            return False
+        return True
+
+    def save_state(self, slot: int) -> bytes:
+        size = lc.llama_state_seq_get_size(self._ctx, slot)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self._ctx, buf, size, slot)
+        return bytes(buf[:written])
+
+    def restore_state(self, slot: int, state: bytes) -> bool:
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0:
+            lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            return False
+        return True
 
     @staticmethod
     def check_grammar(grammar: str) -> None:

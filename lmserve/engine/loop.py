@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from lmserve.engine.base import Backend, ModelInfo, PromptImage
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.scheduler import Scheduler, Sequence
+from lmserve.engine.snapshots import SnapshotCache
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
@@ -81,13 +82,17 @@ class Engine:
     """
 
     def __init__(
-        self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512
+        self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512,
+        snapshot_bytes: int = 256 * 2**20,
     ) -> None:
         self.backend = backend
         self.max_queue = max_queue
         """Requests allowed to wait for a slot; beyond it `submit` raises Overloaded (503)."""
         self.info: ModelInfo = backend.info
-        self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens)
+        self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
+                                   can_copy=backend.info.can_cut_memory)
+        self.snapshots = SnapshotCache(0 if backend.info.can_cut_memory else snapshot_bytes)
+        """Prompt-end states of a model whose memory cannot be cut (see engine/snapshots.py)."""
         self._trackers: dict[Sequence, _Tracker] = {}
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
@@ -95,6 +100,10 @@ class Engine:
         self._failure: str | None = None
         self._cond = threading.Condition()
         self._is_closing = False
+        self.step_ns = 0
+        """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
+        self.decode_ns = 0
+        """The part of `step_ns` inside the backend's batch decode and sampling: the rest is Python overhead."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -236,11 +245,13 @@ class Engine:
                 self._fail_all(failure)
             if job is not None:
                 self._embed(job)
+            started = time.perf_counter_ns()
             try:
                 self._step()
             except Exception as exc:  # a failed decode fails the requests in it, never the thread
                 log.exception("engine step failed")
                 self._fail_all(str(exc))
+            self.step_ns += time.perf_counter_ns() - started
         self._fail_all("the server is shutting down")
         while self._embeds:
             self._settle(self._embeds.popleft(), None, EngineFailure("the server is shutting down"))
@@ -269,15 +280,23 @@ class Engine:
         while self.scheduler.can_admit():
             seq = self.scheduler.admit()
             self._trackers[seq].admitted_ns = now
-            self.scheduler.reused(seq, self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached))
+            self.scheduler.reused(seq, self._start(seq))
+        for seq, source, length in self.scheduler.ready_shares():
+            if self.backend.copy_prefix(source, seq.slot, length):
+                self.scheduler.reused(seq, length)
         plan = self.scheduler.schedule()
         if not plan:
             return
-        sampled = self.backend.step([entry for _, entry in plan])
+        entries = [entry for _, entry in plan]
+        decode_started = time.perf_counter_ns()
+        sampled = self.backend.step(entries)
         now = time.perf_counter_ns()
+        self.decode_ns += now - decode_started
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
+                if not seq.is_prefilling and self.snapshots.budget_bytes:
+                    self.snapshots.put(seq.prompt, self.backend.save_state(seq.slot))
             if token is None:
                 continue
             tracker = self._trackers[seq]
@@ -288,6 +307,19 @@ class Engine:
                 outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
                 self._drop(seq)
         self._deliver(outbox)
+
+    def _start(self, seq: Sequence) -> int:
+        """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
+        another slot, or a snapshot)."""
+        kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached)
+        if seq.copy_from >= 0 and seq.copy_len > kept and self.backend.copy_prefix(seq.copy_from, seq.slot,
+                                                                                   seq.copy_len):
+            kept = seq.copy_len
+        if self.snapshots.budget_bytes:
+            hit = self.snapshots.longest_prefix(seq.prompt, len(seq.prompt) - 1)
+            if hit is not None and hit[0] > kept and self.backend.restore_state(seq.slot, hit[1]):
+                kept = hit[0]
+        return kept
 
     def _accept(
         self, seq: Sequence, tracker: _Tracker, token: int, outbox: list[tuple[RequestStream, Chunk]]

@@ -11,6 +11,11 @@ again (a multi-turn chat, or many requests with one system prompt).
 An image in a prompt is prefilled whole, in a step of its own for that sequence: it takes its length from
 the prefill budget, and may exceed the budget when it is the first prefill of the step (else it could wait
 forever behind a small budget).
+
+Where the backend can copy a prefix between slots (`can_copy`: memory that can be cut at any position), a new
+sequence also looks past its own slot: it copies a longer prefix held by another slot, or, when a sequence still
+prefilling will soon hold one (many users arriving with one system prompt), waits for that leader and copies
+from it instead of computing the same tokens again.
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ class Sequence:
     is_aborted: bool = False
     images: list[PromptImage] = field(default_factory=list)
     """Images in the prompt, in order; their positions hold placeholder ids."""
+    copy_from: int = -1
+    """At admission: a slot holding a longer prefix of the prompt than this one's, to copy `copy_len` from."""
+    copy_len: int = 0
+    leader: Sequence | None = None
+    """A sequence prefilling the first `share_len` tokens of this prompt; this one waits and copies them."""
+    share_len: int = 0
+
+    @property
+    def held(self) -> list[int]:
+        """The tokens whose state this sequence's slot holds now."""
+        decoded = self.output[:-1] if not self.is_prefilling else []
+        return self.prompt[: self.num_prefilled] + decoded
 
     @property
     def is_prefilling(self) -> bool:
@@ -69,7 +86,10 @@ class Sequence:
 class Scheduler:
     """Decides which tokens of which sequences go into the next batch."""
 
-    def __init__(self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int, *, can_copy: bool = False,
+        min_share: int = 16,
+    ) -> None:
         if num_slots < 1 or max_batch_tokens < 1 or max_prefill_tokens < 1:
             raise ValueError("scheduler sizes must be positive")
         self.num_slots = num_slots
@@ -79,7 +99,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
-        """Tokens whose state each slot's memory holds, position by position."""
+        """Tokens whose state each free slot's memory holds, position by position."""
+        self.can_copy = can_copy
+        self.min_share = min_share
+        """Fewest extra tokens that make copying from another slot (or waiting for a leader) worth it."""
 
     @property
     def has_work(self) -> bool:
@@ -105,8 +128,50 @@ class Scheduler:
                 best, best_len = i, length
         seq.slot = self._free_slots.pop(best)
         seq.num_cached = seq.cut_outside_images(min(best_len, len(seq.prompt) - 1))
+        if self.can_copy:
+            self._plan_sharing(seq)
         self.running.append(seq)
         return seq
+
+    def _usable(self, seq: Sequence, tokens: list[int]) -> int:
+        return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1))
+
+    def _plan_sharing(self, seq: Sequence) -> None:
+        """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""
+        best = seq.num_cached
+        held = [(slot, self.slot_tokens[slot]) for slot in self._free_slots]
+        held += [(other.slot, other.held) for other in self.running]
+        for slot, tokens in held:
+            length = self._usable(seq, tokens)
+            if length >= best + self.min_share:
+                seq.copy_from, seq.copy_len, best = slot, length, length
+        for other in self.running:
+            if other.is_prefilling and other.leader is None:
+                length = self._usable(seq, other.prompt)
+                if length >= best + self.min_share:
+                    seq.leader, seq.share_len, best = other, length, length
+
+    def ready_shares(self) -> list[tuple[Sequence, int, int]]:
+        """Waiting followers whose leader now holds their shared prefix: (follower, source slot, length).
+
+        A follower whose leader left early copies from a free slot that still holds the prefix, or prefills alone.
+        """
+        ready = []
+        for seq in self.running:
+            leader = seq.leader
+            if leader is None:
+                continue
+            if leader in self.running:
+                if leader.num_prefilled >= seq.share_len:
+                    ready.append((seq, leader.slot, seq.share_len))
+                    seq.leader = None
+                continue
+            seq.leader = None
+            for slot in self._free_slots:
+                if self._usable(seq, self.slot_tokens[slot]) >= seq.share_len:
+                    ready.append((seq, slot, seq.share_len))
+                    break
+        return ready
 
     def reused(self, seq: Sequence, num_reused: int) -> None:
         """Record how much of the slot's memory the backend kept for `seq`."""
@@ -125,9 +190,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
-            # Decoded so far: the prefilled prompt, then every output token but the last (sampled, not decoded).
-            decoded = seq.output[:-1] if not seq.is_prefilling else []
-            self.slot_tokens[seq.slot] = seq.prompt[: seq.num_prefilled] + decoded
+            self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
             return True
         return False
 
@@ -144,7 +207,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.is_prefilling:
+            if not seq.is_prefilling or seq.leader is not None:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)

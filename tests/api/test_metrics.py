@@ -112,3 +112,13 @@ def test_latencies_from_final_timings(service: Service) -> None:
     assert get("lmserve_time_to_first_token_seconds_count", {"model": "m"}) == 1  # no tokens: no latency
     assert get("lmserve_time_per_output_token_seconds_sum", {"model": "m"}) == 0.1
     assert get("lmserve_prompt_tokens_total", {"model": "m"}) == 5
+
+
+async def test_engine_time_splits_into_decode_and_overhead(client: httpx.AsyncClient) -> None:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    parsed = await scrape(client)
+    step = value(parsed, "lmserve_engine_step_seconds_total", model="fake")
+    decode = value(parsed, "lmserve_engine_decode_seconds_total", model="fake")
+    assert step is not None and decode is not None
+    assert 0 < decode <= step

@@ -185,3 +185,70 @@ def test_a_reused_prefix_never_ends_inside_an_image() -> None:
     scheduler.add(third)
     admit_all(scheduler)
     assert third.num_cached == 4
+
+
+def sharing(num_slots: int = 4) -> Scheduler:
+    return Scheduler(num_slots=num_slots, max_batch_tokens=512, max_prefill_tokens=512, can_copy=True, min_share=4)
+
+
+def test_a_longer_prefix_held_by_another_slot_is_copied() -> None:
+    scheduler = sharing()
+    busy = seq(40)  # still running, its slot holds 40 prompt tokens and 2 decoded ones
+    scheduler.add(busy)
+    admit_all(scheduler)
+    busy.num_prefilled = 40
+    busy.output = [7, 8, 9]
+    follow_up = Sequence(prompt=[*busy.prompt, 7, 8, 5], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(follow_up)
+    admit_all(scheduler)
+    assert follow_up.slot != busy.slot
+    assert (follow_up.copy_from, follow_up.copy_len) == (busy.slot, 42)
+    short = Sequence(prompt=[*busy.prompt[:3], 1], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(short)
+    admit_all(scheduler)
+    assert short.copy_from == -1  # 3 shared tokens are not worth a copy (min_share 4)
+
+
+def test_followers_wait_for_a_leader_prefilling_their_shared_prefix_then_copy_it() -> None:
+    scheduler = sharing()
+    system = list(range(100))
+    users = [Sequence(prompt=[*system, 1000 + i, 2000 + i], sampling=SamplingParams(), max_new_tokens=4)
+             for i in range(3)]
+    for s in users:
+        scheduler.add(s)
+    admit_all(scheduler)
+    leader, *followers = users
+    assert all(f.leader is leader and f.share_len == 100 for f in followers)
+    plan = scheduler.schedule()
+    assert [s for s, _ in plan] == [leader]  # followers compute nothing meanwhile
+    assert scheduler.ready_shares() == []
+    leader.num_prefilled = 100
+    assert scheduler.ready_shares() == [(f, leader.slot, 100) for f in followers]
+    for f in followers:
+        scheduler.reused(f, 100)
+    plan = scheduler.schedule()
+    assert sorted(len(e.tokens) for _, e in plan) == [2, 2, 2]  # only each user's own tail is left
+
+
+def test_a_follower_whose_leader_left_early_prefills_alone() -> None:
+    scheduler = sharing()
+    system = list(range(100))
+    leader = Sequence(prompt=[*system, 1], sampling=SamplingParams(), max_new_tokens=4)
+    follower = Sequence(prompt=[*system, 2], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(leader)
+    scheduler.add(follower)
+    admit_all(scheduler)
+    leader.num_prefilled = 30
+    scheduler.remove(leader)  # aborted after 30 tokens: its slot holds too little to copy
+    assert scheduler.ready_shares() == []
+    assert follower.leader is None
+    assert [s for s, _ in scheduler.schedule()] == [follower]
+
+
+def test_without_copies_nothing_is_shared() -> None:
+    scheduler = Scheduler(num_slots=4, max_batch_tokens=512, max_prefill_tokens=512)
+    a, b = seq(100), seq(100)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit_all(scheduler)
+    assert b.leader is None and b.copy_from == -1
