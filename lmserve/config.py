@@ -52,6 +52,8 @@ class ServerConfig:
     """Largest request body in bytes (413 beyond it); blob uploads (/api/blobs/…) are exempt."""
     max_messages: int = 1024
     """Most messages one chat request may carry."""
+    snapshot_mb: int = 256
+    """Memory for prompt-end state snapshots of hybrid models (LFM2), per loaded model, in MiB; 0 turns them off."""
     max_images: int = 16
     """Most images one request may carry."""
     mmproj: str | None = None
@@ -101,6 +103,7 @@ _ENV_NAMES = {
     "origins": "ORIGINS",
     "max_body_bytes": "MAX_BODY",
     "max_messages": "MAX_MESSAGES",
+    "snapshot_mb": "SNAPSHOT_MB",
     "max_images": "MAX_IMAGES",
     "mmproj": "MMPROJ",
     "image_min_tokens": "IMAGE_MIN_TOKENS",
@@ -110,7 +113,7 @@ _ENV_NAMES = {
 }
 _INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
          "max_queue", "max_body_bytes", "max_messages", "shutdown_grace", "image_min_tokens", "image_max_tokens",
-         "image_max_bytes", "max_images"}
+         "image_max_bytes", "max_images", "snapshot_mb"}
 _POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages",
              "image_max_bytes", "max_images"}
 _LISTS = {"origins", "image_allow_hosts"}
@@ -153,7 +156,7 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
         value = values.get(name)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
-    for name in ("image_min_tokens", "image_max_tokens"):
+    for name in ("image_min_tokens", "image_max_tokens", "snapshot_mb"):
         value = values.get(name)
         if isinstance(value, int) and value < 0:
             raise ConfigError(f"{name.replace('_', '-')} must not be negative, got {value}")

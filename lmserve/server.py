@@ -33,7 +33,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     def engine_factory(path: Path, options: LoadOptions) -> Engine:
         backend = LlamaCppBackend(path, options)
         return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk,
-                      max_queue=config.max_queue)
+                      max_queue=config.max_queue, snapshot_bytes=config.snapshot_mb * 2**20)
 
     store = Store(Path(config.models_dir).expanduser())
     catalog = StoreCatalog(store, engine_factory)
