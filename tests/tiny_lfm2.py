@@ -18,6 +18,7 @@ are the same as without them. `tests.tiny_lfm2_vl` uses it for LFM2-VL's image t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -106,6 +107,25 @@ CONV_L_CACHE = 3
 NUM_CTX = 4096
 
 
+@dataclass(frozen=True)
+class Lfm2Shape:
+    """The sizes of a generated LFM2 (the vocab aside)."""
+
+    embd: int = NUM_EMBD
+    ff: int = NUM_FF
+    heads: int = NUM_HEAD
+    kv_heads: int = NUM_HEAD_KV
+    layer_types: tuple[str, ...] = LAYER_TYPES
+
+
+TINY = Lfm2Shape()
+_C, _A = "conv", "full_attention"
+SMALL = Lfm2Shape(embd=1024, ff=2560, heads=16, kv_heads=8,
+                  layer_types=(_C, _C, _A, _C, _C, _A, _C, _C, _A, _C, _A, _C, _A, _C, _A, _C))
+"""LFM2-350M's body (hidden 1024, 16 layers: 10 conv + 6 attention) on the tiny vocab: ~170M parameters, for
+benchmarks that need prefill to cost what it costs on a real small model (quantize it: ~100 MB at Q4_0)."""
+
+
 def lfm2_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     """LFM2's specials (control tokens, at their ids), then the byte tokens and pieces of `tiny_vocab`."""
     num_tiny_specials = 5  # tiny_vocab's <unk> <s> </s> <|im_start|> <|im_end|>
@@ -126,6 +146,7 @@ def write_tiny_lfm2(
     n_vocab: int = 360,
     name: str = "tiny-lfm2",
     extra_specials: Sequence[str] = (),
+    shape: Lfm2Shape = TINY,
 ) -> Path:
     """Write a tiny random LFM2 GGUF with F32 tensors; return its path.
 
@@ -139,11 +160,11 @@ def write_tiny_lfm2(
     writer.add_name(name)
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     writer.add_context_length(NUM_CTX)
-    writer.add_embedding_length(NUM_EMBD)
-    writer.add_feed_forward_length(NUM_FF)
-    writer.add_block_count(len(LAYER_TYPES))
-    writer.add_head_count(NUM_HEAD)
-    writer.add_head_count_kv([NUM_HEAD_KV if kind == "full_attention" else 0 for kind in LAYER_TYPES])
+    writer.add_embedding_length(shape.embd)
+    writer.add_feed_forward_length(shape.ff)
+    writer.add_block_count(len(shape.layer_types))
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv([shape.kv_heads if kind == "full_attention" else 0 for kind in shape.layer_types])
     writer.add_rope_freq_base(1000000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_shortconv_l_cache(CONV_L_CACHE)
@@ -164,7 +185,7 @@ def write_tiny_lfm2(
     writer.add_add_space_prefix(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    for tensor_name, array in _tensors(n_vocab, seed, len(extra)):
+    for tensor_name, array in _tensors(n_vocab, seed, len(extra), shape):
         writer.add_tensor(tensor_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -173,13 +194,13 @@ def write_tiny_lfm2(
     return path
 
 
-def _tensors(n_vocab: int, seed: int, n_extra: int = 0) -> list[tuple[str, np.ndarray]]:
+def _tensors(n_vocab: int, seed: int, n_extra: int = 0, shape: Lfm2Shape = TINY) -> list[tuple[str, np.ndarray]]:
     """Tensor names and arrays in numpy order (rows, cols): GGUF stores the dimensions reversed.
 
     `n_extra` more embedding rows (for `extra_specials`) come from their own stream, after the `n_vocab` rows.
     """
     rng = np.random.default_rng(seed)
-    head_dim = NUM_EMBD // NUM_HEAD
+    head_dim = shape.embd // shape.heads
 
     def weight(rows: int, cols: int, scale: float | None = None) -> np.ndarray:
         # 1/sqrt(fan-in) by default: every layer moves the residual stream, so the output depends on the context
@@ -191,34 +212,34 @@ def _tensors(n_vocab: int, seed: int, n_extra: int = 0) -> list[tuple[str, np.nd
 
     # LFM2 ties the output to the embedding; its final norm is stored as `token_embd_norm`. Specials and byte tokens
     # get short rows, so the (tied) output favours text pieces: gibberish, but mostly valid UTF-8 and seldom EOS.
-    embedding = weight(n_vocab, NUM_EMBD, scale=0.3)
+    embedding = weight(n_vocab, shape.embd, scale=0.3)
     embedding[: len(LFM2_SPECIALS) + 256] *= 0.3
     if n_extra:
         extra_rng = np.random.default_rng([seed, 1])
-        extra_rows = (extra_rng.standard_normal((n_extra, NUM_EMBD)) * 0.09).astype(np.float32)
+        extra_rows = (extra_rng.standard_normal((n_extra, shape.embd)) * 0.09).astype(np.float32)
         embedding = np.concatenate([embedding, extra_rows])
-    tensors = [("token_embd.weight", embedding), ("token_embd_norm.weight", ones(NUM_EMBD))]
-    for i, kind in enumerate(LAYER_TYPES):
-        tensors.append((f"blk.{i}.attn_norm.weight", ones(NUM_EMBD)))
+    tensors = [("token_embd.weight", embedding), ("token_embd_norm.weight", ones(shape.embd))]
+    for i, kind in enumerate(shape.layer_types):
+        tensors.append((f"blk.{i}.attn_norm.weight", ones(shape.embd)))
         if kind == "full_attention":
             tensors += [
-                (f"blk.{i}.attn_q.weight", weight(NUM_HEAD * head_dim, NUM_EMBD)),
-                (f"blk.{i}.attn_k.weight", weight(NUM_HEAD_KV * head_dim, NUM_EMBD)),
-                (f"blk.{i}.attn_v.weight", weight(NUM_HEAD_KV * head_dim, NUM_EMBD)),
-                (f"blk.{i}.attn_output.weight", weight(NUM_EMBD, NUM_HEAD * head_dim)),
+                (f"blk.{i}.attn_q.weight", weight(shape.heads * head_dim, shape.embd)),
+                (f"blk.{i}.attn_k.weight", weight(shape.kv_heads * head_dim, shape.embd)),
+                (f"blk.{i}.attn_v.weight", weight(shape.kv_heads * head_dim, shape.embd)),
+                (f"blk.{i}.attn_output.weight", weight(shape.embd, shape.heads * head_dim)),
                 (f"blk.{i}.attn_q_norm.weight", ones(head_dim)),
                 (f"blk.{i}.attn_k_norm.weight", ones(head_dim)),
             ]
         else:
             tensors += [
-                (f"blk.{i}.shortconv.conv.weight", weight(NUM_EMBD, CONV_L_CACHE, scale=0.5)),
-                (f"blk.{i}.shortconv.in_proj.weight", weight(3 * NUM_EMBD, NUM_EMBD)),
-                (f"blk.{i}.shortconv.out_proj.weight", weight(NUM_EMBD, NUM_EMBD)),
+                (f"blk.{i}.shortconv.conv.weight", weight(shape.embd, CONV_L_CACHE, scale=0.5)),
+                (f"blk.{i}.shortconv.in_proj.weight", weight(3 * shape.embd, shape.embd)),
+                (f"blk.{i}.shortconv.out_proj.weight", weight(shape.embd, shape.embd)),
             ]
         tensors += [
-            (f"blk.{i}.ffn_norm.weight", ones(NUM_EMBD)),
-            (f"blk.{i}.ffn_gate.weight", weight(NUM_FF, NUM_EMBD)),
-            (f"blk.{i}.ffn_up.weight", weight(NUM_FF, NUM_EMBD)),
-            (f"blk.{i}.ffn_down.weight", weight(NUM_EMBD, NUM_FF)),
+            (f"blk.{i}.ffn_norm.weight", ones(shape.embd)),
+            (f"blk.{i}.ffn_gate.weight", weight(shape.ff, shape.embd)),
+            (f"blk.{i}.ffn_up.weight", weight(shape.ff, shape.embd)),
+            (f"blk.{i}.ffn_down.weight", weight(shape.embd, shape.ff)),
         ]
     return tensors

@@ -31,7 +31,7 @@ _backend_lock = threading.Lock()
 _backend_ready = False
 
 
-def _init_llama_backend() -> None:
+def init_llama_backend() -> None:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
@@ -81,7 +81,7 @@ class LlamaCppBackend:
     """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
 
     def __init__(self, path: str | Path, options: LoadOptions) -> None:
-        _init_llama_backend()
+        init_llama_backend()
         path = Path(path)
         if not path.is_file():
             raise EngineFailure(f"model file not found: {path}")
@@ -268,7 +268,7 @@ class LlamaCppBackend:
         size = lc.llama_state_seq_get_size(self._ctx, slot)
         buf = (ctypes.c_uint8 * size)()
         written = lc.llama_state_seq_get_data(self._ctx, buf, size, slot)
-        return bytes(buf[:written])
+        return ctypes.string_at(buf, written)
 
     def restore_state(self, slot: int, state: bytes) -> bool:
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)

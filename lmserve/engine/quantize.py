@@ -1,7 +1,8 @@
 """Quantize a GGUF with llama.cpp (`/api/create` with `quantize`): F16/F32 in, the requested type out.
 
 llama.cpp's `llama_model_quantize` has no progress callback: the caller reports "quantizing …" before and
-"success" after. It logs one line per tensor through llama.cpp's log callback (stderr unless silenced).
+"success" after. llama.cpp's per-tensor log lines go through lmserve's log callback (errors only, unless
+LMSERVE_LLAMA_LOG is set).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import llama_cpp as lc
 
+from lmserve.engine.llamacpp import init_llama_backend
 from lmserve.errors import EngineFailure, InvalidRequest
 
 QUANT_TYPES: dict[str, int] = {
@@ -65,7 +67,7 @@ def quantize(source: Path, destination: Path, level: str, *, threads: int | None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        lc.llama_backend_init()  # idempotent: sets up ggml's timer and fp16 tables
+        init_llama_backend()  # ggml's timer and fp16 tables, and llama.cpp's log routed to ours (errors only)
         status = lc.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
         if status != 0:
             raise EngineFailure(f"llama.cpp could not quantize {source.name} to {level.upper()} (status {status})")
