@@ -1,8 +1,9 @@
 """Graceful shutdown: after SIGTERM every open stream ends (finished, or with an error event at the deadline) and
 the process exits 0.
 
-Known issue (left for issue 6): after the signal, decoding on this 2-core machine slows to about one step every
-few seconds, so even short requests may reach the deadline; the test therefore checks that they end, not how.
+On an idle machine a stream keeps its pace after the signal. When the two cores are also busy with other work,
+llama.cpp's spin-waiting threads slow decoding to a crawl (before the signal as much as after), so even short
+requests may reach the deadline; the test therefore checks that every stream ends, not how.
 """
 
 from __future__ import annotations
