@@ -16,7 +16,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -208,13 +208,12 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
         except InvalidRequest as exc:
             raise InvalidRequest(f"{where}: {exc.message}", param="messages") from None
 
-    jobs: list[list[Awaitable[bytes]]] = [[one(where, url) for where, url in parts] for parts in _image_urls(req)]
-    flat = await asyncio.gather(*(job for parts in jobs for job in parts))
-    out: list[list[bytes]] = []
-    for parts in jobs:
-        out.append(list(flat[: len(parts)]))
-        flat = flat[len(parts) :]
-    return out
+    try:
+        async with asyncio.TaskGroup() as group:  # the first refusal cancels the other fetches
+            tasks = [[group.create_task(one(where, url)) for where, url in parts] for parts in _image_urls(req)]
+    except* InvalidRequest as refused:
+        raise refused.exceptions[0] from None
+    return [[task.result() for task in parts] for parts in tasks]
 
 
 def to_completion_request(
