@@ -262,14 +262,32 @@ class Service:
                 f"{len(request.messages)} messages is more than this server accepts ({self.max_messages})",
                 param="messages",
             )
+        return model.template.render(
+            self._conversation(model, request), tools=request.tools or None,
+            add_generation_prompt=request.add_generation_prompt,
+        )
+
+    def _conversation(self, model: LoadedModel, request: ChatRequest) -> list[Message]:
+        """The Modelfile's MESSAGEs, then the request's (images as markers), with the model's SYSTEM if none."""
         messages = list(model.messages) + [
             self._with_image_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
         ]
         if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
             messages.insert(0, Message(role="system", content=model.system))
-        return model.template.render(
-            messages, tools=request.tools or None, add_generation_prompt=request.add_generation_prompt
-        )
+        return messages
+
+    def _system_checkpoint(self, model: LoadedModel, request: ChatRequest, tokens: list[int]) -> list[int]:
+        """Where the system prompt ends in `tokens`, for a model whose memory cannot be cut (its state there is
+        snapshotted, so other conversations with that system prompt start from it); [] when unknown."""
+        if model.engine.info.can_cut_memory:
+            return []
+        messages = self._conversation(model, request)
+        count = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+        if count == 0 or count == len(messages):
+            return []
+        head = model.template.render(messages[:count], tools=request.tools or None, add_generation_prompt=False)
+        prefix = self._tokenize(model, head)
+        return [len(prefix)] if tokens[: len(prefix)] == prefix else []
 
     async def chat(self, request: ChatRequest) -> Generation:
         started = time.perf_counter_ns()
@@ -290,7 +308,8 @@ class Service:
                 sampling = replace(sampling, grammar=grammar, stop=[], logit_bias=dict(sampling.logit_bias))
             images = [image for message in request.messages for image in message.images]
             tokens, places = await self._tokenize_prompt(model, prompt, images)
-            generation = self._submit(resident, tokens, sampling, parser, places)
+            checkpoints = self._system_checkpoint(model, request, tokens) if not images else []
+            generation = self._submit(resident, tokens, sampling, parser, places, checkpoints)
             generation.max_tool_calls = None if request.parallel_tool_calls else 1
             generation.load_ns = time.perf_counter_ns() - started
             return generation
@@ -433,10 +452,11 @@ class Service:
 
     def _submit(
         self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
-        images: list[PromptImage] | None = None,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
     ) -> Generation:
         # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
-        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images)
+        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images,
+                                              checkpoints=checkpoints)
         return Generation(
             model=resident.model.name,
             num_prompt_tokens=len(tokens),

@@ -189,6 +189,21 @@ def test_repeated_prompt_on_hybrid_memory_recomputes_and_agrees(server: Server) 
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_chats_sharing_a_system_prompt_restore_its_snapshot(server: Server, count_tokens: Counter) -> None:
+    """The service marks where the system prompt ends; the engine snapshots the hybrid state there, so the next
+    conversation with that system prompt starts from it."""
+    system = "You answer questions about the sea, briefly and kindly. " * 6
+    with server.client() as client:
+        for question in ("What is a wave?", "Why is the sea salty?"):
+            reply = client.chat.completions.create(
+                model=SERVED, temperature=0, max_tokens=4,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    system_turn = f"<|startoftext|><|im_start|>system\n{system}<|im_end|>\n"
+    assert reply.usage.prompt_tokens_details.cached_tokens == count_tokens(system_turn)
+
+
 def test_two_concurrent_requests_equal_each_alone(server: Server) -> None:
     prompts = ["Write about rain.", "Count to five please."]
 

@@ -89,9 +89,9 @@ class Engine:
         self.max_queue = max_queue
         """Requests allowed to wait for a slot; beyond it `submit` raises Overloaded (503)."""
         self.info: ModelInfo = backend.info
-        self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
-                                   can_copy=backend.info.can_cut_memory)
         self.snapshots = SnapshotCache(0 if backend.info.can_cut_memory else snapshot_bytes)
+        self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
+                                   can_copy=backend.info.can_cut_memory, can_snapshot=self.snapshots.budget_bytes > 0)
         """Prompt-end states of a model whose memory cannot be cut (see engine/snapshots.py)."""
         self._trackers: dict[Sequence, _Tracker] = {}
         self._inbox: list[Sequence] = []
@@ -120,12 +120,14 @@ class Engine:
 
     def submit(
         self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
-        images: list[PromptImage] | None = None,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request; raise ContextOverflow when the prompt cannot fit in one sequence's context.
 
         `images` are the places of images in `prompt` (from `tokenize_images`); every other position must be
         a token id of the vocabulary, and the prompt must end with text (the next token is sampled after it).
+        `checkpoints` are prompt positions worth a snapshot (e.g. the end of the system prompt) for a model whose
+        memory cannot be cut; other models ignore them.
         """
         num_ctx = self.info.num_ctx
         images = images or []
@@ -145,6 +147,9 @@ class Engine:
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special,
                        images=list(images))
+        if self.snapshots.budget_bytes and checkpoints:
+            inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and seq.cut_outside_images(c) == c]
+            seq.checkpoints = sorted(set(inside))
         stream = RequestStream(self, seq, asyncio.get_running_loop())
         tracker = _Tracker(stream=stream, stops=StopMatcher(sampling.stop), submitted_ns=time.perf_counter_ns())
         with self._cond:
@@ -284,6 +289,8 @@ class Engine:
         for seq, source, length in self.scheduler.ready_shares():
             if self.backend.copy_prefix(source, seq.slot, length):
                 self.scheduler.reused(seq, length)
+            else:
+                self.scheduler.reused(seq, self._restore_snapshot(seq, seq.num_prefilled))
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -295,8 +302,8 @@ class Engine:
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
-                if not seq.is_prefilling and self.snapshots.budget_bytes:
-                    self.snapshots.put(seq.prompt, self.backend.save_state(seq.slot))
+                if self.snapshots.budget_bytes and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
+                    self.snapshots.put(seq.prompt[: seq.num_prefilled], self.backend.save_state(seq.slot))
             if token is None:
                 continue
             tracker = self._trackers[seq]
@@ -315,10 +322,15 @@ class Engine:
         if seq.copy_from >= 0 and seq.copy_len > kept and self.backend.copy_prefix(seq.copy_from, seq.slot,
                                                                                    seq.copy_len):
             kept = seq.copy_len
-        if self.snapshots.budget_bytes:
-            hit = self.snapshots.longest_prefix(seq.prompt, len(seq.prompt) - 1)
-            if hit is not None and hit[0] > kept and self.backend.restore_state(seq.slot, hit[1]):
-                kept = hit[0]
+        return self._restore_snapshot(seq, kept)
+
+    def _restore_snapshot(self, seq: Sequence, kept: int) -> int:
+        """Restore the longest snapshot of a prefix of the prompt into the slot when it beats `kept` positions."""
+        if not self.snapshots.budget_bytes:
+            return kept
+        hit = self.snapshots.longest_prefix(seq.prompt, len(seq.prompt) - 1)
+        if hit is not None and hit[0] > kept and self.backend.restore_state(seq.slot, hit[1]):
+            return hit[0]
         return kept
 
     def _accept(

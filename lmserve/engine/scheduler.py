@@ -16,6 +16,11 @@ Where the backend can copy a prefix between slots (`can_copy`: memory that can b
 sequence also looks past its own slot: it copies a longer prefix held by another slot, or, when a sequence still
 prefilling will soon hold one (many users arriving with one system prompt), waits for that leader and copies
 from it instead of computing the same tokens again.
+
+A model whose memory cannot be cut (hybrid) shares through snapshots instead: a sequence may carry checkpoints
+(prompt positions, e.g. the end of the system prompt) where its prefill stops so the engine can save the slot's
+state; a new sequence sharing a checkpointed prefix with a prefilling leader waits for that checkpoint and
+restores the snapshot.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Sequence:
     leader: Sequence | None = None
     """A sequence prefilling the first `share_len` tokens of this prompt; this one waits and copies them."""
     share_len: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+    """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
 
     @property
     def held(self) -> list[int]:
@@ -67,8 +74,10 @@ class Sequence:
         return None
 
     def text_end(self, pos: int) -> int:
-        """Where the run of text tokens starting at `pos` ends: the next image's start, or the prompt's end."""
-        return min((image.start for image in self.images if image.start >= pos), default=len(self.prompt))
+        """Where the run of text tokens starting at `pos` ends: the next image or checkpoint, or the prompt's end."""
+        stops = [image.start for image in self.images if image.start >= pos]
+        stops += [checkpoint for checkpoint in self.checkpoints if checkpoint > pos]
+        return min(stops, default=len(self.prompt))
 
     def cut_outside_images(self, pos: int) -> int:
         """`pos`, moved back to an image's start when it falls inside that image (an image is decoded whole)."""
@@ -88,7 +97,7 @@ class Scheduler:
 
     def __init__(
         self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int, *, can_copy: bool = False,
-        min_share: int = 16,
+        can_snapshot: bool = False, min_share: int = 16,
     ) -> None:
         if num_slots < 1 or max_batch_tokens < 1 or max_prefill_tokens < 1:
             raise ValueError("scheduler sizes must be positive")
@@ -101,6 +110,8 @@ class Scheduler:
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
         """Tokens whose state each free slot's memory holds, position by position."""
         self.can_copy = can_copy
+        self.can_snapshot = can_snapshot
+        """Followers may wait for a leader's checkpoint and restore its snapshot (when copies are impossible)."""
         self.min_share = min_share
         """Fewest extra tokens that make copying from another slot (or waiting for a leader) worth it."""
 
@@ -130,6 +141,8 @@ class Scheduler:
         seq.num_cached = seq.cut_outside_images(min(best_len, len(seq.prompt) - 1))
         if self.can_copy:
             self._plan_sharing(seq)
+        elif self.can_snapshot:
+            self._plan_checkpoint_sharing(seq)
         self.running.append(seq)
         return seq
 
@@ -150,6 +163,17 @@ class Scheduler:
                 length = self._usable(seq, other.prompt)
                 if length >= best + self.min_share:
                     seq.leader, seq.share_len, best = other, length, length
+
+    def _plan_checkpoint_sharing(self, seq: Sequence) -> None:
+        """Wait for a prefilling leader that will snapshot a checkpoint this prompt shares."""
+        best = seq.num_cached
+        for other in self.running:
+            if not other.is_prefilling or other.leader is not None:
+                continue
+            shared = self._usable(seq, other.prompt)
+            for checkpoint in other.checkpoints:
+                if other.num_prefilled < checkpoint <= shared and checkpoint >= best + self.min_share:
+                    seq.leader, seq.share_len, best = other, checkpoint, checkpoint
 
     def ready_shares(self) -> list[tuple[Sequence, int, int]]:
         """Waiting followers whose leader now holds their shared prefix: (follower, source slot, length).

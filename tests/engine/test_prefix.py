@@ -102,3 +102,41 @@ async def test_a_hybrid_chat_turn_restores_its_snapshot_after_another_request_to
     assert cached(reused) == num_turn1
     assert cached(fresh) == 0
     assert reused_text == fresh_text
+
+
+async def test_hybrid_users_sharing_a_system_prompt_restore_its_checkpoint(tmp_path: Path) -> None:
+    """A hybrid model cannot copy a cut prefix: the leader's prefill pauses at the system prompt's end, the slot's
+    state is snapshotted there, and the followers (and later users) restore it; answers equal computing alone."""
+    path = write_tiny_lfm2(tmp_path / "tiny-lfm2.gguf")
+    system = "<|startoftext|><|im_start|>system\n" + SYSTEM[:600] + "<|im_end|>\n"
+    prompts = [system + f"<|im_start|>user\nquestion {i}<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
+    options = LoadOptions(num_ctx=2048, num_parallel=4, num_batch=512)
+
+    async def answers(engine: Engine, together: bool) -> list[tuple[str, Chunk]]:
+        checkpoint = len(engine.tokenize(system))
+
+        async def one(prompt: str) -> tuple[str, Chunk]:
+            stream = engine.submit(engine.tokenize(prompt), SamplingParams(temperature=0, max_tokens=10),
+                                   checkpoints=[checkpoint])
+            chunks = [c async for c in stream]
+            return "".join(c.text for c in chunks), chunks[-1]
+
+        if together:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [await one(p) for p in prompts]
+
+    shared = Engine(LlamaCppBackend(path, options))
+    alone = Engine(LlamaCppBackend(path, options), snapshot_bytes=0)
+    try:
+        num_system = len(shared.tokenize(system))
+        together = await answers(shared, together=True)
+        later, final = await run(shared, prompts[0].replace("question 0", "another question"), max_tokens=10)
+        expected = await answers(alone, together=False)
+        expected_later, _ = await run(alone, prompts[0].replace("question 0", "another question"), max_tokens=10)
+    finally:
+        shared.close()
+        alone.close()
+    assert sorted(cached(f) for _, f in together) == [0] + [num_system] * 3
+    assert cached(final) >= num_system  # a later user starts from the snapshot too
+    assert [text for text, _ in together] == [text for text, _ in expected]
+    assert later == expected_later

@@ -252,3 +252,28 @@ def test_without_copies_nothing_is_shared() -> None:
     scheduler.add(b)
     admit_all(scheduler)
     assert b.leader is None and b.copy_from == -1
+
+
+def test_prefill_pauses_at_a_checkpoint() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64, can_snapshot=True)
+    s = seq(50)
+    s.checkpoints = [20]
+    scheduler.add(s)
+    admit_all(scheduler)
+    assert prefill_plan(scheduler, s) == [(0, 20, False, False), (20, 30, False, True)]
+
+
+def test_without_copies_followers_wait_for_a_leaders_checkpoint() -> None:
+    scheduler = Scheduler(num_slots=4, max_batch_tokens=512, max_prefill_tokens=512, can_snapshot=True, min_share=4)
+    system = list(range(100))
+    leader = Sequence(prompt=[*system, 1, 2], sampling=SamplingParams(), max_new_tokens=4, checkpoints=[100])
+    follower = Sequence(prompt=[*system, 3, 4], sampling=SamplingParams(), max_new_tokens=4, checkpoints=[100])
+    stranger = Sequence(prompt=[7, *system], sampling=SamplingParams(), max_new_tokens=4)
+    for s in (leader, follower, stranger):
+        scheduler.add(s)
+    admit_all(scheduler)
+    assert (follower.leader, follower.share_len) == (leader, 100)
+    assert stranger.leader is None
+    assert {s for s, _ in scheduler.schedule()} == {leader, stranger}
+    leader.num_prefilled = 100
+    assert scheduler.ready_shares() == [(follower, leader.slot, 100)]
