@@ -24,7 +24,7 @@ from lmserve.engine.base import PromptImage
 from lmserve.engine.loop import RequestStream
 from lmserve.engine.quantize import parse_quant
 from lmserve.engine.quantize import quantize as run_quantize
-from lmserve.errors import EngineFailure, InvalidRequest, ModelNotFound
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
@@ -285,7 +285,10 @@ class Service:
         count = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
         if count == 0 or count == len(messages):
             return []
-        head = model.template.render(messages[:count], tools=request.tools or None, add_generation_prompt=False)
+        try:  # some templates refuse a conversation without a user turn: then there is no checkpoint
+            head = model.template.render(messages[:count], tools=request.tools or None, add_generation_prompt=False)
+        except LmserveError:
+            return []
         prefix = self._tokenize(model, head)
         return [len(prefix)] if tokens[: len(prefix)] == prefix else []
 
