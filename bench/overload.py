@@ -13,29 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 
-
-def _load_soak() -> ModuleType:
-    """bench/ is not a package: load the sibling soak.py (server start/stop helpers) by path."""
-    if "lmserve_bench_soak" in sys.modules:
-        return sys.modules["lmserve_bench_soak"]
-    spec = importlib.util.spec_from_file_location("lmserve_bench_soak", Path(__file__).with_name("soak.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts share code
+import soak
 
 
 @dataclass

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -60,7 +59,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -110,20 +108,8 @@ QUESTIONS = (
 )
 
 
-def _load_throughput() -> ModuleType:
-    """bench/ is not a package: load the sibling throughput.py (server commands, start/stop, load levels) by path."""
-    name = "lmserve_bench_throughput"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("throughput.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load_throughput()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts share code
+import throughput  # noqa: E402
 
 
 @dataclass

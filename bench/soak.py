@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -25,7 +24,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -98,20 +96,8 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def _load_throughput() -> ModuleType:
-    """bench/ is not a package: load the sibling throughput.py (server start/stop) by path."""
-    name = "lmserve_bench_throughput"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("throughput.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load_throughput()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts share code
+import throughput  # noqa: E402
 
 
 @contextlib.contextmanager
