@@ -67,15 +67,21 @@ def write_tiny_llama(
     path = Path(path)
     writer = gguf.GGUFWriter(path, "llama")
     _write_metadata(writer, n_vocab, ftype, name, chat_template)
-    for tensor_name, array in _tensors(n_vocab, seed):
-        if ftype == F16 and array.ndim == 2:
-            array = array.astype(np.float16)
+    tensors = _tensors(n_vocab, seed)
+    if ftype == F16:
+        tensors = [(name, array.astype(np.float16) if array.ndim == 2 else array) for name, array in tensors]
+    finish_gguf(writer, tensors)
+    return path
+
+
+def finish_gguf(writer: gguf.GGUFWriter, tensors: list[tuple[str, np.ndarray]]) -> None:
+    """Add `tensors` and write the file `writer` was opened on."""
+    for tensor_name, array in tensors:
         writer.add_tensor(tensor_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _write_metadata(

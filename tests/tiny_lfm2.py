@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.tiny_gguf import tiny_vocab
+from tests.tiny_gguf import finish_gguf, tiny_vocab
 
 LFM2_SPECIALS = [
     "<|pad|>",
@@ -185,12 +185,7 @@ def write_tiny_lfm2(
     writer.add_add_space_prefix(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    for tensor_name, array in _tensors(n_vocab, seed, len(extra), shape):
-        writer.add_tensor(tensor_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, _tensors(n_vocab, seed, len(extra), shape))
     return path
 
 

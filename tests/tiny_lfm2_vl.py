@@ -63,6 +63,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.tiny_gguf import finish_gguf
 from tests.tiny_lfm2 import LFM2_VL_SPECIALS, NUM_EMBD, write_tiny_lfm2
 
 VISION_EMBD = 32
@@ -103,12 +104,7 @@ def write_tiny_lfm2_mmproj(path: str | Path, *, seed: int = 0) -> Path:
     writer.add_vision_attention_layernorm_eps(LAYER_NORM_EPS)
     writer.add_vision_projector_scale_factor(SCALE_FACTOR)
     writer.add_vision_use_gelu(True)
-    for tensor_name, array in _mmproj_tensors(seed):
-        writer.add_tensor(tensor_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, _mmproj_tensors(seed))
     return path
 
 
