@@ -28,7 +28,16 @@ from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNot
 from lmserve.loaded import LoadedModel, LoadedModels, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
+from lmserve.types import (
+    IMAGE_PLACEHOLDER,
+    ChatRequest,
+    Chunk,
+    CompletionRequest,
+    LoadOptions,
+    Message,
+    SamplingParams,
+    ToolCall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -430,16 +439,24 @@ class Service:
 
     @staticmethod
     def _with_image_markers(model: LoadedModel, message: Message, where: str) -> Message:
-        """`message` with one image marker per image before its text; 400 when the model has no vision."""
+        """`message` with the model's image marker where each image goes (its placeholders, else before the text);
+        400 when the model has no vision."""
         if not message.images:
             return message
+        param = "messages" if where.startswith("messages") else "images"
         marker = model.engine.info.image_marker
         if marker is None:
             raise InvalidRequest(
                 f"{where} contains an image, but model '{model.name}' has no vision projector (it cannot see images)",
-                param="messages" if where.startswith("messages") else "images",
+                param=param,
             )
-        return replace(message, content=marker * len(message.images) + message.content)
+        places = message.content.count(IMAGE_PLACEHOLDER)
+        if places == 0:
+            return replace(message, content=marker * len(message.images) + message.content)
+        if places != len(message.images):
+            raise InvalidRequest(f"{where} has {len(message.images)} images but {places} image placeholders "
+                                 "(U+FFFC) in its text", param=param)
+        return replace(message, content=message.content.replace(IMAGE_PLACEHOLDER, marker))
 
     async def _tokenize_prompt(
         self, model: LoadedModel, prompt: str, images: list[bytes]

@@ -22,9 +22,14 @@ class ToolCall:
     id: str = ""
 
 
+IMAGE_PLACEHOLDER = "\ufffc"
+"""U+FFFC OBJECT REPLACEMENT CHARACTER: in the `content` of a message with images, where each image goes, in order.
+A message with images and no placeholders gets its images before its text."""
+
+
 @dataclass(slots=True)
 class Message:
-    """One chat message. `content` is plain text; images travel separately in `images`."""
+    """One chat message. `content` is plain text; images travel separately in `images` (see IMAGE_PLACEHOLDER)."""
 
     role: Role
     content: str = ""

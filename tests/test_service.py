@@ -1,17 +1,20 @@
-"""The service's own decisions, over the fake engine: where a hybrid model's system prompt ends."""
+"""The service's own decisions, over the fake engine: where a hybrid model's system prompt ends, where images go."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import pytest
+from PIL import Image
 
 from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.loop import Engine
+from lmserve.errors import InvalidRequest
 from lmserve.loaded import LoadedModel
-from lmserve.types import ChatRequest, Message, SamplingParams
+from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams
 
 STRICT = (
     "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last message must be the user') }}{% endif %}"
@@ -50,3 +53,40 @@ async def test_a_template_that_refuses_a_system_only_conversation_still_answers(
     assert generation.stream.seq.checkpoints == []
     text, final = await generation.collect()
     assert text and final.finish_reason == "length"
+
+
+@pytest.fixture
+def seer() -> Iterator[Engine]:
+    engine = Engine(FakeBackend(num_ctx=2048, num_parallel=2, vision=True))
+    yield engine
+    engine.close()
+
+
+def image(shade: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (shade, shade, shade)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_images_go_where_their_placeholders_stand(seer: Engine) -> None:
+    service = static_service([LoadedModel(name="m", engine=seer, template=ChatTemplate("{{ messages[0].content }}"))])
+    message = Message("user", f"a{IMAGE_PLACEHOLDER}b{IMAGE_PLACEHOLDER}c", images=[image(0), image(255)])
+    generation = await service.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))
+    prompt = generation.prompt_tokens
+    await generation.collect()
+    # The fake tokenizes text as bytes and gives a 16x16 image one position (a negative placeholder id).
+    assert prompt[0] == ord("a") and prompt[2] == ord("b") and prompt[4] == ord("c")
+    assert prompt[1] < 0 and prompt[3] < 0 and prompt[1] != prompt[3]
+    without = Message("user", "ab", images=[image(0)])  # no placeholders: the image goes first
+    generation = await service.chat(ChatRequest("m", [without], SamplingParams(max_tokens=1)))
+    assert generation.prompt_tokens[0] < 0
+    await generation.collect()
+
+
+@pytest.mark.asyncio
+async def test_placeholders_and_images_must_agree(seer: Engine) -> None:
+    service = static_service([LoadedModel(name="m", engine=seer, template=ChatTemplate(None))])
+    message = Message("user", f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}", images=[image(0)])
+    with pytest.raises(InvalidRequest, match="1 images but 2 image placeholders"):
+        await service.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))

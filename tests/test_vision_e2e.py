@@ -379,9 +379,13 @@ def test_native_chat_with_images_by_path_and_bytes(native: ollama.Client, client
     red = native.chat(model=VL_MODEL, options=NATIVE_OPTIONS, messages=[
         ollama.Message(role="user", content=PROMPT, images=[ollama.Image(value=image_files["red"])])])
     assert red.message.content != by_path.message.content
-    # the same conversation through the OpenAI route: the same prompt, the same reply
-    assert ask(client, user(PROMPT, data_uri(NOISE))) == Answer(by_path.message.content or "",
-                                                                by_path.prompt_eval_count)
+    # the same conversation through the OpenAI route (the image part first, where native images go): the same reply
+    image_first: list[ChatCompletionMessageParam] = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(NOISE)}}, {"type": "text", "text": PROMPT}]}]
+    assert ask(client, image_first) == Answer(by_path.message.content or "", by_path.prompt_eval_count)
+    # where the image part stands matters: after the text it is another prompt (same length, another reply)
+    after = ask(client, user(PROMPT, data_uri(NOISE)))
+    assert after.prompt_tokens == by_path.prompt_eval_count and after.text != by_path.message.content
 
 
 def test_native_generate_with_an_image(native: ollama.Client) -> None:

@@ -40,7 +40,7 @@ from lmserve.chat.media import MediaPolicy, decode_data_uri, fetch_image
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, ModelListing, Service
-from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -164,18 +164,23 @@ def _arguments(arguments: str | dict[str, Any]) -> str:
 
 
 def _content(content: str | list[schemas.ContentPart] | None) -> str:
-    """Text (and refusal) parts joined by newlines, in order; image parts are carried apart (`load_images`)."""
+    """Text (and refusal) parts in order, a newline between two texts; each image part is an IMAGE_PLACEHOLDER
+    where it stood (its bytes are carried apart: `load_images`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts: list[str] = []
+    out = ""
+    previous_is_text = False
     for part in content:
-        if isinstance(part, schemas.TextPart):
-            texts.append(part.text)
-        elif isinstance(part, schemas.RefusalPart):
-            texts.append(part.refusal)
-    return "\n".join(texts)
+        if isinstance(part, schemas.ImagePart):
+            out += IMAGE_PLACEHOLDER
+            previous_is_text = False
+            continue
+        text = part.text if isinstance(part, schemas.TextPart) else part.refusal
+        out += ("\n" if previous_is_text else "") + text
+        previous_is_text = True
+    return out
 
 
 def _image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]]]:

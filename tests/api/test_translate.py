@@ -85,7 +85,7 @@ def test_to_chat_request_messages() -> None:
     request = to_chat_request(req, images=[[], [png, b"fetched"], [], [], []])
     system, user, assistant, tool, refusal = request.messages
     assert (system.role, system.content) == ("system", "rules")
-    assert (user.content, user.images) == ("one\ntwo", [png, b"fetched"])
+    assert (user.content, user.images) == ("one\ufffctwo\ufffc", [png, b"fetched"])  # images stay where they were
     assert (assistant.content, assistant.tool_calls) == ("", [ToolCall(name="f", arguments='{"x":1}', id="call_9")])
     assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_9", "f", "42")
     assert (refusal.role, refusal.content) == ("assistant", "no")
@@ -127,3 +127,15 @@ def test_invalid_from_validation_strips_fastapi_prefix() -> None:
     err = invalid_from_validation([{"loc": ("body", "temperature"), "type": "float_parsing", "msg": "bad"}], strip=1)
     assert (err.param, err.status) == ("temperature", 400)
     assert "temperature" in err.message
+
+
+def test_text_parts_join_with_newlines_and_images_keep_their_place() -> None:
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+        {"type": "text", "text": "c"},
+    ]
+    request = to_chat_request(chat_req(messages=[{"role": "user", "content": parts}]), images=[[b"1", b"2"]])
+    assert request.messages[0].content == "\ufffca\nb\ufffcc"
