@@ -50,10 +50,12 @@ def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 
 class _ImageChunk:
-    """An owned, preprocessed mtmd image chunk; freed when the last reference to it goes."""
+    """An owned mtmd image chunk and its embeddings from the projector; freed when the last reference to it goes."""
 
-    def __init__(self, pointer: Any) -> None:
+    def __init__(self, pointer: Any, embeddings: np.ndarray) -> None:
         self.pointer = pointer
+        self.embeddings = embeddings
+        """float32 (tokens x the model's input width): what the engine thread decodes into the sequence."""
 
     def __del__(self) -> None:
         if self.pointer:
@@ -220,7 +222,7 @@ class LlamaCppBackend:
                         length = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                         if mtmd.mtmd_input_chunk_get_n_pos(chunk) != length:
                             raise EngineFailure("image positions differ from image tokens (M-RoPE is not supported)")
-                        handle = _ImageChunk(mtmd.mtmd_input_chunk_copy(chunk))
+                        handle = _ImageChunk(mtmd.mtmd_input_chunk_copy(chunk), self._encode(chunk, length))
                         places.append(PromptImage(len(tokens), length, handle))
                         tokens += [image_placeholder(mtmd.mtmd_input_chunk_get_id(chunk) or b"")] * length
                     else:
@@ -330,20 +332,35 @@ class LlamaCppBackend:
             for entry, output in zip(entries, outputs, strict=True)
         ]
 
+    def _encode(self, chunk: Any, length: int) -> np.ndarray:
+        """Run the projector on an image chunk (under the mtmd lock) and copy out its embeddings.
+
+        This runs where the prompt is tokenized, in a worker thread, so the engine thread keeps decoding other
+        sequences meanwhile; the engine thread only decodes the embeddings (`_decode_image`).
+        """
+        rc = mtmd.mtmd_encode_chunk(self._mtmd, chunk)
+        if rc != 0:
+            raise EngineFailure(f"the vision projector failed to encode an image (code {rc})")
+        width = lc.llama_model_n_embd_inp(self._model)
+        output = mtmd.mtmd_get_output_embd(self._mtmd)
+        if not output:
+            raise EngineFailure("the vision projector returned no embeddings")
+        return np.ctypeslib.as_array(output, shape=(length * width,)).copy()
+
     def _decode_image(self, entry: BatchEntry) -> None:
-        """Encode the entry's image with the projector and decode its embeddings into the slot's memory."""
+        """Decode an encoded image's embeddings into the slot's memory at the entry's position."""
         assert entry.image is not None
         chunk = entry.image.handle
         if not isinstance(chunk, _ImageChunk) or not chunk.pointer:
             raise EngineFailure("an image of another model was submitted")
         new_pos = lc.llama_pos(0)
-        with self._mtmd_lock:
-            rc = mtmd.mtmd_helper_eval_chunk_single(
-                self._mtmd, self._ctx, chunk.pointer, entry.pos, entry.slot, self._batch_capacity, False,
-                ctypes.byref(new_pos),
-            )
+        embeddings = chunk.embeddings.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        rc = mtmd.mtmd_helper_decode_image_chunk(
+            self._mtmd, self._ctx, chunk.pointer, embeddings, entry.pos, entry.slot, self._batch_capacity,
+            ctypes.byref(new_pos), mtmd.mtmd_helper_post_decode_callback(), None,
+        )
         if rc != 0:
-            raise EngineFailure(f"encoding an image failed with code {rc}")
+            raise EngineFailure(f"decoding an image failed with code {rc}")
 
     # ---- embeddings ---------------------------------------------------------------------------
 

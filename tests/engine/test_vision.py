@@ -151,3 +151,13 @@ async def test_a_model_without_projector_has_no_image_marker(vl_files: tuple[Pat
             backend.tokenize_images("x", [noise(8, 8)])
     finally:
         backend.close()
+
+
+async def test_images_are_encoded_when_tokenized_off_the_engine_thread(engine: Engine) -> None:
+    """The projector runs where the prompt is tokenized (a worker thread in the service), so the engine thread only
+    decodes embeddings and text-only sequences are not held up by the vision encoder."""
+    _, places = engine.tokenize_images(user_turn(engine, "x", 1), [noise(64, 64, 5)])
+    (place,) = places
+    embeddings = getattr(place.handle, "embeddings", None)
+    assert embeddings is not None and embeddings.shape == (place.length * 64,)  # tiny LFM2: 64 wide
+    assert bool((embeddings != 0).any())
