@@ -141,6 +141,9 @@ class StoreCatalog:
             capabilities=capabilities,
         )
 
+    def has_vision(self, name: str) -> bool:
+        return self.store.find(name).manifest.projector is not None
+
     def modelfile(self, entry: ModelEntry) -> Modelfile:
         m = entry.manifest
         return Modelfile(
@@ -308,6 +311,9 @@ class StaticCatalog:
             model_info=dict(info.metadata),
             capabilities=["completion", "vision"] if info.image_marker is not None else ["completion"],
         )
+
+    def has_vision(self, name: str) -> bool:
+        return self._models[name].engine.info.image_marker is not None
 
     def sampling_defaults(self, name: str) -> SamplingParams:
         return self._models[name].sampling

@@ -86,6 +86,10 @@ class Catalog(Protocol):
 
     def describe(self, name: str) -> ModelDescription: ...
 
+    def has_vision(self, name: str) -> bool:
+        """Whether the model has a vision projector (cheaper than `describe`)."""
+        ...
+
     def sampling_defaults(self, name: str) -> SamplingParams:
         """The model's own sampling defaults (its Modelfile PARAMETERs) over the server's."""
         ...
@@ -386,7 +390,7 @@ class Service:
     def check_images(self, name: str, count: int, *, param: str = "messages") -> None:
         """Raise InvalidRequest unless model `name` can see images (it has a vision projector) and `count` images
         are within the server's per-request limit."""
-        if "vision" not in self.describe(name).capabilities:
+        if not self.catalog.has_vision(self.catalog.resolve(name)):
             raise InvalidRequest(
                 f"model '{name}' has no vision projector (it cannot see images); use a vision model", param=param
             )
