@@ -6,6 +6,7 @@ exactly the same numbers whether it runs alone or beside others: temperature 0 i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -58,9 +59,10 @@ class _ImageChunk:
         """float32 (tokens x the model's input width): what the engine thread decodes into the sequence."""
 
     def __del__(self) -> None:
-        if self.pointer:
-            mtmd.mtmd_input_chunk_free(self.pointer)
-            self.pointer = None
+        pointer, self.pointer = self.pointer, None
+        if pointer:
+            with contextlib.suppress(Exception):  # at interpreter exit the bindings may already be gone
+                mtmd.mtmd_input_chunk_free(pointer)
 
 
 def image_id(bitmap: Bitmap) -> bytes:
