@@ -101,7 +101,9 @@ def run(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         service, name = build_service(config)
-        served_file = service.describe(name).modelfile.splitlines()[0].removeprefix("FROM ")
+        froms = [line.removeprefix("FROM ") for line in service.describe(name).modelfile.splitlines()
+                 if line.startswith("FROM ")]
+        served_file = froms[0] + (f", vision projector {froms[1]}" if len(froms) > 1 else "")
     except LmserveError as exc:
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
