@@ -353,8 +353,6 @@ class Service:
         """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens."""
         if raw and not request.images:
             return await self.complete(request)
-        if raw:
-            template = "{{ .Prompt }}"  # the images' markers, then the prompt as it is
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
@@ -363,7 +361,9 @@ class Service:
             messages = [replace(user, images=[])]
             if system is not None:
                 messages.insert(0, Message(role="system", content=system))
-            if template is not None:
+            if raw:
+                prompt = user.content  # the images' markers, then the prompt as it is
+            elif template is not None:
                 prompt = GoChatTemplate(template, system=model.system).render(messages)
             else:
                 prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling))
