@@ -6,7 +6,6 @@ The weights are random, so the tests assert structure (token counts, determinism
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import subprocess
@@ -16,12 +15,11 @@ from pathlib import Path
 
 import llama_cpp as lc
 import ollama
-import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from lmserve.store.modelfile import parse as parse_modelfile
-from tests.test_server import Server
+from tests.test_server import Server, alone_and_together
 from tests.tiny_lfm2 import write_tiny_lfm2
 
 TEMPLATE = (
@@ -205,21 +203,7 @@ def test_chats_sharing_a_system_prompt_restore_its_snapshot(server: Server, coun
 
 
 def test_two_concurrent_requests_equal_each_alone(server: Server) -> None:
-    prompts = ["Write about rain.", "Count to five please."]
-
-    async def ask(client: openai.AsyncOpenAI, prompt: str) -> str:
-        reply = await client.chat.completions.create(
-            model=SERVED, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=16
-        )
-        return reply.choices[0].message.content or ""
-
-    async def run() -> tuple[list[str], list[str]]:
-        async with server.async_client() as client:
-            alone = [await ask(client, p) for p in prompts]
-            together = await asyncio.gather(*(ask(client, p) for p in prompts))
-        return alone, list(together)
-
-    alone, together = asyncio.run(run())
+    alone, together = alone_and_together(server, SERVED, ["Write about rain.", "Count to five please."], max_tokens=16)
     assert together == alone
     assert all(alone)
 

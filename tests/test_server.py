@@ -167,16 +167,12 @@ def test_sampling_extensions_are_accepted(client: openai.OpenAI) -> None:
     assert reply.choices[0].message.content
 
 
-def test_temperature_zero_alone_equals_eight_concurrent(server: Server) -> None:
-    prompts = [
-        "What is the capital of France?", "Write a haiku about rain.", "Count from 1 to 10.",
-        "Explain gravity in one sentence.", "Name five fruits.", "What is 12 times 7?",
-        "Tell me a joke.", "Describe the ocean.",
-    ]
+def alone_and_together(server: Server, model: str, prompts: list[str], max_tokens: int) -> tuple[list[str], list[str]]:
+    """Greedy replies to each prompt sent one at a time, then to all of them sent at once."""
 
     async def ask(client: openai.AsyncOpenAI, prompt: str) -> str:
         reply = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=24
+            model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens
         )
         return reply.choices[0].message.content or ""
 
@@ -186,7 +182,16 @@ def test_temperature_zero_alone_equals_eight_concurrent(server: Server) -> None:
             together = await asyncio.gather(*(ask(client, p) for p in prompts))
         return alone, list(together)
 
-    alone, together = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_temperature_zero_alone_equals_eight_concurrent(server: Server) -> None:
+    prompts = [
+        "What is the capital of France?", "Write a haiku about rain.", "Count from 1 to 10.",
+        "Explain gravity in one sentence.", "Name five fruits.", "What is 12 times 7?",
+        "Tell me a joke.", "Describe the ocean.",
+    ]
+    alone, together = alone_and_together(server, MODEL, prompts, max_tokens=24)
     assert together == alone
     assert len(set(alone)) == len(prompts)
 
