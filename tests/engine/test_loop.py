@@ -165,3 +165,27 @@ async def test_image_prompts_are_checked_at_submit() -> None:
 async def test_a_model_without_vision_refuses_images(engine: Engine) -> None:
     with pytest.raises(InvalidRequest, match="no vision"):
         engine.tokenize_images("x", [bitmap(4, 4)])
+
+
+async def test_requests_sharing_a_long_prompt_copy_it_from_the_first() -> None:
+    backend = FakeBackend(num_ctx=1024, num_parallel=4)
+    eng = Engine(backend, max_batch_tokens=64, max_prefill_tokens=32)
+    try:
+        shared = "a system prompt long enough to be worth sharing " * 3
+        prompts = [eng.tokenize(shared + f"question {i}") for i in range(4)]
+        num_shared = len(eng.tokenize(shared + "question "))
+        finals = await asyncio.gather(*(
+            _last(eng.submit(p, SamplingParams(max_tokens=3))) for p in prompts))
+        # The first computes the shared part; the other three wait for it and copy it into their slots.
+        assert sorted(f.usage.cached_tokens for f in finals if f.usage) == [0] + [num_shared] * 3
+        assert sorted(length for _, _, length in backend.copies) == [num_shared] * 3
+        fed = sum(len(e.tokens) for step in backend.steps for e in step)
+        # Every prompt token once, except the copied ones; then 2 decoded tokens per request (the 3rd is only sampled).
+        assert fed == sum(len(p) for p in prompts) - 3 * num_shared + 4 * 2
+    finally:
+        eng.close()
+
+
+async def _last(stream: AsyncIterator[Chunk]) -> Chunk:
+    chunks = [c async for c in stream]
+    return chunks[-1]
