@@ -13,6 +13,11 @@ The web layer maps these to a wire body once (api/app.py); nothing matches on me
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+MAX_NAMES_SHOWN = 5
+"""How many available model names a ModelNotFound message lists."""
+
 
 class LmserveError(Exception):
     """Base of every error lmserve raises on purpose."""
@@ -61,8 +66,17 @@ class ModelNotFound(LmserveError):
     status = 404
     type = "not_found_error"
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"model '{name}' not found", param="model", code="model_not_found")
+    def __init__(self, name: str, *, available: Sequence[str] | None = None, hint: str = "") -> None:
+        """`name` as the request wrote it; `available`: some names that do exist (None: not known); `hint`: how
+        to get the model (e.g. "`lmserve pull smollm2:135m` restores it")."""
+        message = f"model '{name}' not found"
+        if hint:
+            message += f": {hint}"
+        if available is not None:
+            shown = ", ".join(available[:MAX_NAMES_SHOWN]) or "none"
+            more = len(available) - MAX_NAMES_SHOWN
+            message += f" (available: {shown}" + (f" and {more} more; see GET /v1/models" if more > 0 else "") + ")"
+        super().__init__(message, param="model", code="model_not_found")
         self.name = name
 
 

@@ -14,29 +14,26 @@ from lmserve.config import ServerConfig
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
-from lmserve.types import LoadOptions
 
 log = logging.getLogger("lmserve")
 
 
 def build_service(config: ServerConfig) -> tuple[Service, str]:
     """The service over the model store, and the name of the model `serve` was asked for."""
-    from lmserve.catalog import StoreCatalog, gguf_details, gguf_metadata
-    from lmserve.engine.llamacpp import LlamaCppBackend
-    from lmserve.engine.loop import Engine
+    from functools import partial
+
+    from lmserve.engine.factory import EngineSettings, open_engine
     from lmserve.errors import ModelNotFound
-    from lmserve.loaded import LoadedModels
+    from lmserve.service.catalog import StoreCatalog, gguf_details, gguf_metadata
+    from lmserve.service.residency import Residency
     from lmserve.store.modelfile import Modelfile
     from lmserve.store.names import is_gguf_path
     from lmserve.store.store import Store
 
-    def engine_factory(path: Path, options: LoadOptions) -> Engine:
-        backend = LlamaCppBackend(path, options)
-        return Engine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=config.prefill_chunk,
-                      max_queue=config.max_queue, snapshot_bytes=config.snapshot_mb * 2**20)
-
+    settings = EngineSettings(max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
+                              snapshot_bytes=config.snapshot_mb * 2**20)
     store = Store(Path(config.models_dir).expanduser())
-    catalog = StoreCatalog(store, engine_factory)
+    catalog = StoreCatalog(store, partial(open_engine, settings=settings))
     try:
         store.find(DEFAULT_MODEL_NAME)
     except LmserveError:
@@ -59,10 +56,10 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     if config.alias:
         catalog.copy(name, config.alias)
         name = catalog.resolve(config.alias)
-    loaded = LoadedModels(catalog.load, max_loaded=config.max_loaded_models)
-    service = Service(catalog, loaded, load_options=config.load_options, keep_alive=config.keep_alive,
-                      hf_endpoint=config.hf_endpoint, tool_call_parser=config.tool_call_parser,
-                      max_messages=config.max_messages, max_images=config.max_images)
+    residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive)
+    service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
+                      tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
+                      max_images=config.max_images)
     return service, name
 
 
@@ -101,7 +98,7 @@ def run(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         service, name = build_service(config)
-        froms = [line.removeprefix("FROM ") for line in service.describe(name).modelfile.splitlines()
+        froms = [line.removeprefix("FROM ") for line in service.models.describe(name).modelfile.splitlines()
                  if line.startswith("FROM ")]
         served_file = froms[0] + (f", vision projector {froms[1]}" if len(froms) > 1 else "")
     except LmserveError as exc:

@@ -47,8 +47,8 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for name in preload:
-            await service.load(name, keep_alive=-1)
-        expiry = asyncio.create_task(service.loaded.run_expiry())
+            await service.models.load(name, keep_alive=-1)
+        expiry = asyncio.create_task(service.residency.run_expiry())
         try:
             yield
         finally:

@@ -11,8 +11,8 @@ process. What is recorded:
 - lmserve_model_loads_total{model}: each model load.
 - lmserve_queue_depth{model}, lmserve_running_sequences{model}, lmserve_loaded_models: read at scrape time.
 
-The engine knows nothing of this: the service and the loaded-model set call plain observer hooks
-(`Service.on_finish`, `LoadedModels.on_load`) that `Metrics.attach` sets. /metrics is not in OPEN_PATHS: with an
+The engine knows nothing of this: `Metrics.attach` registers observers with the service (`Service.observers`,
+service/observers.py), beside any others. /metrics is not in OPEN_PATHS: with an
 API key set, a scraper must send it too (`authorization` / `bearer_token` in the Prometheus scrape config).
 """
 
@@ -68,8 +68,8 @@ class Metrics:
 
     def attach(self, service: Service) -> None:
         """Observe `service`: its finished generations and its model loads."""
-        service.on_finish = self.observe_finish
-        service.loaded.on_load = self.observe_load
+        service.observers.on_finish(self.observe_finish)
+        service.observers.on_load(self.observe_load)
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -105,7 +105,7 @@ class _ServiceCollector(Collector):
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
-        residents = self._service.running()
+        residents = self._service.models.running()
         queue = GaugeMetricFamily("lmserve_queue_depth", "Requests waiting for a sequence slot.", labels=["model"])
         running = GaugeMetricFamily("lmserve_running_sequences", "Sequences being generated.", labels=["model"])
         step = CounterMetricFamily("lmserve_engine_step_seconds", "Engine thread time in decode steps (since load).",
@@ -117,8 +117,8 @@ class _ServiceCollector(Collector):
             engine = resident.model.engine
             queue.add_metric([resident.model.name], engine.num_waiting)
             running.add_metric([resident.model.name], engine.num_running)
-            step.add_metric([resident.model.name], engine.step_ns * _NS)
-            decode.add_metric([resident.model.name], engine.decode_ns * _NS)
+            step.add_metric([resident.model.name], engine.stats.step_ns * _NS)
+            decode.add_metric([resident.model.name], engine.stats.decode_ns * _NS)
         yield queue
         yield running
         yield step

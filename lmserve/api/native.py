@@ -232,7 +232,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
                                  "fill-in-the-middle form", param="suffix")
         images: list[bytes] = []
         if body.images:
-            service.check_images(body.model, len(body.images), param="images")
+            service.generation.check_images(body.model, len(body.images), param="images")
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
@@ -240,7 +240,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
                                    context=list(body.context or ()), images=images, options=load,
                                    keep_alive=keep_alive)
-        generation = await service.generate(record, system=body.system, template=body.template, raw=body.raw)
+        generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw)
 
         def head() -> dict[str, Any]:
             return {"model": body.model, "created_at": now_iso()}
@@ -269,10 +269,10 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         defaults = await service.sampling_defaults(body.model)
         sampling = to_sampling_params(body.options, defaults, body.format)
         if any(m.images for m in body.messages):
-            service.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
+            service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
                              tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
-        generation = await service.chat(record)
+        generation = await service.generation.chat(record)
 
         def head() -> dict[str, Any]:
             return {"model": body.model, "created_at": now_iso()}
@@ -299,7 +299,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         statuses = ["parsing modelfile"]
         if body.quantize:
             statuses.append(f"quantizing to {body.quantize.upper()}")
-        await asyncio.to_thread(service.create, body.target, modelfile, quantize=body.quantize)
+        await asyncio.to_thread(service.models.create, body.target, modelfile, quantize=body.quantize)
         statuses += ["writing manifest", "success"]
         if not body.stream:
             return JSONResponse({"status": "success"})
@@ -307,11 +307,11 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
     @router.head("/api/blobs/{digest}")
     async def has_blob(digest: str) -> Response:
-        return Response(status_code=200 if service.store.has_blob(check_digest(digest)) else 404)
+        return Response(status_code=200 if service.models.store.has_blob(check_digest(digest)) else 404)
 
     @router.post("/api/blobs/{digest}")
     async def push_blob(digest: str, request: Request) -> Response:
-        store = service.store
+        store = service.models.store
         check_digest(digest)
         with tempfile.TemporaryFile() as spool:
             async for part in request.stream():
@@ -350,14 +350,14 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [tag(m) for m in service.list_models()]}
+        return {"models": [tag(m) for m in service.models.listing()]}
 
     @router.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
         body = await parse_body(request, wire.ModelBody)
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
-        d = service.describe(body.target)
+        d = service.models.describe(body.target)
         return {
             "license": d.license, "modelfile": d.modelfile, "parameters": _parameters_text(d.parameters),
             "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
@@ -368,7 +368,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     @router.post("/api/copy")
     async def copy(request: Request) -> Response:
         body = await parse_body(request, wire.CopyBody)
-        service.copy(body.source, body.destination)
+        service.models.copy(body.source, body.destination)
         return Response(status_code=200)
 
     @router.delete("/api/delete")
@@ -376,14 +376,14 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.ModelBody)
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
-        await service.delete(body.target)
+        await service.models.delete(body.target)
         return Response(status_code=200)
 
     @router.get("/api/ps")
     async def ps() -> dict[str, Any]:
         models = []
-        for resident in service.running():
-            listing = service.get_model(resident.model.name)
+        for resident in service.models.running():
+            listing = service.models.get(resident.model.name)
             expires = resident.expires_at
             until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
             models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0})
@@ -395,13 +395,13 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.EmbedBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_load_options(body.options, service.load_defaults(body.model))
-        await service.load(body.model, load, keep_alive)
+        await service.models.load(body.model, load, keep_alive)
         load_ns = time.perf_counter_ns() - started
         vectors: list[list[float]] = []
         num_tokens = 0
         if body.input != "":  # an empty string only loads the model; an empty list is an error
             texts = [body.input] if isinstance(body.input, str) else body.input
-            work = service.embed(body.model, texts, truncate=body.truncate, options=load, keep_alive=keep_alive,
+            work = service.generation.embed(body.model, texts, truncate=body.truncate, options=load, keep_alive=keep_alive,
                                  dimensions=body.dimensions)
             _, vectors, num_tokens = await until_disconnect(work, request.receive)
         return {"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
@@ -414,9 +414,9 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_load_options(body.options, service.load_defaults(body.model))
         if not body.prompt:
-            await service.load(body.model, load, keep_alive)
+            await service.models.load(body.model, load, keep_alive)
             return {"embedding": []}
-        work = service.embed(body.model, [body.prompt], options=load, keep_alive=keep_alive, normalize=False)
+        work = service.generation.embed(body.model, [body.prompt], options=load, keep_alive=keep_alive, normalize=False)
         _, vectors, _ = await until_disconnect(work, request.receive)
         return {"embedding": vectors[0]}
 
@@ -428,10 +428,10 @@ async def _load_or_unload(
 ) -> dict[str, Any]:
     """An empty prompt loads the model; with keep_alive 0 it unloads it."""
     if keep_alive == 0:
-        name = service.get_model(model).name
-        await service.unload(model)
+        name = service.models.get(model).name
+        await service.models.unload(model)
         return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "unload"}
-    name = await service.load(model, load, keep_alive)
+    name = await service.models.load(model, load, keep_alive)
     return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "load"}
 
 

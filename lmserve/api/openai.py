@@ -392,9 +392,9 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         defaults = await service.sampling_defaults(body.model)
         images = None
         if has_images(body):
-            service.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
+            service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
             images = await load_images(body, policy)
-        generation = await service.chat(to_chat_request(body, defaults, images))
+        generation = await service.generation.chat(to_chat_request(body, defaults, images))
         head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
         if body.stream:
             frames = chat_frames(generation, head, body.include_usage)
@@ -406,7 +406,7 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     async def completions(request: Request) -> Response:
         body = await parse_body(request, schemas.CompletionRequest)
         engine_request = to_completion_request(body, await service.sampling_defaults(body.model))
-        generation = await service.complete(engine_request)
+        generation = await service.generation.complete(engine_request)
         head = make_head("text_completion", generation.model)
         echo = engine_request.prompt if body.echo else ""
         if body.stream:
@@ -417,16 +417,16 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(m) for m in service.list_models()]}
+        return {"object": "list", "data": [model_card(m) for m in service.models.listing()]}
 
     @router.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        return model_card(service.get_model(model_id))
+        return model_card(service.models.get(model_id))
 
     @router.post("/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await parse_body(request, schemas.EmbeddingRequest)
-        work = service.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
+        work = service.generation.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
                              dimensions=body.dimensions)
         model, vectors, num_tokens = await until_disconnect(work, request.receive)
         return embedding_list(model, vectors, num_tokens, body.encoding_format)

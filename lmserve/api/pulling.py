@@ -39,7 +39,7 @@ class PullFeed:
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._aborted = threading.Event()
         self._ended = False
-        self._worker = asyncio.ensure_future(asyncio.to_thread(service.pull, name, self._put))
+        self._worker = asyncio.ensure_future(asyncio.to_thread(service.models.pull, name, self._put))
         self._worker.add_done_callback(self._finished)
 
     async def head(self) -> list[dict[str, Any]]:

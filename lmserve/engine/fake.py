@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 import zlib
 
-from lmserve.engine.base import BatchEntry, ModelInfo, PromptImage
+from lmserve.engine.backend import BatchEntry
+from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.errors import InvalidRequest
 from lmserve.types import Bitmap, SamplingParams
 

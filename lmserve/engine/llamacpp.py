@@ -21,7 +21,8 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
-from lmserve.engine.base import BatchEntry, ModelInfo, PromptImage
+from lmserve.engine.backend import BatchEntry
+from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, LoadOptions, SamplingParams
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lmserve.engine.base import BatchEntry, PromptImage
+from lmserve.engine.backend import BatchEntry
+from lmserve.engine.protocol import PromptImage
 from lmserve.types import SamplingParams
 
 

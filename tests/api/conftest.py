@@ -11,24 +11,23 @@ from api_wire import API_KEY
 from fastapi import FastAPI
 
 from lmserve.api.app import create_app
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
-from lmserve.service import Service
+from lmserve.service import Service, static_service
+from lmserve.service.residency import LoadedModel
 
 
 @pytest.fixture
-def engine() -> Iterator[Engine]:
-    engine = Engine(FakeBackend(num_ctx=2048, num_parallel=4))
+def engine() -> Iterator[BatchingEngine]:
+    engine = BatchingEngine(FakeBackend(num_ctx=2048, num_parallel=4))
     yield engine
     engine.close()
 
 
 @pytest.fixture
-def service(engine: Engine) -> Service:
+def service(engine: BatchingEngine) -> Service:
     model = LoadedModel(name="fake", engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))
     return static_service([model])
 

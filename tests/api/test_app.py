@@ -152,7 +152,7 @@ async def test_unexpected_exception_is_500_with_body(
     async def explode(*_: Any) -> None:
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(service, "chat", explode)
+    monkeypatch.setattr(service.generation, "chat", explode)
     response = await client.post(CHAT, json=chat())
     assert response.status_code == 500
     error = assert_openai_error(response.json(), error_type="server_error")

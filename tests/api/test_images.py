@@ -16,12 +16,12 @@ from api_wire import assert_openai_error
 from PIL import Image
 
 from lmserve.api.app import create_app
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 
 def png(width: int, height: int, color: str = "red") -> bytes:
@@ -70,14 +70,16 @@ def image_host() -> Iterator[str]:
 
 
 @pytest.fixture
-def vision_engine() -> Iterator[Engine]:
-    engine = Engine(FakeBackend(num_ctx=2048, num_parallel=4, vision=True))
+def vision_engine() -> Iterator[BatchingEngine]:
+    engine = BatchingEngine(FakeBackend(num_ctx=2048, num_parallel=4, vision=True))
     yield engine
     engine.close()
 
 
 @pytest_asyncio.fixture
-async def vision(vision_engine: Engine, engine: Engine, image_host: str) -> AsyncIterator[httpx.AsyncClient]:
+async def vision(
+    vision_engine: BatchingEngine, engine: BatchingEngine, image_host: str
+) -> AsyncIterator[httpx.AsyncClient]:
     """An app serving "seer" (vision) and "fake" (text only); image URLs may reach `image_host` only."""
     models = [LoadedModel(name="seer", engine=vision_engine, template=ChatTemplate(None)),
               LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))]
@@ -220,7 +222,9 @@ async def test_show_lists_vision_only_for_the_vision_model(vision: httpx.AsyncCl
     assert "vision" in seer["capabilities"] and "vision" not in fake["capabilities"]
 
 
-async def test_more_images_than_the_server_accepts_is_400(vision: httpx.AsyncClient, vision_engine: Engine) -> None:
+async def test_more_images_than_the_server_accepts_is_400(
+    vision: httpx.AsyncClient, vision_engine: BatchingEngine
+) -> None:
     too_many = [data_uri(png(8, 8))] * 17  # the default limit is 16 (LMSERVE_MAX_IMAGES)
     assert_refused(await vision.post("/v1/chat/completions", json=image_chat(*too_many)), "more than this server")
     image = base64.b64encode(png(8, 8)).decode()

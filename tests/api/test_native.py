@@ -153,13 +153,13 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
     import asyncio
 
     from lmserve.api.app import create_app
-    from lmserve.catalog import static_service
     from lmserve.chat.template import ChatTemplate
     from lmserve.config import ServerConfig
-    from lmserve.engine.loop import Engine
-    from lmserve.loaded import LoadedModel
+    from lmserve.engine.batching import BatchingEngine
+    from lmserve.service import static_service
+    from lmserve.service.residency import LoadedModel
 
-    engine = Engine(FakeBackend(num_ctx=512, num_parallel=1, step_delay=0.02), max_queue=1)
+    engine = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=1, step_delay=0.02), max_queue=1)
     app = create_app(static_service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))]),
                      ServerConfig())
     body = {"model": "fake", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 5}}
@@ -184,7 +184,7 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
 
 
 async def test_too_many_messages_is_400(service: Service, client: httpx.AsyncClient) -> None:
-    service.max_messages = 3
+    service.generation.max_messages = 3
     messages = [{"role": "user", "content": "hi"}] * 4
     r = await client.post("/api/chat", json={"model": "fake", "messages": messages, "stream": False})
     assert r.status_code == 400 and "messages" in r.json()["error"]

@@ -28,12 +28,12 @@ from schemathesis.python import asgi as schemathesis_asgi
 
 from lmserve.api.app import create_app
 from lmserve.api.openapi import RAW_BODIES, REQUEST_BODIES
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 MODEL = "fake"
 MAX_OUTPUT = 8
@@ -49,7 +49,7 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 @pytest.fixture
 def fuzzed_app() -> Iterator[FastAPI]:
     """A fresh app (per operation): a real Service over the fake engine, the default config."""
-    engine = Engine(FakeBackend(num_ctx=512, num_parallel=4, eog_after=4))
+    engine = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=4, eog_after=4))
     model = LoadedModel(name=MODEL, engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))
     try:
         yield create_app(static_service([model]), ServerConfig())

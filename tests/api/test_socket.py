@@ -12,23 +12,23 @@ import pytest_asyncio
 import uvicorn
 
 from lmserve.api.app import create_app
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 
 @pytest.fixture
-def long_engine() -> Iterator[Engine]:
-    engine = Engine(FakeBackend(num_ctx=10_000_000, num_parallel=2))
+def long_engine() -> Iterator[BatchingEngine]:
+    engine = BatchingEngine(FakeBackend(num_ctx=10_000_000, num_parallel=2))
     yield engine
     engine.close()
 
 
 @pytest_asyncio.fixture
-async def base_url(long_engine: Engine) -> AsyncIterator[str]:
+async def base_url(long_engine: BatchingEngine) -> AsyncIterator[str]:
     model = LoadedModel(name="fake", engine=long_engine, template=ChatTemplate(None))
     app = create_app(static_service([model]), ServerConfig())
     sock = socket.socket()
@@ -54,14 +54,14 @@ async def _first_lines(response: httpx.Response, num_lines: int) -> AsyncIterato
             return
 
 
-async def _wait_idle(engine: Engine) -> None:
+async def _wait_idle(engine: BatchingEngine) -> None:
     async with asyncio.timeout(5):
         while engine.num_running or engine.num_waiting:
             await asyncio.sleep(0.01)
 
 
 @pytest.mark.asyncio
-async def test_hang_up_mid_stream_aborts(base_url: str, long_engine: Engine) -> None:
+async def test_hang_up_mid_stream_aborts(base_url: str, long_engine: BatchingEngine) -> None:
     body = {"model": "fake", "messages": [{"role": "user", "content": "go"}], "stream": True}
     async with (
         httpx.AsyncClient(base_url=base_url) as client,
@@ -75,7 +75,7 @@ async def test_hang_up_mid_stream_aborts(base_url: str, long_engine: Engine) -> 
 
 
 @pytest.mark.asyncio
-async def test_hang_up_while_waiting_aborts(base_url: str, long_engine: Engine) -> None:
+async def test_hang_up_while_waiting_aborts(base_url: str, long_engine: BatchingEngine) -> None:
     body = {"model": "fake", "messages": [{"role": "user", "content": "go"}]}
     async with httpx.AsyncClient(base_url=base_url) as client:
         request = asyncio.create_task(client.post("/v1/chat/completions", json=body))

@@ -16,25 +16,25 @@ from starlette.types import Message, Scope
 
 from lmserve.api.app import create_app
 from lmserve.api.streaming import HOLE, TextFrame, dumps, until_disconnect
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.base import BatchEntry
+from lmserve.engine.backend import BatchEntry
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 
 @pytest.fixture
-def long_engine() -> Iterator[Engine]:
+def long_engine() -> Iterator[BatchingEngine]:
     """An engine whose generations would run for a long time unless aborted."""
-    engine = Engine(FakeBackend(num_ctx=10_000_000, num_parallel=2))
+    engine = BatchingEngine(FakeBackend(num_ctx=10_000_000, num_parallel=2))
     yield engine
     engine.close()
 
 
 @pytest.fixture
-def long_app(long_engine: Engine) -> FastAPI:
+def long_app(long_engine: BatchingEngine) -> FastAPI:
     model = LoadedModel(name="fake", engine=long_engine, template=ChatTemplate(None))
     return create_app(static_service([model]), ServerConfig())
 
@@ -85,25 +85,25 @@ class FakeClient:
         return [m["body"] for m in self.messages if m["type"] == "http.response.body"]
 
 
-async def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
+async def _wait_idle(engine: BatchingEngine, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while engine.num_running or engine.num_waiting:
             await asyncio.sleep(0.01)
 
 
-async def _wait_running(engine: Engine, timeout: float = 5.0) -> None:
+async def _wait_running(engine: BatchingEngine, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not engine.num_running:
             await asyncio.sleep(0.005)
 
 
-def _num_steps(engine: Engine) -> int:
+def _num_steps(engine: BatchingEngine) -> int:
     backend = engine.backend
     assert isinstance(backend, FakeBackend)
     return len(backend.steps)
 
 
-async def _assert_aborted(engine: Engine) -> None:
+async def _assert_aborted(engine: BatchingEngine) -> None:
     await _wait_idle(engine)
     steps = _num_steps(engine)
     await asyncio.sleep(0.05)
@@ -115,7 +115,7 @@ async def _assert_aborted(engine: Engine) -> None:
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 async def test_disconnect_mid_stream_aborts(
-    long_app: FastAPI, long_engine: Engine, spec_version: str, path: str
+    long_app: FastAPI, long_engine: BatchingEngine, spec_version: str, path: str
 ) -> None:
     body: dict[str, Any] = {"model": "fake", "stream": True}
     body.update({"messages": [{"role": "user", "content": "go"}]} if "chat" in path else {"prompt": "go"})
@@ -127,7 +127,7 @@ async def test_disconnect_mid_stream_aborts(
 
 
 @pytest.mark.asyncio
-async def test_disconnect_while_collecting_aborts(long_app: FastAPI, long_engine: Engine) -> None:
+async def test_disconnect_while_collecting_aborts(long_app: FastAPI, long_engine: BatchingEngine) -> None:
     peer = FakeClient({"model": "fake", "messages": [{"role": "user", "content": "go"}]})
     call = asyncio.ensure_future(long_app(_scope("/v1/chat/completions", "2.3"), peer.receive, peer.send))
     await _wait_running(long_engine)
@@ -139,7 +139,7 @@ async def test_disconnect_while_collecting_aborts(long_app: FastAPI, long_engine
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
-async def test_cancelled_request_aborts(long_app: FastAPI, long_engine: Engine, stream: bool) -> None:
+async def test_cancelled_request_aborts(long_app: FastAPI, long_engine: BatchingEngine, stream: bool) -> None:
     peer = FakeClient({"model": "fake", "messages": [{"role": "user", "content": "go"}], "stream": stream})
     call = asyncio.ensure_future(long_app(_scope("/v1/chat/completions", "2.3"), peer.receive, peer.send))
     await _wait_running(long_engine)
@@ -164,7 +164,7 @@ class FailingBackend(FakeBackend):
 
 @pytest_asyncio.fixture
 async def failing_client() -> AsyncIterator[httpx.AsyncClient]:
-    engine = Engine(FailingBackend(num_ok_steps=4))
+    engine = BatchingEngine(FailingBackend(num_ok_steps=4))
     model = LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))
     app = create_app(static_service([model]), ServerConfig())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:

@@ -12,12 +12,12 @@ import pytest
 import pytest_asyncio
 
 from lmserve.api.app import create_app
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 HERMES_TEMPLATE = "{# hermes-style: <tool_call> #}" + (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -39,7 +39,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest_asyncio.fixture
 async def http(request: pytest.FixtureRequest) -> AsyncIterator[httpx.AsyncClient]:
     script: str = request.param
-    engine = Engine(FakeBackend(script=script))
+    engine = BatchingEngine(FakeBackend(script=script))
     model = LoadedModel(name="fake", engine=engine, template=ChatTemplate(HERMES_TEMPLATE),
                         template_source=HERMES_TEMPLATE)
     app = create_app(static_service([model]), ServerConfig())

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine.batching import BatchingEngine, RequestStream
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine, RequestStream, unit_vector
+from lmserve.engine.protocol import unit_vector
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 
@@ -31,16 +32,16 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def real_engine(model_path: Path) -> Iterator[Engine]:
+def real_engine(model_path: Path) -> Iterator[BatchingEngine]:
     # num_batch 64 < NUM_CTX: a long text is decoded in several batches and pooled across them.
-    eng = Engine(LlamaCppBackend(model_path, LoadOptions(num_ctx=NUM_CTX, num_parallel=2, num_batch=64)))
+    eng = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=NUM_CTX, num_parallel=2, num_batch=64)))
     yield eng
     eng.close()
 
 
 @pytest.mark.model
 @pytest.mark.asyncio(loop_scope="module")
-async def test_similar_texts_are_closer_than_unrelated_ones(real_engine: Engine) -> None:
+async def test_similar_texts_are_closer_than_unrelated_ones(real_engine: BatchingEngine) -> None:
     cat, kitten, physics = await real_engine.embed([
         "The cat sat on the mat.",
         "A kitten is sitting on a rug.",
@@ -54,7 +55,7 @@ async def test_similar_texts_are_closer_than_unrelated_ones(real_engine: Engine)
 
 @pytest.mark.model
 @pytest.mark.asyncio(loop_scope="module")
-async def test_embedding_is_deterministic_and_independent_of_generation(real_engine: Engine) -> None:
+async def test_embedding_is_deterministic_and_independent_of_generation(real_engine: BatchingEngine) -> None:
     text = "Paris is the capital of France."
     alone = (await real_engine.embed([text]))[0]
     prompt = real_engine.tokenize("<|im_start|>user\nCount to twenty.<|im_end|>\n<|im_start|>assistant\n")
@@ -66,7 +67,7 @@ async def test_embedding_is_deterministic_and_independent_of_generation(real_eng
 
 @pytest.mark.model
 @pytest.mark.asyncio(loop_scope="module")
-async def test_long_text_is_truncated_or_refused(real_engine: Engine) -> None:
+async def test_long_text_is_truncated_or_refused(real_engine: BatchingEngine) -> None:
     long_text = "word " * (NUM_CTX * 2)
     assert len(real_engine.tokenize(long_text)) > NUM_CTX
     with pytest.raises(ContextOverflow) as info:
@@ -95,13 +96,13 @@ class FailingBackend(FakeBackend):
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[Engine]:
-    eng = Engine(FailingBackend(num_ctx=32, num_parallel=2, step_delay=0.002), max_batch_tokens=16)
+async def engine() -> AsyncIterator[BatchingEngine]:
+    eng = BatchingEngine(FailingBackend(num_ctx=32, num_parallel=2, step_delay=0.002), max_batch_tokens=16)
     yield eng
     eng.close()
 
 
-async def test_fake_vectors_are_unit_histograms_in_input_order(engine: Engine) -> None:
+async def test_fake_vectors_are_unit_histograms_in_input_order(engine: BatchingEngine) -> None:
     ab, ba, zz = await engine.embed(["aab", "baa", "zz"])
     assert ab == ba
     assert ab[ord("a")] == pytest.approx(2 / math.sqrt(5)) and ab[ord("b")] == pytest.approx(1 / math.sqrt(5))
@@ -114,20 +115,22 @@ async def test_fake_vectors_are_unit_histograms_in_input_order(engine: Engine) -
     ("texts", "error"),
     [([""], InvalidRequest), (["x" * 33], ContextOverflow), (["boom"], EngineFailure)],
 )
-async def test_bad_inputs_fail_only_their_request(engine: Engine, texts: list[str], error: type[Exception]) -> None:
+async def test_bad_inputs_fail_only_their_request(
+    engine: BatchingEngine, texts: list[str], error: type[Exception]
+) -> None:
     with pytest.raises(error):
         await engine.embed(texts, truncate=False)
     assert (await engine.embed(["ok"]))[0][ord("o")] == pytest.approx(math.sqrt(0.5))
 
 
-async def test_embeddings_run_between_decode_steps(engine: Engine) -> None:
+async def test_embeddings_run_between_decode_steps(engine: BatchingEngine) -> None:
     stream = engine.submit(engine.tokenize("hi"), SamplingParams(max_tokens=20))
     chunks, vectors = await asyncio.gather(_drain(stream), engine.embed(["hello"] * 5))
     assert len(vectors) == 5 and all(v == vectors[0] for v in vectors)
     assert chunks[-1].finish_reason == "length"
 
 
-async def test_a_cancelled_embedding_leaves_the_engine_working(engine: Engine) -> None:
+async def test_a_cancelled_embedding_leaves_the_engine_working(engine: BatchingEngine) -> None:
     task = asyncio.create_task(engine.embed(["x"] * 50))
     await asyncio.sleep(0)
     task.cancel()
@@ -143,7 +146,7 @@ class SlowBackend(FakeBackend):
 
 
 async def test_close_fails_waiting_embeddings_and_refuses_new_ones() -> None:
-    eng = Engine(SlowBackend(num_ctx=32))
+    eng = BatchingEngine(SlowBackend(num_ctx=32))
     task = asyncio.create_task(eng.embed(["a"] * 50))
     await asyncio.sleep(0.03)
     await asyncio.to_thread(eng.close)

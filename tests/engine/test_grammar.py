@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from lmserve.chat.structured import json_object_grammar, schema_grammar
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine
 from lmserve.errors import InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 
@@ -36,8 +36,8 @@ def chat(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(model_path: Path) -> Iterator[Engine]:
-    eng = Engine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=4, num_batch=256)))
+def engine(model_path: Path) -> Iterator[BatchingEngine]:
+    eng = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=4, num_batch=256)))
     yield eng
     eng.close()
 
@@ -45,13 +45,13 @@ def engine(model_path: Path) -> Iterator[Engine]:
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def generate(engine: Engine, prompt: str, **sampling: Any) -> tuple[list[Chunk], str]:
+async def generate(engine: BatchingEngine, prompt: str, **sampling: Any) -> tuple[list[Chunk], str]:
     stream = engine.submit(engine.tokenize(chat(prompt)), SamplingParams(**sampling))
     chunks = [c async for c in stream]
     return chunks, "".join(c.text for c in chunks)
 
 
-async def test_greedy_output_under_a_schema_parses_validates_and_stops(engine: Engine) -> None:
+async def test_greedy_output_under_a_schema_parses_validates_and_stops(engine: BatchingEngine) -> None:
     grammar = schema_grammar(PERSON)
     runs = await asyncio.gather(*(generate(engine, p, temperature=0, max_tokens=200, grammar=grammar)
                                   for p in PROMPTS))
@@ -60,7 +60,7 @@ async def test_greedy_output_under_a_schema_parses_validates_and_stops(engine: E
         jsonschema.validate(json.loads(text), PERSON)
 
 
-async def test_sampled_output_with_penalties_is_still_valid(engine: Engine) -> None:
+async def test_sampled_output_with_penalties_is_still_valid(engine: BatchingEngine) -> None:
     schema = {"type": "object", "properties": {
         "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
         "mood": {"type": "string", "maxLength": 12}, "score": {"type": "number", "minimum": 0, "maximum": 10},
@@ -73,13 +73,13 @@ async def test_sampled_output_with_penalties_is_still_valid(engine: Engine) -> N
         jsonschema.validate(json.loads(text), schema)
 
 
-async def test_any_json_object(engine: Engine) -> None:
+async def test_any_json_object(engine: BatchingEngine) -> None:
     chunks, text = await generate(engine, PROMPTS[3], temperature=0, max_tokens=200, grammar=json_object_grammar())
     assert chunks[-1].finish_reason == "stop", text
     assert isinstance(json.loads(text), dict)
 
 
-async def test_the_grammar_ends_a_closed_choice_at_once(engine: Engine) -> None:
+async def test_the_grammar_ends_a_closed_choice_at_once(engine: BatchingEngine) -> None:
     grammar = schema_grammar({"enum": ["yes", "no"]})
     chunks, text = await generate(engine, "Is the sky blue?", temperature=0, max_tokens=50, grammar=grammar)
     assert json.loads(text) in ("yes", "no")
@@ -87,13 +87,13 @@ async def test_the_grammar_ends_a_closed_choice_at_once(engine: Engine) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
 
 
-async def test_max_tokens_still_caps_a_constrained_answer(engine: Engine) -> None:
+async def test_max_tokens_still_caps_a_constrained_answer(engine: BatchingEngine) -> None:
     chunks, text = await generate(engine, PROMPTS[0], temperature=0, max_tokens=3, grammar=schema_grammar(PERSON))
     assert chunks[-1].finish_reason == "length"
     assert text.startswith("{")
 
 
-async def test_an_invalid_grammar_or_ignore_eos_is_refused_at_submit(engine: Engine) -> None:
+async def test_an_invalid_grammar_or_ignore_eos_is_refused_at_submit(engine: BatchingEngine) -> None:
     tokens = engine.tokenize(chat("hi"))
     with pytest.raises(InvalidRequest, match="grammar is invalid"):
         engine.submit(tokens, SamplingParams(grammar='root ::= "a" ('))

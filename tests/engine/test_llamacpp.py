@@ -9,8 +9,8 @@ from pathlib import Path
 import llama_cpp as lc
 import pytest
 
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine
 from lmserve.errors import ContextOverflow
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 
@@ -31,8 +31,8 @@ def chat(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(model_path: Path) -> Iterator[Engine]:
-    eng = Engine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=8, num_batch=256)))
+def engine(model_path: Path) -> Iterator[BatchingEngine]:
+    eng = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=8, num_batch=256)))
     yield eng
     eng.close()
 
@@ -40,13 +40,13 @@ def engine(model_path: Path) -> Iterator[Engine]:
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def generate(engine: Engine, prompt: str, **sampling: object) -> tuple[list[Chunk], str]:
+async def generate(engine: BatchingEngine, prompt: str, **sampling: object) -> tuple[list[Chunk], str]:
     stream = engine.submit(engine.tokenize(prompt), SamplingParams(**sampling))  # type: ignore[arg-type]
     chunks = [c async for c in stream]
     return chunks, "".join(c.text for c in chunks)
 
 
-async def test_model_info_comes_from_the_gguf(engine: Engine) -> None:
+async def test_model_info_comes_from_the_gguf(engine: BatchingEngine) -> None:
     info = engine.info
     assert info.architecture == "llama"
     assert info.num_ctx == 512
@@ -54,21 +54,21 @@ async def test_model_info_comes_from_the_gguf(engine: Engine) -> None:
     assert info.eos_token == "<|im_end|>"
 
 
-async def test_greedy_answer_is_sensible_and_stops_at_end_of_turn(engine: Engine) -> None:
+async def test_greedy_answer_is_sensible_and_stops_at_end_of_turn(engine: BatchingEngine) -> None:
     chunks, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40)
     assert "Paris" in text
     assert chunks[-1].finish_reason == "stop"
     assert "<|im_end|>" not in text
 
 
-async def test_temperature_zero_is_the_same_alone_and_beside_seven_others(engine: Engine) -> None:
+async def test_temperature_zero_is_the_same_alone_and_beside_seven_others(engine: BatchingEngine) -> None:
     alone = [(await generate(engine, chat(p), temperature=0, max_tokens=24))[1] for p in PROMPTS]
     together = await asyncio.gather(*(generate(engine, chat(p), temperature=0, max_tokens=24) for p in PROMPTS))
     assert [text for _, text in together] == alone
     assert len(set(alone)) == len(alone)
 
 
-async def test_same_seed_same_output_different_seed_different_output(engine: Engine) -> None:
+async def test_same_seed_same_output_different_seed_different_output(engine: BatchingEngine) -> None:
     params = {"temperature": 1.2, "top_p": 0.95, "max_tokens": 24, "ignore_eos": True}
     prompt = chat("Invent a name for a dragon.")
     first = (await generate(engine, prompt, seed=1234, **params))[1]
@@ -81,7 +81,7 @@ async def test_same_seed_same_output_different_seed_different_output(engine: Eng
     assert any(text != first for _, text in runs[2:])
 
 
-async def test_stop_string_ends_generation_without_leaking(engine: Engine) -> None:
+async def test_stop_string_ends_generation_without_leaking(engine: BatchingEngine) -> None:
     _, full = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40)
     assert "Paris" in full
     chunks, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=40, stop=["Paris"])
@@ -89,14 +89,14 @@ async def test_stop_string_ends_generation_without_leaking(engine: Engine) -> No
     assert chunks[-1].finish_reason == "stop"
 
 
-async def test_max_tokens_and_ignore_eos_give_exactly_that_many_tokens(engine: Engine) -> None:
+async def test_max_tokens_and_ignore_eos_give_exactly_that_many_tokens(engine: BatchingEngine) -> None:
     chunks, _ = await generate(engine, chat("Hi"), temperature=0, max_tokens=30, ignore_eos=True)
     last = chunks[-1]
     assert last.finish_reason == "length"
     assert last.usage is not None and last.usage.completion_tokens == 30
 
 
-async def test_characters_split_across_tokens_stream_whole(engine: Engine) -> None:
+async def test_characters_split_across_tokens_stream_whole(engine: BatchingEngine) -> None:
     # SmolLM2 continues this with full-width exclamation mark U+FF01, whose UTF-8 bytes it spells with two tokens.
     stream = engine.submit(engine.tokenize("你好你好你好你好你好你好"), SamplingParams(temperature=0, max_tokens=12))
     texts = [c.text async for c in stream]
@@ -114,14 +114,14 @@ def _is_partial_utf8(piece: bytes) -> bool:
     return False
 
 
-async def test_prompt_longer_than_the_context_is_refused_with_both_numbers(engine: Engine) -> None:
+async def test_prompt_longer_than_the_context_is_refused_with_both_numbers(engine: BatchingEngine) -> None:
     tokens = engine.tokenize(chat("word " * 600))
     with pytest.raises(ContextOverflow) as info:
         engine.submit(tokens, SamplingParams())
     assert str(len(tokens)) in info.value.message and "512" in info.value.message
 
 
-async def test_abort_frees_the_slot_and_keeps_only_decoded_state(engine: Engine) -> None:
+async def test_abort_frees_the_slot_and_keeps_only_decoded_state(engine: BatchingEngine) -> None:
     stream = engine.submit(engine.tokenize(chat("Tell a long story.")), SamplingParams(max_tokens=400, ignore_eos=True))
     async for _ in stream:
         break
@@ -138,7 +138,7 @@ async def test_abort_frees_the_slot_and_keeps_only_decoded_state(engine: Engine)
     assert held == (stream.seq.prompt + stream.seq.output)[: len(held)]
 
 
-async def test_a_repeated_prompt_reuses_the_cached_prefix_and_gives_the_same_text(engine: Engine) -> None:
+async def test_a_repeated_prompt_reuses_the_cached_prefix_and_gives_the_same_text(engine: BatchingEngine) -> None:
     prompt = chat("Name the planets of the solar system.")
     _, text = await generate(engine, prompt, temperature=0, max_tokens=24)
     again, text_again = await generate(engine, prompt, temperature=0, max_tokens=24)
@@ -158,7 +158,7 @@ async def test_a_context_beyond_the_trained_one_is_clamped_to_it(model_path: Pat
         backend.close()
 
 
-async def test_a_huge_repeat_window_is_bounded_by_the_context(engine: Engine) -> None:
+async def test_a_huge_repeat_window_is_bounded_by_the_context(engine: BatchingEngine) -> None:
     _, text = await generate(engine, chat("Hi"), temperature=0, max_tokens=4, repeat_penalty=1.1,
                              repeat_last_n=2**30)
     assert text

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine
 from lmserve.errors import EngineFailure
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
@@ -31,7 +31,7 @@ def options(*adapters: Path) -> LoadOptions:
 
 async def greedy(path: Path, *adapters: Path) -> tuple[list[str], list[float]]:
     """Greedy continuations of PROMPTS, and the embedding of the first, from a fresh engine."""
-    engine = Engine(LlamaCppBackend(path, options(*adapters)))
+    engine = BatchingEngine(LlamaCppBackend(path, options(*adapters)))
     try:
         texts = []
         for prompt in PROMPTS:

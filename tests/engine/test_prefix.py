@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine
 from lmserve.engine.scheduler import common_prefix_length
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
@@ -24,7 +24,7 @@ def chatml(user: str) -> str:
     return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-async def run(engine: Engine, prompt: str, max_tokens: int = 12) -> tuple[str, Chunk]:
+async def run(engine: BatchingEngine, prompt: str, max_tokens: int = 12) -> tuple[str, Chunk]:
     stream = engine.submit(engine.tokenize(prompt), SamplingParams(temperature=0, max_tokens=max_tokens))
     chunks = [c async for c in stream]
     return "".join(c.text for c in chunks), chunks[-1]
@@ -38,7 +38,7 @@ def cached(final: Chunk) -> int:
 async def shared_and_alone(path: Path, prompts: list[str]) -> tuple[list[tuple[str, Chunk]], list[str], int]:
     """Answers with four slots sharing (prompts arriving together), each prompt alone in a fresh slot, and the
     number of tokens the prompts share."""
-    alone = Engine(LlamaCppBackend(path, LoadOptions(num_ctx=1024, num_parallel=1, num_batch=512)),
+    alone = BatchingEngine(LlamaCppBackend(path, LoadOptions(num_ctx=1024, num_parallel=1, num_batch=512)),
                    max_prefill_tokens=128)
     try:
         expected = []
@@ -48,7 +48,7 @@ async def shared_and_alone(path: Path, prompts: list[str]) -> tuple[list[tuple[s
             alone.backend.start(0, SamplingParams(), [], 0)
     finally:
         alone.close()
-    shared = Engine(LlamaCppBackend(path, LoadOptions(num_ctx=1024, num_parallel=4, num_batch=512)),
+    shared = BatchingEngine(LlamaCppBackend(path, LoadOptions(num_ctx=1024, num_parallel=4, num_batch=512)),
                     max_prefill_tokens=128)
     try:
         results = await asyncio.gather(*(run(shared, prompt) for prompt in prompts))
@@ -82,15 +82,15 @@ async def test_a_hybrid_chat_turn_restores_its_snapshot_after_another_request_to
     path = write_tiny_lfm2(tmp_path / "tiny-lfm2.gguf")
     turn1 = "<|startoftext|>" + chatml("hello there")
 
-    async def conversation(engine: Engine) -> tuple[str, Chunk]:
+    async def conversation(engine: BatchingEngine) -> tuple[str, Chunk]:
         answer, _ = await run(engine, turn1)
         await run(engine, "<|startoftext|><|im_start|>user\nsomething else entirely<|im_end|>\n")  # takes the slot
         return await run(engine, turn1 + answer + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n"
                          "<|im_start|>assistant\n")
 
     options = LoadOptions(num_ctx=2048, num_parallel=1, num_batch=512)
-    with_snapshots = Engine(LlamaCppBackend(path, options))
-    without = Engine(LlamaCppBackend(path, options), snapshot_bytes=0)
+    with_snapshots = BatchingEngine(LlamaCppBackend(path, options))
+    without = BatchingEngine(LlamaCppBackend(path, options), snapshot_bytes=0)
     try:
         assert not with_snapshots.info.can_cut_memory
         reused_text, reused = await conversation(with_snapshots)
@@ -112,7 +112,7 @@ async def test_hybrid_users_sharing_a_system_prompt_restore_its_checkpoint(tmp_p
     prompts = [system + f"<|im_start|>user\nquestion {i}<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
     options = LoadOptions(num_ctx=2048, num_parallel=4, num_batch=512)
 
-    async def answers(engine: Engine, together: bool) -> list[tuple[str, Chunk]]:
+    async def answers(engine: BatchingEngine, together: bool) -> list[tuple[str, Chunk]]:
         checkpoint = len(engine.tokenize(system))
 
         async def one(prompt: str) -> tuple[str, Chunk]:
@@ -125,8 +125,8 @@ async def test_hybrid_users_sharing_a_system_prompt_restore_its_checkpoint(tmp_p
             return list(await asyncio.gather(*(one(p) for p in prompts)))
         return [await one(p) for p in prompts]
 
-    shared = Engine(LlamaCppBackend(path, options))
-    alone = Engine(LlamaCppBackend(path, options), snapshot_bytes=0)
+    shared = BatchingEngine(LlamaCppBackend(path, options))
+    alone = BatchingEngine(LlamaCppBackend(path, options), snapshot_bytes=0)
     try:
         num_system = len(shared.tokenize(system))
         together = await answers(shared, together=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmserve.engine.base import PromptImage
+from lmserve.engine.protocol import PromptImage
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.types import SamplingParams
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.loop import Engine
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, Chunk, LoadOptions, SamplingParams
 from tests.tiny_lfm2 import write_tiny_lfm2
@@ -27,14 +27,14 @@ def vl_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, projector
 
 
-def load(files: tuple[Path, Path], **options: int) -> Engine:
+def load(files: tuple[Path, Path], **options: int) -> BatchingEngine:
     model, projector = files
     opts = LoadOptions(num_ctx=4096, num_parallel=4, num_batch=512, projector=str(projector), **options)
-    return Engine(LlamaCppBackend(model, opts), max_batch_tokens=512, max_prefill_tokens=64)
+    return BatchingEngine(LlamaCppBackend(model, opts), max_batch_tokens=512, max_prefill_tokens=64)
 
 
 @pytest.fixture(scope="module")
-def engine(vl_files: tuple[Path, Path]) -> Iterator[Engine]:
+def engine(vl_files: tuple[Path, Path]) -> Iterator[BatchingEngine]:
     eng = load(vl_files)
     yield eng
     eng.close()
@@ -48,13 +48,13 @@ def noise(width: int, height: int, seed: int = 0) -> Bitmap:
     return Bitmap(width, height, random.Random(seed).randbytes(width * height * 3))
 
 
-def user_turn(engine: Engine, text: str, num_images: int) -> str:
+def user_turn(engine: BatchingEngine, text: str, num_images: int) -> str:
     marker = engine.info.image_marker
     assert marker is not None
     return f"<|startoftext|><|im_start|>user\n{marker * num_images}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-async def answer(engine: Engine, text: str, images: list[Bitmap], max_tokens: int = 8) -> tuple[str, Chunk]:
+async def answer(engine: BatchingEngine, text: str, images: list[Bitmap], max_tokens: int = 8) -> tuple[str, Chunk]:
     prompt = user_turn(engine, text, len(images))
     if images:
         tokens, places = engine.tokenize_images(prompt, images)
@@ -71,13 +71,13 @@ def prompt_tokens(final: Chunk) -> int:
     return final.usage.prompt_tokens
 
 
-async def test_the_model_has_a_private_image_marker(engine: Engine) -> None:
+async def test_the_model_has_a_private_image_marker(engine: BatchingEngine) -> None:
     marker = engine.info.image_marker
     assert marker is not None and marker.startswith("<__lmserve_image_")
     assert marker != "<__media__>"  # user text holding llama.cpp's default marker stays text
 
 
-async def test_image_tokens_count_in_the_prompt_and_grow_with_the_image(engine: Engine) -> None:
+async def test_image_tokens_count_in_the_prompt_and_grow_with_the_image(engine: BatchingEngine) -> None:
     _, text_only = await answer(engine, "What?", [])
     counts = []
     for width, height in [(64, 64), (300, 200), (1024, 768)]:
@@ -88,7 +88,7 @@ async def test_image_tokens_count_in_the_prompt_and_grow_with_the_image(engine: 
     assert counts[2] > 6 * 256
 
 
-async def test_the_answer_depends_on_the_image(engine: Engine) -> None:
+async def test_the_answer_depends_on_the_image(engine: BatchingEngine) -> None:
     red, _ = await answer(engine, "What is this?", [solid(64, 64, (255, 0, 0))])
     red_again, _ = await answer(engine, "What is this?", [solid(64, 64, (255, 0, 0))])
     grainy, _ = await answer(engine, "What is this?", [noise(64, 64)])
@@ -96,13 +96,13 @@ async def test_the_answer_depends_on_the_image(engine: Engine) -> None:
     assert red != grainy
 
 
-async def test_several_images_in_one_prompt(engine: Engine) -> None:
+async def test_several_images_in_one_prompt(engine: BatchingEngine) -> None:
     _, one = await answer(engine, "Compare.", [noise(64, 64, 1)])
     _, two = await answer(engine, "Compare.", [noise(64, 64, 1), solid(300, 200, (0, 0, 255))])
     assert prompt_tokens(two) - prompt_tokens(one) >= 70
 
 
-async def test_image_and_text_requests_batched_together_answer_as_they_do_alone(engine: Engine) -> None:
+async def test_image_and_text_requests_batched_together_answer_as_they_do_alone(engine: BatchingEngine) -> None:
     requests = [
         ("Describe.", [noise(64, 64, 2)]),
         ("Hello there, how are you?", []),
@@ -117,7 +117,7 @@ async def test_image_and_text_requests_batched_together_answer_as_they_do_alone(
     assert [prompt_tokens(f) for _, f in together] == [prompt_tokens(f) for _, f in alone]
 
 
-async def test_markers_and_images_must_match(engine: Engine) -> None:
+async def test_markers_and_images_must_match(engine: BatchingEngine) -> None:
     prompt = user_turn(engine, "x", 2)
     with pytest.raises(InvalidRequest, match="image markers"):
         engine.tokenize_images(prompt, [noise(32, 32)])
@@ -153,7 +153,7 @@ async def test_a_model_without_projector_has_no_image_marker(vl_files: tuple[Pat
         backend.close()
 
 
-async def test_images_are_encoded_when_tokenized_off_the_engine_thread(engine: Engine) -> None:
+async def test_images_are_encoded_when_tokenized_off_the_engine_thread(engine: BatchingEngine) -> None:
     """The projector runs where the prompt is tokenized (a worker thread in the service), so the engine thread only
     decodes embeddings and text-only sequences are not held up by the vision encoder."""
     _, places = engine.tokenize_images(user_turn(engine, "x", 1), [noise(64, 64, 5)])

@@ -1,53 +1,12 @@
-"""What the engine loop needs from a backend, and what it tells its callers about a loaded model."""
+"""What the batching engine needs from a backend: a model that decodes batches of several sequences, one slot each."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.types import Bitmap, SamplingParams
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    """Facts about a loaded model that the layers above the engine need."""
-
-    path: str
-    architecture: str
-    num_ctx: int
-    """Context length per sequence (the -c flag)."""
-    num_parallel: int
-    num_vocab: int
-    chat_template: str | None = None
-    bos_token: str = ""
-    eos_token: str = ""
-    size_bytes: int = 0
-    num_params: int = 0
-    description: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
-    image_marker: str | None = None
-    """The text that stands for one image in a prompt; None when the model has no vision projector."""
-    can_cut_memory: bool = True
-    """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
-    state at a prefix must be saved as a snapshot to be reused."""
-
-
-@dataclass(slots=True, eq=False)
-class PromptImage:
-    """An image's place in a tokenized prompt: `length` positions from `start`, encoded by the backend.
-
-    Those positions hold one placeholder id (negative, derived from the image's pixels, so the same image
-    gives the same placeholders and a slot's prefix cache can match it). `handle` is the backend's own
-    record of the preprocessed image.
-    """
-
-    start: int
-    length: int
-    handle: object
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
 
 
 @dataclass(slots=True)

@@ -1,30 +1,90 @@
-"""The model store as the service's catalog: names, descriptions, and how a stored model is loaded and created.
+"""Catalogs: where model names come from, what they are, and how each is loaded (a LoadPlan for residency).
 
-A stored model is loaded into an engine made by `engine_factory` (the composition root decides how), with the
-Modelfile's TEMPLATE (Go) or else the GGUF's own chat template, and its PARAMETERs as sampling defaults.
+`StoreCatalog` is the model store: a stored model's weights are opened by `open_engine` (engine/factory.py picks
+the engine), bound with the Modelfile's TEMPLATE (Go) or else the model's own chat template, and its PARAMETERs as
+sampling defaults. Names created FROM the same weights with the same load-time options plan the same WeightsKey,
+so they share one engine instance. `StaticCatalog` serves models already loaded (tests, fixed deployments).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.loop import Engine
+from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
-from lmserve.loaded import LoadedModel, LoadedModels, Prompter
-from lmserve.service import ModelDescription, ModelListing, Service
+from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
 from lmserve.store.gguf_check import check_gguf
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
 from lmserve.types import LoadOptions, Message, SamplingParams
 
-EngineFactory = Callable[[Path, LoadOptions], Engine]
+EngineOpener = Callable[[Path, LoadOptions], Engine]
+"""Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
+
+
+@dataclass(slots=True)
+class ModelListing:
+    """A model the server can serve, loaded or not."""
+
+    name: str
+    created: int
+    owned_by: str = "lmserve"
+    size: int = 0
+    digest: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelDescription:
+    """What `show` tells about a model."""
+
+    listing: ModelListing
+    modelfile: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    template: str = ""
+    system: str = ""
+    license: str = ""
+    model_info: dict[str, Any] = field(default_factory=dict)
+    capabilities: list[str] = field(default_factory=lambda: ["completion"])
+
+
+class Catalog(Protocol):
+    """Where model names come from (the store, or a fixed list), and how each is loaded."""
+
+    def listing(self) -> list[ModelListing]: ...
+
+    def resolve(self, name: str) -> str:
+        """The canonical name of `name`; ModelNotFound when there is none."""
+        ...
+
+    def describe(self, name: str) -> ModelDescription: ...
+
+    def has_vision(self, name: str) -> bool:
+        """Whether the model has a vision projector (cheaper than `describe`)."""
+        ...
+
+    def sampling_defaults(self, name: str) -> SamplingParams:
+        """The model's own sampling defaults (its Modelfile PARAMETERs) over the server's."""
+        ...
+
+    def load_parameters(self, name: str) -> dict[str, Any]:
+        """The model's own load-time options, as LoadOptions field names (e.g. {"num_ctx": 2048})."""
+        ...
+
+    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
+        """How canonical `name` is loaded with `options` (cheap: nothing is loaded yet)."""
+        ...
+
+    def copy(self, source: str, destination: str) -> None: ...
+
+    def delete(self, name: str) -> None: ...
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
                32: "BF16"}  # fmt: skip
@@ -108,11 +168,11 @@ def sampling_from_parameters(parameters: dict[str, Any]) -> SamplingParams:
 
 
 class StoreCatalog:
-    """Catalog over a Store; `load` builds a LoadedModel from a stored manifest."""
+    """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
-    def __init__(self, store: Store, engine_factory: EngineFactory) -> None:
+    def __init__(self, store: Store, open_engine: EngineOpener) -> None:
         self.store = store
-        self._engine_factory = engine_factory
+        self._open_engine = open_engine
 
     def listing(self) -> list[ModelListing]:
         return [self._listing(entry) for entry in self.store.list()]
@@ -170,38 +230,41 @@ class StoreCatalog:
     def delete(self, name: str) -> None:
         self.store.delete(parse_name(name))
 
-    def load(self, name: str, options: LoadOptions) -> LoadedModel:
+    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
         entry = self.store.find(name)
         manifest = entry.manifest
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
         projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
         path = self.store.blob_path(manifest.model)
-        try:
-            if not path.is_file():
-                raise EngineFailure(f"its weights file {path.name} is missing from the store")
-            check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see a bad one
-            engine = self._engine_factory(path, replace(options, adapters=adapters, projector=projector))
-        except LmserveError as exc:
-            raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
-        except Exception as exc:
-            raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
-        info = engine.info
-        template: Prompter
-        try:
+        full = replace(options, adapters=adapters, projector=projector)
+
+        def open_engine() -> Engine:
+            try:
+                if not path.is_file():
+                    raise EngineFailure(f"its weights file {path.name} is missing from the store")
+                check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see a bad one
+                return self._open_engine(path, full)
+            except LmserveError as exc:
+                raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
+            except Exception as exc:
+                raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
+
+        def bind(engine: Engine) -> LoadedModel:
+            info = engine.info
+            template: Prompter
             if manifest.template:
                 template = GoChatTemplate(manifest.template, system=manifest.system)
             else:
                 template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
-        except BaseException:
-            engine.close()  # not resident yet: nobody else would free it
-            raise
-        messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
-        return LoadedModel(
-            name=str(entry.name), engine=engine, template=template,
-            sampling=sampling_from_parameters(manifest.parameters), system=manifest.system, messages=messages,
-            template_source=manifest.template or info.chat_template,
-            created=int(manifest.modified_at),
-        )
+            messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
+            return LoadedModel(
+                name=str(entry.name), engine=engine, template=template,
+                sampling=sampling_from_parameters(manifest.parameters), system=manifest.system, messages=messages,
+                template_source=manifest.template or info.chat_template,
+                created=int(manifest.modified_at),
+            )
+
+        return LoadPlan(WeightsKey(str(path), full), open_engine, bind)
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
                quantize: Callable[[Path], Path] | None = None) -> ModelEntry:
@@ -327,15 +390,10 @@ class StaticCatalog:
     def delete(self, name: str) -> None:
         raise InvalidRequest("this server serves a fixed model; start it with a model store to delete models")
 
-    def load(self, name: str, options: LoadOptions) -> LoadedModel:
-        return self._models[name]
-
-
-def static_service(models: list[LoadedModel]) -> Service:
-    """A service over models that are already loaded; unloading forgets them, it never closes their engines."""
-    catalog = StaticCatalog(models)
-    loaded = LoadedModels(catalog.load, max_loaded=len(models) or 1, on_unload=lambda model: None)
-    return Service(catalog, loaded, keep_alive=None)
+    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
+        """The model as it was loaded, whatever the options (its engine is fixed)."""
+        model = self._models[name]
+        return LoadPlan(WeightsKey(f"static:{name}", LoadOptions()), lambda: model.engine, lambda engine: model)
 
 
 def _details(model: LoadedModel) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""The engine: one thread runs the scheduler and the backend; asyncio callers get a stream per request.
+"""The batching engine: one thread runs the scheduler and a slot backend; asyncio callers get a stream per request.
 
-This module is the only bridge between the engine thread and asyncio. A request is submitted from the
-event loop; the engine thread decodes, detokenizes and matches stop strings, and hands finished pieces
-back to the event loop in one callback per step.
+`BatchingEngine` implements the engine seam (engine/protocol.py) over any `Backend` (engine/backend.py): llama.cpp
+in production, the fake backend in tests. This module is the only bridge between the engine thread and asyncio.
+A request is submitted from the event loop; the engine thread decodes, detokenizes and matches stop strings,
+and hands finished pieces back to the event loop in one callback per step.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from lmserve.engine.base import Backend, ModelInfo, PromptImage
+from lmserve.engine.backend import Backend
 from lmserve.engine.detokenize import IncrementalDecoder
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, unit_vector
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.engine.snapshots import SnapshotCache
 from lmserve.engine.stops import StopMatcher
@@ -31,12 +32,20 @@ log = logging.getLogger(__name__)
 class RequestStream:
     """Output of one submitted request: an async iterator of chunks, the last one with a finish reason."""
 
-    def __init__(self, engine: Engine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: BatchingEngine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
         self._engine = engine
         self.seq = seq
         self.loop = loop
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self.is_done = False
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.seq.prompt
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.seq.output
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         while not self.is_done:
@@ -74,7 +83,7 @@ class _EmbedJob:
     loop: asyncio.AbstractEventLoop
 
 
-class Engine:
+class BatchingEngine:
     """Continuous batching over a backend. Thread-safe `submit`/`abort`/`embed`; the rest runs in its thread.
 
     Embedding jobs share the engine thread with decoding (llama.cpp is not thread-safe): the thread runs
@@ -111,6 +120,9 @@ class Engine:
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.backend.token_bytes(t, special=False) for t in tokens).decode("utf-8", "replace")
 
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
         """Tokenize a prompt in which each `info.image_marker` stands for the next image (see Backend)."""
@@ -218,6 +230,10 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns)
 
     def close(self) -> None:
         with self._cond:
@@ -419,12 +435,6 @@ def _input_overflow(num_tokens: int, num_ctx: int) -> ContextOverflow:
     error = ContextOverflow(num_tokens, num_ctx)
     error.param = "input"
     return error
-
-
-def unit_vector(vector: list[float]) -> list[float]:
-    """`vector` scaled to L2 norm 1 (a zero vector stays zero)."""
-    norm = math.sqrt(math.fsum(x * x for x in vector))
-    return [x / norm for x in vector] if norm > 0 else list(vector)
 
 
 def _put_all(items: list[tuple[RequestStream, Chunk]]) -> None:

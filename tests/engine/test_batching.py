@@ -7,26 +7,26 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from lmserve.engine.base import PromptImage
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
+from lmserve.engine.protocol import PromptImage
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
 from lmserve.types import Bitmap, Chunk, SamplingParams
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[Engine]:
-    eng = Engine(FakeBackend(num_ctx=64, num_parallel=2), max_batch_tokens=16, max_prefill_tokens=8)
+async def engine() -> AsyncIterator[BatchingEngine]:
+    eng = BatchingEngine(FakeBackend(num_ctx=64, num_parallel=2), max_batch_tokens=16, max_prefill_tokens=8)
     yield eng
     eng.close()
 
 
-async def collect(engine: Engine, prompt: str, **sampling: object) -> tuple[str, Chunk]:
+async def collect(engine: BatchingEngine, prompt: str, **sampling: object) -> tuple[str, Chunk]:
     chunks = [c async for c in engine.submit(engine.tokenize(prompt), SamplingParams(**sampling))]  # type: ignore[arg-type]
     return "".join(c.text for c in chunks), chunks[-1]
 
 
-async def test_generates_until_max_tokens(engine: Engine) -> None:
+async def test_generates_until_max_tokens(engine: BatchingEngine) -> None:
     text, last = await collect(engine, "hello", max_tokens=12)
     assert text == FakeBackend.expected(5, 12)
     assert last.finish_reason == "length"
@@ -34,7 +34,7 @@ async def test_generates_until_max_tokens(engine: Engine) -> None:
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 12)
 
 
-async def test_stop_string_ends_and_is_not_emitted(engine: Engine) -> None:
+async def test_stop_string_ends_and_is_not_emitted(engine: BatchingEngine) -> None:
     full = FakeBackend.expected(5, 30)
     stop = full[10:14]
     text, last = await collect(engine, "hello", max_tokens=30, stop=[stop])
@@ -43,7 +43,7 @@ async def test_stop_string_ends_and_is_not_emitted(engine: Engine) -> None:
 
 
 async def test_end_of_generation_token_stops() -> None:
-    eng = Engine(FakeBackend(num_ctx=64, num_parallel=1, eog_after=3))
+    eng = BatchingEngine(FakeBackend(num_ctx=64, num_parallel=1, eog_after=3))
     try:
         text, last = await collect(eng, "abc", max_tokens=30)
         assert text == FakeBackend.expected(3, 3)
@@ -52,19 +52,19 @@ async def test_end_of_generation_token_stops() -> None:
         eng.close()
 
 
-async def test_context_limit_caps_generation(engine: Engine) -> None:
+async def test_context_limit_caps_generation(engine: BatchingEngine) -> None:
     _text, last = await collect(engine, "x" * 60)
     assert last.finish_reason == "length"
     assert last.usage is not None and last.usage.completion_tokens == 4
 
 
-async def test_prompt_longer_than_context_is_refused(engine: Engine) -> None:
+async def test_prompt_longer_than_context_is_refused(engine: BatchingEngine) -> None:
     with pytest.raises(ContextOverflow) as info:
         engine.submit(engine.tokenize("x" * 64), SamplingParams())
     assert "64" in info.value.message
 
 
-async def test_more_requests_than_slots_all_complete(engine: Engine) -> None:
+async def test_more_requests_than_slots_all_complete(engine: BatchingEngine) -> None:
     prompts = [f"prompt number {i}" for i in range(7)]
     results = await asyncio.gather(*(collect(engine, p, max_tokens=9) for p in prompts))
     for prompt, (text, last) in zip(prompts, results, strict=True):
@@ -74,7 +74,7 @@ async def test_more_requests_than_slots_all_complete(engine: Engine) -> None:
 
 
 async def test_abort_frees_the_slot() -> None:
-    engine = Engine(FakeBackend(num_ctx=4096, num_parallel=2, step_delay=0.01))
+    engine = BatchingEngine(FakeBackend(num_ctx=4096, num_parallel=2, step_delay=0.01))
     stream = engine.submit(engine.tokenize("hello"), SamplingParams(max_tokens=1000))
     async for _ in stream:
         break
@@ -95,7 +95,7 @@ async def test_abort_frees_the_slot() -> None:
     [([1, 2, 257], {}), ([-1, 2], {}), ([1, 2], {300: 1.0}), ([1, 2], {-5: 1.0})],
 )
 async def test_token_ids_outside_the_vocabulary_are_refused(
-    engine: Engine, prompt: list[int], bias: dict[int, float]
+    engine: BatchingEngine, prompt: list[int], bias: dict[int, float]
 ) -> None:
     with pytest.raises(InvalidRequest):
         engine.submit(prompt, SamplingParams(logit_bias=bias))
@@ -103,7 +103,7 @@ async def test_token_ids_outside_the_vocabulary_are_refused(
 
 
 async def test_a_full_queue_refuses_with_overloaded_and_the_rest_complete() -> None:
-    engine = Engine(FakeBackend(num_ctx=256, num_parallel=1, step_delay=0.01), max_queue=2)
+    engine = BatchingEngine(FakeBackend(num_ctx=256, num_parallel=1, step_delay=0.01), max_queue=2)
     try:
         streams, refused = [], 0
         for i in range(6):
@@ -125,7 +125,7 @@ def bitmap(width: int, height: int, shade: int = 0) -> Bitmap:
 
 async def test_image_requests_decode_beside_text_requests_and_count_image_positions() -> None:
     backend = FakeBackend(num_ctx=256, num_parallel=4, vision=True)
-    eng = Engine(backend, max_batch_tokens=32, max_prefill_tokens=16)
+    eng = BatchingEngine(backend, max_batch_tokens=32, max_prefill_tokens=16)
     try:
         tokens, images = eng.tokenize_images("look <image> here", [bitmap(32, 16)])  # 512 px: 2 positions
         assert [(i.start, i.length) for i in images] == [(5, 2)]
@@ -148,7 +148,7 @@ async def test_image_requests_decode_beside_text_requests_and_count_image_positi
 
 
 async def test_image_prompts_are_checked_at_submit() -> None:
-    eng = Engine(FakeBackend(num_ctx=64, num_parallel=1, vision=True))
+    eng = BatchingEngine(FakeBackend(num_ctx=64, num_parallel=1, vision=True))
     try:
         tokens, images = eng.tokenize_images("a<image>", [bitmap(16, 16)])
         with pytest.raises(InvalidRequest, match="followed by text"):  # no text after the image to sample from
@@ -162,14 +162,14 @@ async def test_image_prompts_are_checked_at_submit() -> None:
         eng.close()
 
 
-async def test_a_model_without_vision_refuses_images(engine: Engine) -> None:
+async def test_a_model_without_vision_refuses_images(engine: BatchingEngine) -> None:
     with pytest.raises(InvalidRequest, match="no vision"):
         engine.tokenize_images("x", [bitmap(4, 4)])
 
 
 async def test_requests_sharing_a_long_prompt_copy_it_from_the_first() -> None:
     backend = FakeBackend(num_ctx=1024, num_parallel=4)
-    eng = Engine(backend, max_batch_tokens=64, max_prefill_tokens=32)
+    eng = BatchingEngine(backend, max_batch_tokens=64, max_prefill_tokens=32)
     try:
         shared = "a system prompt long enough to be worth sharing " * 3
         prompts = [eng.tokenize(shared + f"question {i}") for i in range(4)]

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from lmserve.catalog import static_service
 from lmserve.chat.template import ChatTemplate
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.loop import Engine
 from lmserve.errors import InvalidRequest
-from lmserve.loaded import LoadedModel
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams
 
 STRICT = (
@@ -24,10 +24,10 @@ STRICT = (
 
 
 @pytest.fixture
-def hybrid() -> Iterator[Engine]:
+def hybrid() -> Iterator[BatchingEngine]:
     backend = FakeBackend(num_ctx=2048, num_parallel=2)
     backend.info.can_cut_memory = False  # as a hybrid model's: shares through snapshots at checkpoints
-    engine = Engine(backend)
+    engine = BatchingEngine(backend)
     yield engine
     engine.close()
 
@@ -38,26 +38,26 @@ def request() -> ChatRequest:
 
 
 @pytest.mark.asyncio
-async def test_the_system_prompt_end_is_a_checkpoint_for_a_hybrid_model(hybrid: Engine) -> None:
+async def test_the_system_prompt_end_is_a_checkpoint_for_a_hybrid_model(hybrid: BatchingEngine) -> None:
     service = static_service([LoadedModel(name="m", engine=hybrid, template=ChatTemplate(None))])
-    generation = await service.chat(request())
+    generation = await service.generation.chat(request())
     system_turn = "<|im_start|>system\n" + "Be brief. " * 10 + "<|im_end|>\n"
     assert generation.stream.seq.checkpoints == [len(system_turn.encode())]  # the fake's tokens are bytes
     await generation.collect()
 
 
 @pytest.mark.asyncio
-async def test_a_template_that_refuses_a_system_only_conversation_still_answers(hybrid: Engine) -> None:
+async def test_a_template_that_refuses_a_system_only_conversation_still_answers(hybrid: BatchingEngine) -> None:
     service = static_service([LoadedModel(name="m", engine=hybrid, template=ChatTemplate(STRICT))])
-    generation = await service.chat(request())
+    generation = await service.generation.chat(request())
     assert generation.stream.seq.checkpoints == []
     text, final = await generation.collect()
     assert text and final.finish_reason == "length"
 
 
 @pytest.fixture
-def seer() -> Iterator[Engine]:
-    engine = Engine(FakeBackend(num_ctx=2048, num_parallel=2, vision=True))
+def seer() -> Iterator[BatchingEngine]:
+    engine = BatchingEngine(FakeBackend(num_ctx=2048, num_parallel=2, vision=True))
     yield engine
     engine.close()
 
@@ -69,24 +69,24 @@ def image(shade: int) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_images_go_where_their_placeholders_stand(seer: Engine) -> None:
+async def test_images_go_where_their_placeholders_stand(seer: BatchingEngine) -> None:
     service = static_service([LoadedModel(name="m", engine=seer, template=ChatTemplate("{{ messages[0].content }}"))])
     message = Message("user", f"a{IMAGE_PLACEHOLDER}b{IMAGE_PLACEHOLDER}c", images=[image(0), image(255)])
-    generation = await service.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))
+    generation = await service.generation.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))
     prompt = generation.prompt_tokens
     await generation.collect()
     # The fake tokenizes text as bytes and gives a 16x16 image one position (a negative placeholder id).
     assert prompt[0] == ord("a") and prompt[2] == ord("b") and prompt[4] == ord("c")
     assert prompt[1] < 0 and prompt[3] < 0 and prompt[1] != prompt[3]
     without = Message("user", "ab", images=[image(0)])  # no placeholders: the image goes first
-    generation = await service.chat(ChatRequest("m", [without], SamplingParams(max_tokens=1)))
+    generation = await service.generation.chat(ChatRequest("m", [without], SamplingParams(max_tokens=1)))
     assert generation.prompt_tokens[0] < 0
     await generation.collect()
 
 
 @pytest.mark.asyncio
-async def test_placeholders_and_images_must_agree(seer: Engine) -> None:
+async def test_placeholders_and_images_must_agree(seer: BatchingEngine) -> None:
     service = static_service([LoadedModel(name="m", engine=seer, template=ChatTemplate(None))])
     message = Message("user", f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}", images=[image(0)])
     with pytest.raises(InvalidRequest, match="1 images but 2 image placeholders"):
-        await service.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))
+        await service.generation.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))

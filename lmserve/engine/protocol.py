@@ -1,0 +1,159 @@
+"""The engine seam: what any engine offers the service (model facts, tokenizing, submitting, embedding).
+
+llama.cpp (engine/batching.py over engine/llamacpp.py) is one implementation; a second engine implements the same
+protocol without the layers above (service, chat, store, api) changing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lmserve.types import Bitmap, Chunk, SamplingParams
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """Facts about a loaded model that the layers above the engine need."""
+
+    path: str
+    architecture: str
+    num_ctx: int
+    """Context length per sequence (the -c flag)."""
+    num_parallel: int
+    num_vocab: int
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    size_bytes: int = 0
+    num_params: int = 0
+    description: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    image_marker: str | None = None
+    """The text that stands for one image in a prompt; None when the model has no vision projector."""
+    can_cut_memory: bool = True
+    """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
+    state at a prefix must be saved as a snapshot to be reused."""
+    engine: str = "llamacpp"
+    """Which engine serves the model (`llamacpp`, `vllm`)."""
+    can_embed: bool = True
+    """`embed_tokens` works (pooled hidden states)."""
+    can_constrain: bool = True
+    """`SamplingParams.grammar` (GBNF) is honoured: structured output and forced tool calls."""
+
+    @property
+    def has_vision(self) -> bool:
+        return self.image_marker is not None
+
+
+@dataclass(slots=True, eq=False)
+class PromptImage:
+    """An image's place in a tokenized prompt: `length` positions from `start`, encoded by the backend.
+
+    Those positions hold one placeholder id (negative, derived from the image's pixels, so the same image
+    gives the same placeholders and a slot's prefix cache can match it). `handle` is the backend's own
+    record of the preprocessed image.
+    """
+
+    start: int
+    length: int
+    handle: object
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Where an engine's time went since it was loaded, in nanoseconds (for /metrics)."""
+
+    step_ns: int = 0
+    """Wall time spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
+    decode_ns: int = 0
+    """The part of `step_ns` inside the model's forward pass and sampling: the rest is overhead."""
+
+
+class GenerationStream(Protocol):
+    """The output of one submitted prompt: chunks in order, the last one with a finish reason and usage."""
+
+    def __aiter__(self) -> AsyncIterator[Chunk]: ...
+
+    def abort(self) -> None:
+        """Stop generating and free what the request holds; no further chunk arrives."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> list[int]: ...
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """The tokens generated so far."""
+        ...
+
+
+class Engine(Protocol):
+    """A loaded model, as the service uses it: facts, tokenizing, generation streams, embeddings.
+
+    Methods are called from the event loop's thread; an implementation keeps its own threads and processes.
+    """
+
+    info: ModelInfo
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> str: ...
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
+
+        Blocking (images are preprocessed, maybe encoded): call it off the event loop.
+        """
+        ...
+
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> GenerationStream:
+        """Queue a prompt (token ids; `images` placed in it) for generation.
+
+        `special` keeps special tokens in the text (tool-call markers often are). `checkpoints` are prompt
+        positions worth remembering for later prompts that share them (e.g. the end of the system prompt).
+        Raises ContextOverflow, InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
+        """
+        ...
+
+    def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
+        """`text` tokenized for embedding: cut to the context when `truncate`, else ContextOverflow."""
+        ...
+
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
+        """One pooled vector per token list (unit length unless `normalize` is false)."""
+        ...
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with an error chunk carrying `message`."""
+        ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        """Free the model; requests still in flight end with an error."""
+        ...
+
+
+def unit_vector(vector: list[float]) -> list[float]:
+    """`vector` scaled to L2 norm 1 (a zero vector stays zero)."""
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else list(vector)

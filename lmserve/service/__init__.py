@@ -1,0 +1,70 @@
+"""The service: one object the HTTP dialects call, made of parts split by concern.
+
+    generation  chat, completion, native generate, embeddings (service/generation.py)
+    models      list, show, create, copy, delete, pull; load, unload, ps (service/models.py)
+    residency   which engine instance serves each model name; shared weights; keep-alive (service/residency.py)
+    defaults    the option layers under a request: Modelfile PARAMETERs over the server's (service/defaults.py)
+    observers   registered listeners of finished generations and loads, e.g. metrics (service/observers.py)
+
+Every part is built here from a Catalog (service/catalog.py), the one place that knows where models come from.
+"""
+
+from __future__ import annotations
+
+from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
+from lmserve.service.defaults import Defaults
+from lmserve.service.generation import Generation, GenerationService
+from lmserve.service.models import ModelService
+from lmserve.service.observers import Observers
+from lmserve.service.residency import LoadedModel, Residency
+from lmserve.types import LoadOptions, SamplingParams
+
+__all__ = ["Generation", "ModelDescription", "ModelListing", "Service", "static_service"]
+
+DEFAULT_KEEP_ALIVE = 300.0
+
+
+class Service:
+    """Generation, models and residency over one catalog."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        residency: Residency,
+        *,
+        load_options: LoadOptions | None = None,
+        hf_endpoint: str | None = None,
+        tool_call_parser: str | None = None,
+        max_messages: int = 1024,
+        max_images: int = 16,
+    ) -> None:
+        self.catalog = catalog
+        self.residency = residency
+        self.observers: Observers = residency.observers
+        self.defaults = Defaults(catalog, load_options)
+        self.generation = GenerationService(catalog, residency, self.defaults, self.observers,
+                                            tool_call_parser=tool_call_parser, max_messages=max_messages,
+                                            max_images=max_images)
+        self.models = ModelService(catalog, residency, self.defaults, hf_endpoint=hf_endpoint)
+
+    def load_defaults(self, name: str) -> LoadOptions:
+        return self.defaults.load_defaults(name)
+
+    async def sampling_defaults(self, name: str) -> SamplingParams:
+        return await self.defaults.sampling_defaults(name)
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight, on every loaded model, with an error carrying `message`."""
+        for engine in self.residency.engines():
+            engine.fail_all(message)
+
+    def close(self) -> None:
+        self.residency.close()
+
+
+def static_service(models: list[LoadedModel]) -> Service:
+    """A service over models that are already loaded; unloading forgets them, it never closes their engines."""
+    catalog = StaticCatalog(models)
+    residency = Residency(catalog.plan, max_loaded=len(models) or 1, keep_alive=None,
+                          close_engine=lambda engine: None)
+    return Service(catalog, residency)

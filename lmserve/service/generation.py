@@ -1,0 +1,272 @@
+"""Generation: chat, completion, native generate and embeddings over the resident models.
+
+Both HTTP dialects call this with engine-neutral records (lmserve.types) and translate its chunks back to their own
+wire format. A request resolves its model, leases it from residency, renders and tokenizes its prompt
+(service/prompts.py), submits it to the model's engine and streams the pieces through the tool-call parser.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
+from lmserve.chat.tools.forcing import forced_call_grammar
+from lmserve.engine.protocol import GenerationStream, PromptImage, unit_vector
+from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.service import prompts
+from lmserve.service.catalog import Catalog
+from lmserve.service.defaults import Defaults
+from lmserve.service.observers import Observers
+from lmserve.service.residency import LoadedModel, Residency, Resident
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
+
+
+@dataclass(slots=True)
+class Generation:
+    """A submitted request: its prompt size, its stream of chunks, and the model lease it holds.
+
+    With a tool parser, text is filtered through it: call markup never reaches `Chunk.text`, parsed calls
+    arrive in `Chunk.tool_calls`, and a reply that made calls finishes with "tool_calls".
+    """
+
+    model: str
+    num_prompt_tokens: int
+    stream: GenerationStream
+    on_done: Callable[[], None] = lambda: None
+    load_ns: int = 0
+    tool_parser: ToolCallParser | None = None
+    max_tool_calls: int | None = None
+    observers: Observers | None = None
+    _is_released: bool = field(default=False, repr=False)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        parsing = StreamingToolParser(self.tool_parser) if self.tool_parser is not None else None
+        num_calls = 0
+        try:
+            async for chunk in self.stream:
+                if parsing is not None:
+                    chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
+                    num_calls += added
+                if chunk.finish_reason is not None and self.observers is not None:
+                    self.observers.finished(self.model, chunk)
+                yield chunk
+        finally:
+            self._release()
+
+    async def collect(self) -> tuple[str, Chunk]:
+        """The whole answer: all its text, and the final chunk carrying every tool call; aborts if this stops early."""
+        parts: list[str] = []
+        calls: list[ToolCall] = []
+        try:
+            async for chunk in self:
+                parts.append(chunk.text)
+                calls += chunk.tool_calls
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason in ("error", "abort"):
+                        raise EngineFailure(chunk.error or "the generation failed")
+                    return "".join(parts), replace(chunk, tool_calls=calls)
+        finally:
+            self.abort()
+        raise EngineFailure("the generation ended without a result")
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.stream.output_tokens
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.stream.prompt_tokens
+
+    def abort(self) -> None:
+        self.stream.abort()
+        self._release()
+
+    def _release(self) -> None:
+        if not self._is_released:
+            self._is_released = True
+            self.on_done()
+
+
+def _parse_tools(
+    parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int, max_calls: int | None
+) -> tuple[Chunk, int]:
+    text, calls = parsing.push(chunk.text)
+    if chunk.finish_reason is not None:
+        tail, more = parsing.finish()
+        text, calls = text + tail, calls + more
+    if max_calls is not None:
+        calls = calls[: max(0, max_calls - num_calls_before)]
+    finish = chunk.finish_reason
+    if finish == "stop" and num_calls_before + len(calls) > 0:
+        finish = "tool_calls"
+    tool_calls = [ToolCall(call.name, call.arguments, call.id) for call in calls]
+    return replace(chunk, text=text, tool_calls=tool_calls, finish_reason=finish), len(calls)
+
+
+class GenerationService:
+    """Answers chat, completion, generate and embedding requests, loading models on demand."""
+
+    def __init__(
+        self, catalog: Catalog, residency: Residency, defaults: Defaults, observers: Observers, *,
+        tool_call_parser: str | None = None, max_messages: int = 1024, max_images: int = 16,
+    ) -> None:
+        self.catalog = catalog
+        self.residency = residency
+        self.defaults = defaults
+        self.observers = observers
+        self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
+        self.max_messages = max_messages
+        self.max_images = max_images
+
+    async def acquire(self, name: str, options: LoadOptions | None = None,
+                      keep_alive: float | None = None) -> Resident:
+        """Resolve `name`, load it (or find it loaded) and lease it until `residency.release`."""
+        canonical = self.catalog.resolve(name)
+        return await self.residency.acquire(canonical, options or self.defaults.load_defaults(canonical), keep_alive)
+
+    def check_images(self, name: str, count: int, *, param: str = "messages") -> None:
+        """Raise InvalidRequest unless model `name` can see images (it has a vision projector) and `count` images
+        are within the server's per-request limit."""
+        if not self.catalog.has_vision(self.catalog.resolve(name)):
+            raise InvalidRequest(
+                f"model '{name}' has no vision projector (it cannot see images); use a vision model", param=param
+            )
+        if count > self.max_images:
+            raise InvalidRequest(f"{count} images is more than this server accepts in one request ({self.max_images})",
+                                 param=param)
+
+    def tool_parser(self, model: LoadedModel) -> ToolCallParser | None:
+        """The server's --tool-call-parser, else the one the model's template implies; None when unknown."""
+        name = self.tool_call_parser or detect_parser(model.template_source or model.engine.info.chat_template)
+        return get_parser(name) if name else None
+
+    def render_chat(self, model: LoadedModel, request: ChatRequest) -> str:
+        return prompts.render_chat(model, request, self.max_messages)
+
+    async def chat(self, request: ChatRequest) -> Generation:
+        started = time.perf_counter_ns()
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            model = resident.model
+            prompt = self.render_chat(model, request)
+            parser = self.tool_parser(model) if request.tools else None
+            sampling = self._forcing(model, request, parser)
+            images = [image for message in request.messages for image in message.images]
+            tokens, places = await prompts.tokenize_prompt(model, prompt, images)
+            checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
+            generation = self._submit(resident, tokens, sampling, parser, places, checkpoints)
+            generation.max_tool_calls = None if request.parallel_tool_calls else 1
+            generation.load_ns = time.perf_counter_ns() - started
+            return generation
+        except BaseException:
+            self.residency.release(resident)
+            raise
+
+    def _forcing(self, model: LoadedModel, request: ChatRequest, parser: ToolCallParser | None) -> SamplingParams:
+        """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one."""
+        if request.forced_tool is None:
+            return request.sampling
+        if parser is None:
+            raise InvalidRequest(
+                f"model '{model.name}' has no known tool-call format to force a call in; start the server "
+                "with --tool-call-parser",
+                param="tool_choice",
+            )
+        grammar = forced_call_grammar(parser, request.tools, request.forced_tool)
+        return replace(request.sampling, grammar=grammar, stop=[], logit_bias=dict(request.sampling.logit_bias))
+
+    async def complete(self, request: CompletionRequest) -> Generation:
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            tokens = list(request.context) + prompts.tokenize(resident.model, request.prompt)
+            return self._submit(resident, tokens, request.sampling)
+        except BaseException:
+            self.residency.release(resident)
+            raise
+
+    async def generate(
+        self, request: CompletionRequest, *, system: str | None = None, template: str | None = None, raw: bool = False
+    ) -> Generation:
+        """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens."""
+        if raw and not request.images:
+            return await self.complete(request)
+        started = time.perf_counter_ns()
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            model = resident.model
+            user = prompts.with_image_markers(model, Message("user", request.prompt, list(request.images)), "images")
+            messages = [replace(user, images=[])]
+            if system is not None:
+                messages.insert(0, Message(role="system", content=system))
+            if raw:
+                prompt = user.content  # the images' markers, then the prompt as it is
+            elif template is not None:
+                prompt = GoChatTemplate(template, system=model.system).render(messages)
+            else:
+                prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling))
+            tokens, places = await prompts.tokenize_prompt(model, prompt, request.images)
+            if request.context:
+                tokens = list(request.context) + tokens
+                places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
+            generation = self._submit(resident, tokens, request.sampling, images=places)
+            generation.load_ns = time.perf_counter_ns() - started
+            return generation
+        except BaseException:
+            self.residency.release(resident)
+            raise
+
+    async def embed(
+        self,
+        model: str,
+        inputs: list[str],
+        *,
+        truncate: bool = True,
+        options: LoadOptions | None = None,
+        keep_alive: float | None = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> tuple[str, list[list[float]], int]:
+        """Embed each input: (canonical model name, one vector per input, total prompt tokens).
+
+        Vectors are unit length (unless `normalize` is false); `dimensions` keeps the first N components and
+        normalizes again. A text longer than one sequence's context is cut to it when `truncate`, else it is a
+        ContextOverflow.
+        """
+        if not inputs:
+            raise InvalidRequest("input must contain at least one text", param="input")
+        for i, text in enumerate(inputs):
+            if not text:
+                raise InvalidRequest(f"input[{i}] is empty", param="input")
+        if dimensions is not None and dimensions < 1:
+            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+        resident = await self.acquire(model, options, keep_alive)
+        try:
+            engine = resident.model.engine
+            if not engine.info.can_embed:
+                raise InvalidRequest(f"model '{resident.model.name}' cannot make embeddings", param="model")
+            inputs_tokens = [engine.embedding_tokens(text, truncate=truncate) for text in inputs]
+            vectors = await engine.embed_tokens(inputs_tokens, normalize=normalize and dimensions is None)
+        finally:
+            self.residency.release(resident)
+        if dimensions is not None:
+            vectors = [unit_vector(v[:dimensions]) if normalize else v[:dimensions] for v in vectors]
+        return resident.model.name, vectors, sum(len(p) for p in inputs_tokens)
+
+    def _submit(
+        self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> Generation:
+        # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
+        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images,
+                                              checkpoints=checkpoints)
+        return Generation(
+            model=resident.model.name,
+            num_prompt_tokens=len(tokens),
+            stream=stream,
+            on_done=lambda: self.residency.release(resident),
+            tool_parser=parser,
+            observers=self.observers,
+        )

@@ -1,0 +1,133 @@
+"""Models: list, show, create, copy, delete and pull stored models; load, unload and list the resident ones."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lmserve.engine.quantize import parse_quant
+from lmserve.engine.quantize import quantize as run_quantize
+from lmserve.errors import InvalidRequest, ModelNotFound
+from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
+from lmserve.service.defaults import Defaults
+from lmserve.service.residency import Residency, Resident
+from lmserve.store.modelfile import Modelfile
+from lmserve.store.store import Store
+from lmserve.types import LoadOptions
+
+
+class ModelService:
+    """The model-management half of the API (the local runner's /api/tags, show, create, copy, delete, pull, ps)."""
+
+    def __init__(self, catalog: Catalog, residency: Residency, defaults: Defaults, *,
+                 hf_endpoint: str | None = None) -> None:
+        self.catalog = catalog
+        self.residency = residency
+        self.defaults = defaults
+        self.hf_endpoint = hf_endpoint
+
+    def listing(self) -> list[ModelListing]:
+        return self.catalog.listing()
+
+    def get(self, name: str) -> ModelListing:
+        canonical = self.catalog.resolve(name)
+        for listing in self.catalog.listing():
+            if listing.name == canonical:
+                return listing
+        raise ModelNotFound(name)
+
+    def describe(self, name: str) -> ModelDescription:
+        return self.catalog.describe(self.catalog.resolve(name))
+
+    def copy(self, source: str, destination: str) -> None:
+        self.catalog.copy(self.catalog.resolve(source), destination)
+
+    async def delete(self, name: str) -> None:
+        canonical = self.catalog.resolve(name)
+        await self.residency.unload(canonical)
+        self.catalog.delete(canonical)
+
+    def create(
+        self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None, quantize: str | None = None
+    ) -> None:
+        """Create (or replace) a stored model from a Modelfile, quantizing its weights when asked."""
+        create = getattr(self.catalog, "create", None)
+        if create is None:
+            raise InvalidRequest("this server serves a fixed model; start it with a model store to create models")
+        quantizer = None
+        if quantize is not None:
+            level = quantize
+            parse_quant(level)
+
+            def quantizer(source: Path) -> Path:
+                destination = source.with_name(f".quantized-{level}-{source.name}")
+                run_quantize(source, destination, level)
+                return destination
+
+        create(name, modelfile, base_dir=base_dir, quantize=quantizer)
+
+    @property
+    def store(self) -> Store:
+        store = getattr(self.catalog, "store", None)
+        if not isinstance(store, Store):
+            raise InvalidRequest("this server serves a fixed model and has no model store")
+        return store
+
+    # ---- residency ------------------------------------------------------------------------------
+
+    async def load(self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None) -> str:
+        """Load a model without generating; returns its canonical name."""
+        canonical = self.catalog.resolve(name)
+        resident = await self.residency.acquire(canonical, options or self.defaults.load_defaults(canonical),
+                                                keep_alive)
+        self.residency.release(resident)
+        return resident.model.name
+
+    async def unload(self, name: str) -> bool:
+        return await self.residency.unload(self.catalog.resolve(name))
+
+    def running(self) -> list[Resident]:
+        return self.residency.running()
+
+    # ---- pull -----------------------------------------------------------------------------------
+
+    def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
+        """Download `hf.co/<org>/<repo>[:QUANT]` (and its mmproj projector) and register it as that model.
+
+        Blocking: run it in a worker thread. Files go to `<store>/hf-cache` (so a second pull downloads nothing and
+        an interrupted one resumes) and are hard-linked into the store. `progress` gets the local runner's
+        `/api/pull` lines, `{status, digest, total, completed}` without empty fields, then "writing manifest" and
+        "success"; an exception it raises stops the download. The hub is `hf_endpoint`, else HF_ENDPOINT, else
+        huggingface.co; the token is HF_TOKEN, else the stored huggingface token.
+        """
+        from lmserve.store.names import parse_name
+        from lmserve.store.pull import PullProgress
+        from lmserve.store.pull import pull as pull_files
+
+        parsed = parse_name(name)
+        if not parsed.is_hub:
+            raise InvalidRequest(
+                f"cannot pull '{name}': only hf.co/<org>/<repo>[:QUANT] names can be pulled (there is no other "
+                "registry); create local models with `create`",
+                param="model",
+            )
+        cache_dir = self.store.root / "hf-cache"
+
+        def report(event: PullProgress) -> None:
+            fields = {"status": event.status, "digest": event.digest, "total": event.total,
+                      "completed": event.completed}
+            progress({key: value for key, value in fields.items() if value is not None})
+
+        files = pull_files(
+            parsed,
+            endpoint=self.hf_endpoint or os.environ.get("HF_ENDPOINT") or None,
+            token=os.environ.get("HF_TOKEN") or None,
+            cache_dir=cache_dir,
+            progress=report,
+        )
+        progress({"status": "writing manifest"})
+        projector = str(files.projector.resolve()) if files.projector is not None else None
+        self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
+        progress({"status": "success"})

@@ -1,0 +1,88 @@
+"""Prompts: a chat request rendered with the model's template, its images marked, tokenized for the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from lmserve.chat.media import to_bitmap
+from lmserve.engine.protocol import PromptImage
+from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.service.residency import LoadedModel
+from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message
+
+
+def conversation(model: LoadedModel, request: ChatRequest) -> list[Message]:
+    """The Modelfile's MESSAGEs, then the request's (images as markers), with the model's SYSTEM if none."""
+    messages = list(model.messages) + [
+        with_image_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
+    ]
+    if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
+        messages.insert(0, Message(role="system", content=model.system))
+    return messages
+
+
+def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int) -> str:
+    """The prompt text of a chat request; 400 for no messages or more than `max_messages`."""
+    if not request.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+    if len(request.messages) > max_messages:
+        raise InvalidRequest(f"{len(request.messages)} messages is more than this server accepts ({max_messages})",
+                             param="messages")
+    return model.template.render(conversation(model, request), tools=request.tools or None,
+                                 add_generation_prompt=request.add_generation_prompt)
+
+
+def system_checkpoint(model: LoadedModel, request: ChatRequest, tokens: list[int]) -> list[int]:
+    """Where the system prompt ends in `tokens`, for a model whose memory cannot be cut (its state there is
+    snapshotted, so other conversations with that system prompt start from it); [] when unknown."""
+    if model.engine.info.can_cut_memory:
+        return []
+    messages = conversation(model, request)
+    count = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    if count == 0 or count == len(messages):
+        return []
+    tools: list[dict[str, Any]] | None = request.tools or None
+    try:  # some templates refuse a conversation without a user turn: then there is no checkpoint
+        head = model.template.render(messages[:count], tools=tools, add_generation_prompt=False)
+    except LmserveError:
+        return []
+    prefix = tokenize(model, head)
+    return [len(prefix)] if tokens[: len(prefix)] == prefix else []
+
+
+def with_image_markers(model: LoadedModel, message: Message, where: str) -> Message:
+    """`message` with the model's image marker where each image goes (its placeholders, else before the text);
+    400 when the model has no vision."""
+    if not message.images:
+        return message
+    param = "messages" if where.startswith("messages") else "images"
+    marker = model.engine.info.image_marker
+    if marker is None:
+        raise InvalidRequest(
+            f"{where} contains an image, but model '{model.name}' has no vision projector (it cannot see images)",
+            param=param,
+        )
+    places = message.content.count(IMAGE_PLACEHOLDER)
+    if places == 0:
+        return replace(message, content=marker * len(message.images) + message.content)
+    if places != len(message.images):
+        raise InvalidRequest(f"{where} has {len(message.images)} images but {places} image placeholders "
+                             "(U+FFFC) in its text", param=param)
+    return replace(message, content=message.content.replace(IMAGE_PLACEHOLDER, marker))
+
+
+def tokenize(model: LoadedModel, prompt: str) -> list[int]:
+    return model.engine.tokenize(prompt, add_special=True, parse_special=True)
+
+
+async def tokenize_prompt(model: LoadedModel, prompt: str, images: list[bytes]) -> tuple[list[int], list[PromptImage]]:
+    """The prompt's tokens and, with images, their places (decoded and preprocessed off the event loop)."""
+    if not images:
+        return tokenize(model, prompt), []
+
+    def prepare() -> tuple[list[int], list[PromptImage]]:
+        return model.engine.tokenize_images(prompt, [to_bitmap(image) for image in images])
+
+    return await asyncio.to_thread(prepare)

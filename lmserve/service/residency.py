@@ -1,0 +1,323 @@
+"""Residency: which loaded engine instance serves each model name, and for how long.
+
+Names and instances are separate. An engine instance is one copy of weights in memory, keyed by what changes the
+weights or the way they are loaded (`WeightsKey`: the weights file, adapters, projector and every load-time
+option). A resident name binds an instance with the name's own prompt settings (template, system, messages,
+sampling defaults): models created FROM another that differ only in those share one instance.
+
+- Loading never blocks the other models: no lock is held while weights load; concurrent requests for the same
+  weights wait for the one load in progress.
+- A name stays resident while requests use it; `keep_alive` (seconds; None = forever; 0 = unload when idle) counts
+  from its last use. An instance lives while a resident name binds it or a request still uses it.
+- A request whose load-time options differ from the resident instance's gets a fresh instance with its options;
+  the old one finishes the requests it is running and is then closed.
+- Beyond `max_loaded` instances, the least recently used idle instance (and every name bound to it) is unloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lmserve.engine.protocol import Engine
+from lmserve.errors import InvalidRequest
+from lmserve.service.observers import Observers
+from lmserve.types import LoadOptions, Message, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_KEEP_ALIVE = 100 * 365 * 24 * 3600.0
+"""A longer keep_alive means forever (and keeps expiry dates representable)."""
+
+
+class Prompter(Protocol):
+    """Renders a conversation into the model's prompt text (a Jinja chat template or a Modelfile Go one)."""
+
+    def render(
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to serve: its engine (maybe shared with other names), how it renders prompts, its defaults."""
+
+    name: str
+    engine: Engine
+    template: Prompter
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    system: str | None = None
+    messages: list[Message] = field(default_factory=list)
+    template_source: str | None = None
+    """The template text the prompter renders (Modelfile TEMPLATE or the model's), for tool-format detection."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()
+    owned_by: str = "lmserve"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsKey:
+    """What makes one engine instance: the weights and every load-time option (adapters and projector included)."""
+
+    weights: str
+    options: LoadOptions
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """How to serve a name: the instance it needs, how to open one (blocking), and how to bind one to the name."""
+
+    key: WeightsKey
+    open: Callable[[], Engine]
+    bind: Callable[[Engine], LoadedModel]
+
+
+Planner = Callable[[str, LoadOptions], LoadPlan]
+"""(canonical name, load options) → its LoadPlan; raises ModelNotFound or InvalidRequest."""
+
+
+@dataclass(slots=True, eq=False)
+class Instance:
+    """One engine in memory and the requests using it (across every name bound to it)."""
+
+    key: WeightsKey
+    engine: Engine
+    last_used: float
+    users: int = 0
+
+    @property
+    def is_idle(self) -> bool:
+        return self.users == 0 and self.engine.num_running == 0 and self.engine.num_waiting == 0
+
+
+@dataclass(slots=True, eq=False)
+class Resident:
+    """One resident model name: its bound model, its instance and its lease."""
+
+    model: LoadedModel
+    instance: Instance
+    keep_alive: float | None
+    last_used: float
+    users: int = 0
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def options(self) -> LoadOptions:
+        return self.instance.key.options
+
+    @property
+    def expires_at(self) -> float | None:
+        return None if self.keep_alive is None else self.last_used + self.keep_alive
+
+    @property
+    def is_idle(self) -> bool:
+        return self.users == 0
+
+
+def keep_alive_seconds(keep_alive: float) -> float | None:
+    """Negative, infinite or beyond a century → forever (None); else seconds. NaN is refused."""
+    if math.isnan(keep_alive):
+        raise InvalidRequest("keep_alive must be a number of seconds or a duration, not NaN", param="keep_alive")
+    if keep_alive < 0 or keep_alive > MAX_KEEP_ALIVE:
+        return None
+    return keep_alive
+
+
+class Residency:
+    """The models in memory: resident names by canonical name, engine instances by WeightsKey."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        *,
+        max_loaded: int = 3,
+        keep_alive: float | None = 300.0,
+        clock: Callable[[], float] = time.time,
+        close_engine: Callable[[Engine], None] = lambda engine: engine.close(),
+        observers: Observers | None = None,
+    ) -> None:
+        self._planner = planner
+        self._max_loaded = max(1, max_loaded)
+        self.default_keep_alive = keep_alive
+        """Lease of a newly loaded name when the request names none (None: forever)."""
+        self._clock = clock
+        self._close_engine = close_engine
+        self.observers = observers or Observers()
+        self._residents: dict[str, Resident] = {}
+        self._instances: dict[WeightsKey, Instance] = {}
+        self._loading: dict[WeightsKey, asyncio.Future[Instance]] = {}
+        self._retired: list[Instance] = []
+        """Instances no name binds any more, closed when their last request releases them."""
+        self._num_waiting: dict[WeightsKey, int] = {}
+        """Requests waiting for an instance to load (it must not be closed before they bind it)."""
+
+    async def acquire(self, name: str, options: LoadOptions, keep_alive: float | None = None) -> Resident:
+        """The resident model `name` (loading its instance if needed), leased until `release`.
+
+        `keep_alive` None keeps a resident name's lease as it is (a model preloaded by `serve` stays loaded) and gives
+        a new one the default; negative means forever; otherwise seconds after last use.
+        """
+        plan = self._planner(name, options)
+        while True:
+            resident = self._residents.get(name)
+            if resident is not None and resident.instance.key == plan.key:
+                return self._lease(resident, keep_alive)
+            instance = await self._instance(plan, name)
+            if self._residents.get(name) is not None and self._residents[name].instance.key == plan.key:
+                continue  # another request bound it while this one waited for the load
+            try:
+                model = plan.bind(instance.engine)
+            except BaseException:
+                self._close_if_unbound(instance)
+                raise
+            if name in self._residents:
+                self._unbind(name)
+            lease = self.default_keep_alive if keep_alive is None else keep_alive_seconds(keep_alive)
+            resident = Resident(model, instance, lease, self._clock())
+            self._residents[name] = resident
+            return self._lease(resident, keep_alive)
+
+    def release(self, resident: Resident) -> None:
+        """End one lease; an instance no name binds any more is closed once its last request is done."""
+        now = self._clock()
+        resident.users = max(0, resident.users - 1)
+        resident.last_used = now
+        instance = resident.instance
+        instance.users = max(0, instance.users - 1)
+        instance.last_used = now
+        if instance in self._retired and instance.users == 0:
+            self._retired.remove(instance)
+            self._close(instance)
+
+    def running(self) -> list[Resident]:
+        """The resident names, most recently used first."""
+        return sorted(self._residents.values(), key=lambda r: r.last_used, reverse=True)
+
+    def get(self, name: str) -> Resident | None:
+        return self._residents.get(name)
+
+    def engines(self) -> list[Engine]:
+        """Every engine in memory, retired ones still finishing requests included."""
+        return [instance.engine for instance in [*self._instances.values(), *self._retired]]
+
+    @property
+    def num_instances(self) -> int:
+        """Engine instances in memory (weights loaded), retired ones still finishing requests included."""
+        return len(self._instances) + len(self._retired)
+
+    async def unload(self, name: str) -> bool:
+        """Forget `name`; its instance is closed when no other name binds it and its requests are done."""
+        if name not in self._residents:
+            return False
+        self._unbind(name)
+        return True
+
+    async def expire(self) -> None:
+        """Unload idle names whose keep-alive has run out."""
+        now = self._clock()
+        for name, resident in list(self._residents.items()):
+            expires = resident.expires_at
+            if expires is not None and expires <= now and resident.is_idle:
+                self._unbind(name)
+        for instance in list(self._instances.values()):
+            self._close_if_unbound(instance)  # loaded for a request that went away before binding it
+
+    async def run_expiry(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.expire()
+
+    def close(self) -> None:
+        """Close every instance (requests still running end with an error)."""
+        self._residents.clear()
+        for instance in [*self._instances.values(), *self._retired]:
+            self._close(instance)
+        self._instances.clear()
+        self._retired.clear()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _lease(self, resident: Resident, keep_alive: float | None) -> Resident:
+        now = self._clock()
+        resident.users += 1
+        resident.instance.users += 1
+        if keep_alive is not None:
+            resident.keep_alive = keep_alive_seconds(keep_alive)
+        resident.last_used = resident.instance.last_used = now
+        return resident
+
+    async def _instance(self, plan: LoadPlan, name: str) -> Instance:
+        """The instance for `plan.key`: in memory, being loaded (waited for), or loaded now (without a lock)."""
+        instance = self._instances.get(plan.key)
+        if instance is not None:
+            return instance
+        for retired in self._retired:  # still finishing requests: take it back instead of loading a second copy
+            if retired.key == plan.key:
+                self._retired.remove(retired)
+                self._instances[plan.key] = retired
+                return retired
+        pending = self._loading.get(plan.key)
+        if pending is None:
+            self._evict_for_one_more()
+            pending = asyncio.ensure_future(self._open(plan, name))
+            self._loading[plan.key] = pending
+        self._num_waiting[plan.key] = self._num_waiting.get(plan.key, 0) + 1
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            self._num_waiting[plan.key] -= 1
+            if not self._num_waiting[plan.key]:
+                del self._num_waiting[plan.key]
+
+    async def _open(self, plan: LoadPlan, name: str) -> Instance:
+        try:
+            engine = await asyncio.to_thread(plan.open)
+        finally:
+            del self._loading[plan.key]
+        instance = Instance(plan.key, engine, self._clock())
+        self._instances[plan.key] = instance
+        log.info("loaded %s", name)
+        self.observers.loaded(name)
+        return instance
+
+    def _unbind(self, name: str) -> None:
+        resident = self._residents.pop(name)
+        log.info("unloading %s", name)
+        self._close_if_unbound(resident.instance)
+
+    def _close_if_unbound(self, instance: Instance) -> None:
+        """Close (or retire, while requests use it) an instance no resident name binds."""
+        if instance.key in self._num_waiting or any(r.instance is instance for r in self._residents.values()):
+            return
+        if self._instances.get(instance.key) is instance:
+            del self._instances[instance.key]
+        elif instance not in self._retired:
+            return  # already closed
+        if instance.users == 0:
+            if instance in self._retired:
+                self._retired.remove(instance)
+            self._close(instance)
+        elif instance not in self._retired:
+            self._retired.append(instance)
+
+    def _evict_for_one_more(self) -> None:
+        idle = sorted((i for i in self._instances.values() if i.is_idle and i.key not in self._num_waiting),
+                      key=lambda i: i.last_used)
+        for instance in idle:
+            if len(self._instances) + len(self._loading) < self._max_loaded:
+                break
+            for name in [n for n, r in self._residents.items() if r.instance is instance]:
+                self._residents.pop(name)
+                log.info("unloading %s", name)
+            self._close_if_unbound(instance)
+
+    def _close(self, instance: Instance) -> None:
+        try:
+            self._close_engine(instance.engine)
+        except Exception:
+            log.exception("closing an engine failed")

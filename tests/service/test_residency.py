@@ -1,0 +1,234 @@
+"""Residency: on-demand loading, keep-alive expiry, LRU eviction, shared weights, loads that block nobody else,
+and fresh instances for changed load-time options."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from lmserve.chat.template import ChatTemplate
+from lmserve.engine.batching import BatchingEngine
+from lmserve.engine.fake import FakeBackend
+from lmserve.engine.protocol import Engine
+from lmserve.service.residency import LoadedModel, LoadPlan, Residency, WeightsKey
+from lmserve.types import LoadOptions, SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Catalog:
+    """Names mapped to weights (several names may share them); records every open and close of an engine."""
+
+    def __init__(self, weights: dict[str, str] | None = None) -> None:
+        self.weights = weights or {}
+        self.opened: list[tuple[str, LoadOptions]] = []
+        self.closed: list[str] = []
+        self.engines: list[BatchingEngine] = []
+        self.gates: dict[str, threading.Event] = {}
+        """Weights whose open waits for the event (a slow load)."""
+
+    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
+        weights = self.weights.get(name, name)
+
+        def open_engine() -> Engine:
+            if weights in self.gates:
+                assert self.gates[weights].wait(10)
+            self.opened.append((weights, options))
+            engine = BatchingEngine(FakeBackend(num_ctx=options.num_ctx, num_parallel=1))
+            engine.info.path = weights
+            self.engines.append(engine)
+            return engine
+
+        def bind(engine: Engine) -> LoadedModel:
+            return LoadedModel(name=name, engine=engine, template=ChatTemplate(None),
+                               sampling=SamplingParams(temperature=len(name) / 10))
+
+        return LoadPlan(WeightsKey(weights, options), open_engine, bind)
+
+    def close(self, engine: Engine) -> None:
+        self.closed.append(engine.info.path)
+        engine.close()
+
+
+@pytest.fixture
+def catalog() -> Iterator[Catalog]:
+    catalog = Catalog()
+    yield catalog
+    for gate in catalog.gates.values():
+        gate.set()
+    for engine in catalog.engines:
+        engine.close()
+
+
+def residency(catalog: Catalog, clock: Clock, max_loaded: int = 2) -> Residency:
+    return Residency(catalog.plan, max_loaded=max_loaded, clock=clock, close_engine=catalog.close)
+
+
+async def test_a_model_is_loaded_once_and_reused(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    first = await models.acquire("a", LoadOptions(), 300)
+    models.release(first)
+    second = await models.acquire("a", LoadOptions(), 300)
+    assert second.model is first.model
+    assert [weights for weights, _ in catalog.opened] == ["a"]
+
+
+async def test_keep_alive_expires_idle_models_only(catalog: Catalog) -> None:
+    clock = Clock()
+    models = residency(catalog, clock)
+    busy = await models.acquire("busy", LoadOptions(), 10)
+    idle = await models.acquire("idle", LoadOptions(), 10)
+    models.release(idle)
+    clock.now += 11
+    await models.expire()
+    assert [r.model.name for r in models.running()] == ["busy"]
+    assert catalog.closed == ["idle"]
+    models.release(busy)
+    clock.now += 11
+    await models.expire()
+    assert models.running() == []
+
+
+async def test_none_keep_alive_means_forever_and_zero_unloads_when_idle(catalog: Catalog) -> None:
+    clock = Clock()
+    models = residency(catalog, clock)
+    forever = await models.acquire("forever", LoadOptions(), -1)
+    models.release(forever)
+    now = await models.acquire("now", LoadOptions(), 0)
+    models.release(now)
+    clock.now += 10**6
+    await models.expire()
+    assert [r.model.name for r in models.running()] == ["forever"]
+    assert forever.expires_at is None
+
+
+@pytest.mark.parametrize(("keep_alive", "lease"), [(None, 300.0), (-1, None), (float("inf"), None), (1e308, None),
+                                                   (0, 0.0), (42, 42.0)])
+async def test_keep_alive_none_gives_the_default_and_extremes_mean_forever(
+    catalog: Catalog, keep_alive: float | None, lease: float | None
+) -> None:
+    models = Residency(catalog.plan, keep_alive=300.0, close_engine=catalog.close)
+    assert (await models.acquire("a", LoadOptions(), keep_alive)).keep_alive == lease
+
+
+async def test_the_least_recently_used_idle_model_is_evicted_beyond_the_limit(catalog: Catalog) -> None:
+    clock = Clock()
+    models = residency(catalog, clock, max_loaded=2)
+    for name in ("a", "b"):
+        models.release(await models.acquire(name, LoadOptions(), 300))
+        clock.now += 1
+    models.release(await models.acquire("a", LoadOptions(), 300))  # a is now the most recent
+    clock.now += 1
+    models.release(await models.acquire("c", LoadOptions(), 300))
+    assert sorted(r.model.name for r in models.running()) == ["a", "c"]
+    assert catalog.closed == ["b"]
+
+
+async def test_a_changed_load_time_option_reloads_an_idle_model(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("a", LoadOptions(num_ctx=512), 300))
+    models.release(await models.acquire("a", LoadOptions(num_ctx=512), 300))
+    resident = await models.acquire("a", LoadOptions(num_ctx=1024), 300)
+    assert resident.model.engine.info.num_ctx == 1024
+    assert [options.num_ctx for _, options in catalog.opened] == [512, 1024]
+    assert catalog.closed == ["a"]
+
+
+async def test_a_busy_model_asked_for_other_options_gets_a_fresh_instance_and_the_old_one_drains(
+    catalog: Catalog,
+) -> None:
+    models = residency(catalog, Clock())
+    busy = await models.acquire("a", LoadOptions(num_ctx=512), 300)
+    fresh = await models.acquire("a", LoadOptions(num_ctx=1024), 300)
+    assert (busy.model.engine.info.num_ctx, fresh.model.engine.info.num_ctx) == (512, 1024)
+    assert [r.model.engine.info.num_ctx for r in models.running()] == [1024]
+    assert catalog.closed == [] and models.num_instances == 2  # the old instance still serves its request
+    models.release(busy)
+    assert catalog.closed == ["a"] and models.num_instances == 1
+    models.release(fresh)
+
+
+async def test_names_on_the_same_weights_share_one_engine_instance(catalog: Catalog) -> None:
+    catalog.weights = {"base": "w", "pirate": "w", "poet": "w", "other": "x"}
+    models = residency(catalog, Clock(), max_loaded=3)
+    residents = [await models.acquire(name, LoadOptions(), 300) for name in ("base", "pirate", "poet", "other")]
+    assert [w for w, _ in catalog.opened] == ["w", "x"]
+    base, pirate, poet, other = (r.model for r in residents)
+    assert base.engine is pirate.engine is poet.engine is not other.engine
+    assert (base.sampling.temperature, pirate.sampling.temperature) == (0.4, 0.6)  # each keeps its own defaults
+    assert models.num_instances == 2
+    for resident in residents:
+        models.release(resident)
+    await models.unload("pirate")
+    await models.unload("base")
+    assert catalog.closed == []  # poet still binds the shared instance
+    await models.unload("poet")
+    assert catalog.closed == ["w"]
+
+
+async def test_the_same_weights_with_other_load_options_are_a_second_instance(catalog: Catalog) -> None:
+    catalog.weights = {"small": "w", "large": "w"}
+    models = residency(catalog, Clock())
+    small = await models.acquire("small", LoadOptions(num_ctx=512), 300)
+    large = await models.acquire("large", LoadOptions(num_ctx=1024), 300)
+    assert small.model.engine is not large.model.engine
+    assert len(catalog.opened) == 2
+
+
+async def test_concurrent_requests_for_shared_weights_wait_for_one_load(catalog: Catalog) -> None:
+    catalog.weights = {"a": "w", "b": "w"}
+    catalog.gates["w"] = threading.Event()
+    models = residency(catalog, Clock())
+    first = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
+    second = asyncio.ensure_future(models.acquire("b", LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    catalog.gates["w"].set()
+    a, b = await asyncio.gather(first, second)
+    assert a.model.engine is b.model.engine
+    assert len(catalog.opened) == 1
+
+
+async def test_a_model_that_is_loading_blocks_no_request_to_a_loaded_model(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("loaded", LoadOptions(), 300))
+    catalog.gates["slow"] = threading.Event()
+    slow = asyncio.ensure_future(models.acquire("slow", LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    resident = await asyncio.wait_for(models.acquire("loaded", LoadOptions(), 300), timeout=1)
+    assert not slow.done()
+    models.release(resident)
+    catalog.gates["slow"].set()
+    models.release(await slow)
+
+
+async def test_a_failed_load_fails_its_requests_and_leaves_nothing_behind(catalog: Catalog) -> None:
+    def broken(name: str, options: LoadOptions) -> LoadPlan:
+        def fail() -> Engine:
+            raise RuntimeError("bad weights")
+
+        return LoadPlan(WeightsKey(name, options), fail, lambda engine: LoadedModel(name, engine, ChatTemplate(None)))
+
+    models = Residency(broken, close_engine=catalog.close)
+    with pytest.raises(RuntimeError, match="bad weights"):
+        await models.acquire("a", LoadOptions())
+    assert models.running() == [] and models.num_instances == 0
+
+
+async def test_an_unloaded_instance_still_in_use_is_taken_back_instead_of_loaded_twice(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    busy = await models.acquire("a", LoadOptions(), 300)
+    await models.unload("a")
+    again = await models.acquire("a", LoadOptions(), 300)
+    assert again.model.engine is busy.model.engine and len(catalog.opened) == 1
+    models.release(busy)
+    models.release(again)
+    assert catalog.closed == []
