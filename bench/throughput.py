@@ -143,14 +143,15 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 @contextlib.contextmanager
 def running(
-    argv: list[str], port: int, health: str, log: Path, timeout: float, env: dict[str, str] | None = None
+    argv: list[str], port: int, health: str, log: Path, timeout: float, env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
 ) -> Iterator[Started]:
     """Start a server (with `env` as its whole environment when given), wait until `health` answers 200, yield
     its base URL and pid; always kill it and its process group."""
     base = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=ROOT, env=env, start_new_session=True)
+                                cwd=cwd, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -24,7 +24,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     from lmserve.engine.factory import EngineSettings, open_engine
     from lmserve.errors import ModelNotFound
-    from lmserve.service.catalog import StoreCatalog, gguf_details, gguf_metadata
+    from lmserve.service.catalog import StoreCatalog, gguf_details
+    from lmserve.store.gguf_check import gguf_metadata
     from lmserve.service.residency import Residency
     from lmserve.store.modelfile import Modelfile
     from lmserve.store.names import is_gguf_path

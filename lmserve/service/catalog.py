@@ -8,18 +8,17 @@ so they share one engine instance. `StaticCatalog` serves models already loaded 
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
-from lmserve.store.gguf_check import check_gguf
+from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
@@ -82,6 +81,16 @@ class Catalog(Protocol):
         """How canonical `name` is loaded with `options` (cheap: nothing is loaded yet)."""
         ...
 
+    @property
+    def store(self) -> Store | None:
+        """The model store behind the catalog; None for a fixed set of models."""
+        ...
+
+    def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
+               quantize: Callable[[Path], Path] | None = None) -> None:
+        """Build and save model `name` from a parsed Modelfile, its weights passed through `quantize` if given."""
+        ...
+
     def copy(self, source: str, destination: str) -> None: ...
 
     def delete(self, name: str) -> None: ...
@@ -92,53 +101,6 @@ _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 _LOAD_FIELDS = {"num_ctx": "num_ctx", "num_batch": "num_batch", "num_gpu": "num_gpu_layers",
                 "num_thread": "num_threads"}  # fmt: skip
 """Modelfile PARAMETER name → LoadOptions field."""
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-def gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
-    """Key/values of a GGUF file's header, read without the tensors; long arrays (the vocabulary) are skipped."""
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise InvalidRequest(f"{path.name} is not a GGUF file", param="from")
-        _version, _tensors, count = struct.unpack("<IQQ", f.read(20))
-        out: dict[str, Any] = {}
-        for _ in range(count):
-            key = _read_string(f)
-            (kind,) = struct.unpack("<I", f.read(4))
-            value = _read_value(f, kind, max_array)
-            if value is not _SKIPPED:
-                out[key] = value
-        return out
-
-
-_SKIPPED = object()
-
-
-def _read_string(f: BinaryIO) -> str:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(length).decode("utf-8", "replace")
-
-
-def _read_value(f: BinaryIO, kind: int, max_array: int) -> Any:
-    if kind == _STRING:
-        return _read_string(f)
-    if kind in _SCALARS:
-        fmt = _SCALARS[kind]
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-    if kind != _ARRAY:
-        raise InvalidRequest(f"unknown GGUF value type {kind}", param="from")
-    item_kind, length = struct.unpack("<IQ", f.read(12))
-    if length <= max_array:
-        return [_read_value(f, item_kind, max_array) for _ in range(length)]
-    if item_kind in _SCALARS:
-        f.seek(struct.calcsize(_SCALARS[item_kind]) * length, 1)
-    else:
-        for _ in range(length):
-            _read_value(f, item_kind, 0)
-    return _SKIPPED
 
 
 def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any]:
@@ -171,8 +133,12 @@ class StoreCatalog:
     """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
     def __init__(self, store: Store, open_engine: EngineOpener) -> None:
-        self.store = store
+        self._store = store
         self._open_engine = open_engine
+
+    @property
+    def store(self) -> Store:
+        return self._store
 
     def listing(self) -> list[ModelListing]:
         return [self._listing(entry) for entry in self.store.list()]
@@ -267,7 +233,7 @@ class StoreCatalog:
         return LoadPlan(WeightsKey(str(path), full), open_engine, bind)
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
-               quantize: Callable[[Path], Path] | None = None) -> ModelEntry:
+               quantize: Callable[[Path], Path] | None = None) -> None:
         """Build and save model `name` from a parsed Modelfile (FROM a stored model or a .gguf file)."""
         target = parse_name(name)
         manifest = self._base_manifest(modelfile.from_, base_dir)
@@ -295,7 +261,6 @@ class StoreCatalog:
         manifest.messages = list(modelfile.messages) or manifest.messages
         manifest.license = list(modelfile.license) or manifest.license
         self.store.save(target, manifest)
-        return self.store.get(target)
 
     def _blob(self, source: str, base_dir: Path | None) -> str:
         """The digest of an uploaded blob (`@sha256:…`) or of a local file imported into the store."""
@@ -360,7 +325,7 @@ class StaticCatalog:
                 return candidate
             if candidate in self._aliases:
                 return self._aliases[candidate]
-        raise ModelNotFound(name)
+        raise ModelNotFound(name, available=list(self._models))
 
     def describe(self, name: str) -> ModelDescription:
         model = self._models[name]
@@ -383,6 +348,14 @@ class StaticCatalog:
 
     def load_parameters(self, name: str) -> dict[str, Any]:
         return {}
+
+    @property
+    def store(self) -> Store | None:
+        return None
+
+    def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
+               quantize: Callable[[Path], Path] | None = None) -> None:
+        raise InvalidRequest("this server serves a fixed model; start it with a model store to create models")
 
     def copy(self, source: str, destination: str) -> None:
         raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")

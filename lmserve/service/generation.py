@@ -259,6 +259,9 @@ class GenerationService:
         self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
         images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
     ) -> Generation:
+        if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
+            raise InvalidRequest(f"model '{resident.model.name}' cannot constrain its output (structured output and "
+                                 "forced tool calls need it)", param="response_format")
         # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
         stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images,
                                               checkpoints=checkpoints)

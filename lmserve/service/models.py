@@ -53,9 +53,6 @@ class ModelService:
         self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None, quantize: str | None = None
     ) -> None:
         """Create (or replace) a stored model from a Modelfile, quantizing its weights when asked."""
-        create = getattr(self.catalog, "create", None)
-        if create is None:
-            raise InvalidRequest("this server serves a fixed model; start it with a model store to create models")
         quantizer = None
         if quantize is not None:
             level = quantize
@@ -63,15 +60,15 @@ class ModelService:
 
             def quantizer(source: Path) -> Path:
                 destination = source.with_name(f".quantized-{level}-{source.name}")
-                run_quantize(source, destination, level)
+                run_quantize(source, destination, level, label=modelfile.from_)
                 return destination
 
-        create(name, modelfile, base_dir=base_dir, quantize=quantizer)
+        self.catalog.create(name, modelfile, base_dir=base_dir, quantize=quantizer)
 
     @property
     def store(self) -> Store:
-        store = getattr(self.catalog, "store", None)
-        if not isinstance(store, Store):
+        store = self.catalog.store
+        if store is None:
             raise InvalidRequest("this server serves a fixed model and has no model store")
         return store
 
@@ -100,13 +97,22 @@ class ModelService:
         an interrupted one resumes) and are hard-linked into the store. `progress` gets the local runner's
         `/api/pull` lines, `{status, digest, total, completed}` without empty fields, then "writing manifest" and
         "success"; an exception it raises stops the download. The hub is `hf_endpoint`, else HF_ENDPOINT, else
-        huggingface.co; the token is HF_TOKEN, else the stored huggingface token.
+        huggingface.co; the token is HF_TOKEN, else the stored huggingface token. The embedded model's name
+        (`smollm2:135m`) registers it again from its installed package, so `rm` of it can be undone.
         """
+        from lmserve.store.embedded import is_embedded
+        from lmserve.store.embedded import restore as restore_embedded
         from lmserve.store.names import parse_name
         from lmserve.store.pull import PullProgress
         from lmserve.store.pull import pull as pull_files
 
         parsed = parse_name(name)
+        if is_embedded(name):  # restored from the installed package, no network
+            from lmserve.service.catalog import gguf_details
+            from lmserve.store.gguf_check import gguf_metadata
+
+            restore_embedded(self.store, lambda path: gguf_details(gguf_metadata(path)), progress)
+            return
         if not parsed.is_hub:
             raise InvalidRequest(
                 f"cannot pull '{name}': only hf.co/<org>/<repo>[:QUANT] names can be pulled (there is no other "

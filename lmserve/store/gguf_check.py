@@ -1,17 +1,17 @@
-"""Structural validation of a GGUF file before llama.cpp opens it.
+"""Structural validation of a GGUF file before llama.cpp opens it, and the one reader of its metadata.
 
 `check_gguf` walks the header (key/values and tensor infos) with every length checked against the file size
 before it is used: nothing is allocated or read by a length taken from the file. It rejects what llama.cpp
 would choke on or, for crafted files, what could make it read past the end: bad magic, unsupported versions,
 absurd counts, truncated sections, unknown value or tensor types, and tensors whose data lies past the end of
-the file or overlaps another tensor.
+the file or overlaps another tensor. `gguf_metadata` reads the header's key/values with the same checks.
 """
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import gguf
 
@@ -23,7 +23,8 @@ MAX_TENSOR_NAME = 64  # GGML_MAX_NAME, terminating NUL included
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 _STRING, _ARRAY = 8, 9
 _UINT32 = 4
 _MIN_KV = 8 + 4 + 1  # an empty key, the value type, the smallest value
@@ -79,15 +80,40 @@ class _Reader:
 
 def check_gguf(path: Path) -> None:
     """Raise InvalidRequest (param "from") with the reason when `path` is not a well-formed GGUF file."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            _check(_Reader(f, size, path.name))
-    except OSError as exc:
-        raise InvalidRequest(f"cannot read {path.name}: {exc.strerror or exc}", param="from") from exc
+    with _open(path) as r:
+        tensor_count, alignment, _ = _header(r, max_array=-1)
+        _check_tensors(r, tensor_count, alignment)
 
 
-def _check(r: _Reader) -> None:
+def gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
+    """The key/values of a GGUF file's header, read with `check_gguf`'s checks; arrays of more than `max_array`
+    items (the vocabulary) are left out. InvalidRequest (param "from") when the header is malformed."""
+    with _open(path) as r:
+        return _header(r, max_array=max_array)[2]
+
+
+class _open:
+    """A checked reader over `path`; an OSError becomes InvalidRequest."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f: BinaryIO | None = None
+
+    def __enter__(self) -> _Reader:
+        try:
+            size = self.path.stat().st_size
+            self.f = self.path.open("rb")
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {self.path.name}: {exc.strerror or exc}", param="from") from exc
+        return _Reader(self.f, size, self.path.name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def _header(r: _Reader, *, max_array: int) -> tuple[int, int, dict[str, Any]]:
+    """Walk the header: (tensor count, alignment, the values kept). `max_array` < 0 keeps no value."""
     if r.size < 4 or r.read(4, "the magic") != b"GGUF":
         raise r.fail("bad magic (expected 'GGUF')")
     version = r.u32("the version")
@@ -101,44 +127,58 @@ def _check(r: _Reader) -> None:
     if tensor_count > remaining // _MIN_TENSOR_INFO:
         raise r.fail(f"tensor_count {tensor_count} is more than a file of {r.size} bytes can hold")
     alignment = DEFAULT_ALIGNMENT
+    values: dict[str, Any] = {}
     for i in range(kv_count):
         key = r.string(f"key #{i}", MAX_KEY_LENGTH).decode("utf-8", "replace")
         kind = r.u32(f"the value type of {key!r}")
         if key == "general.alignment":
             if kind != _UINT32:
                 raise r.fail("general.alignment must be a uint32")
-            alignment = r.u32("general.alignment")
+            alignment = values[key] = r.u32("general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 raise r.fail(f"general.alignment {alignment} is not a power of two")
-        else:
-            _skip_value(r, kind, key)
-    _check_tensors(r, tensor_count, alignment)
+            continue
+        value = _value(r, kind, key, max_array)
+        if value is not _SKIPPED:
+            values[key] = value
+    return tensor_count, alignment, values
 
 
-def _skip_value(r: _Reader, kind: int, key: str) -> None:
+_SKIPPED: Any = object()
+
+
+def _value(r: _Reader, kind: int, key: str, max_array: int) -> Any:
+    """Read (or, with `max_array` < 0 or a longer array, skip) one value; every length checked first."""
+    keep = max_array >= 0
     if kind == _STRING:
+        if keep:
+            return r.string(f"the value of {key!r}", r.size).decode("utf-8", "replace")
         r.skip_string(f"the value of {key!r}")
-    elif kind in _SCALAR_SIZES:
+        return _SKIPPED
+    if kind in _SCALAR_SIZES:
+        if keep:
+            return struct.unpack(_SCALAR_FORMATS[kind], r.read(_SCALAR_SIZES[kind], f"the value of {key!r}"))[0]
         r.skip(_SCALAR_SIZES[kind], f"the value of {key!r}")
-    elif kind == _ARRAY:
-        item_kind = r.u32(f"the item type of {key!r}")
-        length = r.u64(f"the length of {key!r}")
-        if item_kind in _SCALAR_SIZES:
-            item_size = _SCALAR_SIZES[item_kind]
-            if length > (r.size - r.pos) // item_size:
-                raise r.fail(f"array {key!r} of {length} items runs past the end of the file")
-            r.skip(item_size * length, f"array {key!r}")
-        elif item_kind == _STRING:
-            if length > (r.size - r.pos) // 8:
-                raise r.fail(f"array {key!r} of {length} strings runs past the end of the file")
-            for _ in range(length):
-                r.skip_string(f"an item of {key!r}")
-        elif item_kind == _ARRAY:
-            raise r.fail(f"array {key!r} holds arrays, which GGUF readers do not support")
-        else:
-            raise r.fail(f"unknown value type {item_kind} in array {key!r}")
-    else:
+        return _SKIPPED
+    if kind != _ARRAY:
         raise r.fail(f"unknown value type {kind} for {key!r}")
+    item_kind = r.u32(f"the item type of {key!r}")
+    length = r.u64(f"the length of {key!r}")
+    if item_kind == _ARRAY:
+        raise r.fail(f"array {key!r} holds arrays, which GGUF readers do not support")
+    if item_kind != _STRING and item_kind not in _SCALAR_SIZES:
+        raise r.fail(f"unknown value type {item_kind} in array {key!r}")
+    smallest = _SCALAR_SIZES.get(item_kind, 8)
+    if length > (r.size - r.pos) // smallest:
+        raise r.fail(f"array {key!r} of {length} items runs past the end of the file")
+    if keep and length <= max_array:
+        return [_value(r, item_kind, key, max_array) for _ in range(length)]
+    if item_kind in _SCALAR_SIZES:
+        r.skip(smallest * length, f"array {key!r}")
+    else:
+        for _ in range(length):
+            r.skip_string(f"an item of {key!r}")
+    return _SKIPPED
 
 
 def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
