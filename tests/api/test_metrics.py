@@ -122,3 +122,19 @@ async def test_engine_time_splits_into_decode_and_overhead(client: httpx.AsyncCl
     decode = value(parsed, "lmserve_engine_decode_seconds_total", model="fake")
     assert step is not None and decode is not None
     assert 0 < decode <= step
+
+
+async def test_building_the_app_keeps_the_observers_already_registered(service: Service) -> None:
+    from lmserve.api.app import create_app
+    from lmserve.config import ServerConfig
+
+    seen: list[str] = []
+    service.observers.on_finish(lambda model, chunk: seen.append(model))
+    app = create_app(service, ServerConfig())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        reply = await client.post(CHAT, json={"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 3})
+        assert reply.status_code == 200
+        assert value(await scrape(client), "lmserve_generated_tokens_total", model="fake") == 3
+    assert seen == ["fake"]
