@@ -2,7 +2,8 @@
 
 `run`, `create`, `list`/`ls`, `rm`, `show`, `ps`, `pull`, `cp` and `stop` follow the local runner's CLI. They use
 `lmserve.client` (imported lazily, so `lmserve --help` stays fast) and start a server in the background when none
-answers at LMSERVE_HOST (default 127.0.0.1:11434). A failure prints one `Error: …` line and exits 1.
+answers at LMSERVE_HOST / LMSERVE_PORT (default 127.0.0.1:11434) and nothing else answers there; they send
+LMSERVE_API_KEY when it is set. A failure prints one `Error: …` line and exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lmserve.config import ConfigError, ServerConfig, env_name, resolve
+from lmserve import __version__
+from lmserve.config import ConfigError, ServerConfig, add_arguments, environment_help, resolve
+from lmserve.parsing import model_name_for_file
 
 if TYPE_CHECKING:
     from lmserve.client import Client
@@ -25,100 +28,79 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmserve", description="Serve open-weight chat models over HTTP.")
+    parser.add_argument("--version", action="version", version=f"lmserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="run the HTTP server",
         description="Load a model and serve the OpenAI-compatible routes. Every flag can also be set with the "
         "LMSERVE_* environment variable named in its help; a flag wins over the variable.",
+        epilog=environment_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("model", nargs="?", help=f"model name or path to a .gguf file (default smollm2:135m; "
-                       f"{env_name('model')})")
-    serve.add_argument("-m", "--model-path", dest="model_path", metavar="PATH", help="path to a .gguf file")
-    serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env_name('host')})")
-    serve.add_argument("--port", type=int, help=f"port to listen on (default 11434; {env_name('port')})")
-    serve.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, metavar="N",
-                       help=f"context length PER SEQUENCE in tokens; each of the --parallel slots gets this many "
-                       f"(default 4096; {env_name('ctx_size')})")
-    serve.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=int, metavar="N",
-                       help=f"layers to offload to a GPU (default 0; {env_name('n_gpu_layers')})")
-    serve.add_argument("-np", "--parallel", type=int, metavar="N",
-                       help=f"sequences decoded together (default 4; {env_name('parallel')})")
-    serve.add_argument("-t", "--threads", type=int, metavar="N",
-                       help=f"CPU threads (default: all cores; {env_name('threads')})")
-    serve.add_argument("--api-key", dest="api_key", metavar="KEY",
-                       help=f"require 'Authorization: Key KEY' or 'Bearer KEY' ({env_name('api_key')})")
-    serve.add_argument("-b", "--batch-size", dest="batch_size", type=int, metavar="N",
-                       help=f"most tokens decoded in one step (default 512; {env_name('batch_size')})")
-    serve.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
-                       help=f"most prompt tokens prefilled in one step (default 256; {env_name('prefill_chunk')})")
-    serve.add_argument("-a", "--alias", metavar="NAME", help=f"name the model answers to ({env_name('alias')})")
-    serve.add_argument("--tool-call-parser", dest="tool_call_parser", metavar="NAME",
-                       help=f"tool-call format: lfm2, hermes, llama3_json, pythonic (default: detect from the chat "
-                       f"template; {env_name('tool_call_parser')})")
-    serve.add_argument("--mmproj", metavar="PATH",
-                       help=f"vision projector GGUF for a model given as a .gguf path ({env_name('mmproj')})")
-    serve.add_argument("--image-min-tokens", dest="image_min_tokens", type=int, metavar="N",
-                       help=f"fewest tokens per image or tile (default: the projector's; "
-                       f"{env_name('image_min_tokens')})")
-    serve.add_argument("--image-max-tokens", dest="image_max_tokens", type=int, metavar="N",
-                       help=f"most tokens per image or tile (default: the projector's; "
-                       f"{env_name('image_max_tokens')})")
-    serve.add_argument("--image-allow-host", dest="image_allow_hosts", action="append", metavar="HOST",
-                       help="let image URLs reach HOST (name, IP or host:port) even when it is private or loopback; "
-                       f"repeatable ({env_name('image_allow_hosts')}, comma-separated)")
+    add_arguments(serve)
     _add_client_commands(commands)
     return parser
 
 
+CLIENT_ENVIRONMENT = """environment:
+  LMSERVE_HOST      the server's address: host, host:port or http(s)://host:port (default 127.0.0.1)
+  LMSERVE_PORT      the server's port when LMSERVE_HOST names none (default 11434)
+  LMSERVE_API_KEY   the key of a server started with --api-key (sent as Authorization: Bearer)"""
+"""The epilog of every client command's --help (lmserve.client reads these variables)."""
 
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    run = commands.add_parser("run", help="chat with a model, or answer one prompt",
-                              description="Interactive chat (/? for help) unless PROMPT is given or stdin is piped.")
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A client command: its --help ends with the variables that say where the server is."""
+        return commands.add_parser(name, epilog=CLIENT_ENVIRONMENT,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    run = command("run", help="chat with a model, or answer one prompt",
+                  description="Interactive chat (/? for help) unless PROMPT is given or stdin is piped.")
     run.add_argument("model", help="model name, or a path to a .gguf file (created as a model named after the file)")
     run.add_argument("prompt", nargs="*", help="answer this prompt and exit")
     run.add_argument("--verbose", action="store_true", help="print timing statistics after each answer")
-    create = commands.add_parser("create", help="create a model from a Modelfile")
+    create = command("create", help="create a model from a Modelfile")
     create.add_argument("model", help="name of the new model")
     create.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default ./Modelfile)")
     create.add_argument("-q", "--quantize", metavar="QUANT", help="quantize the weights (q4_K_M, q8_0, …)")
-    commands.add_parser("list", aliases=["ls"], help="list models")
-    rm = commands.add_parser("rm", help="remove models")
+    command("list", aliases=["ls"], help="list models")
+    rm = command("rm", help="remove models")
     rm.add_argument("models", nargs="+", metavar="MODEL")
-    show = commands.add_parser("show", help="show information about a model")
+    show = command("show", help="show information about a model")
     show.add_argument("model")
     sections = show.add_mutually_exclusive_group()
     for section in ("modelfile", "parameters", "template", "system", "license"):
         sections.add_argument(f"--{section}", dest="section", action="store_const", const=section,
                               help=f"show the model's {section}")
-    commands.add_parser("ps", help="list loaded models")
-    pull = commands.add_parser("pull", help="download a model")
+    command("ps", help="list loaded models")
+    pull = command("pull", help="download a model")
     pull.add_argument("model")
-    cp = commands.add_parser("cp", help="copy a model")
+    cp = command("cp", help="copy a model")
     cp.add_argument("source")
     cp.add_argument("destination")
-    stop = commands.add_parser("stop", help="unload a running model")
+    stop = command("stop", help="unload a running model")
     stop.add_argument("model")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        flags = vars(args).copy()
-        if flags.pop("model_path", None) is not None:
-            flags["model"] = args.model_path
-        if flags.get("image_allow_hosts") is not None:
-            flags["image_allow_hosts"] = tuple(flags["image_allow_hosts"])
         try:
-            config = resolve(flags)
+            config = resolve(vars(args))
         except ConfigError as exc:
             print(f"lmserve: {exc}", file=sys.stderr)
             return 2
         return _serve(config)
-    from lmserve.client import Client
+    from lmserve.client import Client, ClientError
 
-    with Client() as client:
+    try:
+        client = Client()
+    except ClientError as exc:
+        print(f"Error: {exc.message}", file=sys.stderr)
+        return 1
+    with client:
         return dispatch(args, client)
 
 
@@ -268,7 +250,7 @@ def _create_from_gguf(client: Client, text: str) -> str:
     path = Path(text).expanduser()
     if not path.is_file():
         raise ClientError(f"no such file: {text}")
-    name = gguf_model_name(path)
+    name = model_name_for_file(path)
     show_progress(client.create(name, from_=str(path.resolve())))
     return name
 
@@ -304,12 +286,16 @@ _LOCAL_HOSTS = frozenset({"localhost", "0.0.0.0", "::1", "::"})
 def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | None = None,
                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                   wait_s: float = 60.0) -> None:
-    """Start `lmserve serve` in the background when nothing answers at a local address; wait until it answers."""
+    """Start `lmserve serve` in the background when nothing answers at a local address; wait until it answers.
+
+    Something that answers but is not a usable lmserve (it wants an API key, or it is another program) is reported
+    as a ClientError, and no server is started: the port is taken.
+    """
     from urllib.parse import urlsplit
 
     from lmserve.client import ClientError, ServerUnreachable
 
-    if client.is_running():
+    if client.check_server():
         return
     host = urlsplit(client.base_url).hostname or ""
     if host not in _LOCAL_HOSTS and not host.startswith("127."):
@@ -320,7 +306,7 @@ def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | No
     process = (spawn or _spawn_server)(client.base_url, log)
     deadline = clock() + wait_s
     while clock() < deadline:
-        if client.is_running():
+        if client.check_server():
             return
         code = process.poll()
         if code is not None:
@@ -416,12 +402,6 @@ def format_table(rows: Sequence[Sequence[str]], gap: int = 4) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("".join(cell.ljust(w + gap) for cell, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
-
-
-def gguf_model_name(path: Path) -> str:
-    """A model name from a .gguf file name: the stem, with characters a name may not hold replaced by `-`."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).lstrip("_.-")[:128].rstrip(".")
-    return name or "model"
 
 
 _PATH_DIRECTIVE = re.compile(r"^(?P<lead>\s*(?:FROM|ADAPTER)\s+)(?P<value>\S.*?)(?P<trail>\s*)$", re.IGNORECASE)

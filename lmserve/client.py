@@ -1,12 +1,13 @@
 """A small synchronous client for lmserve's native API (`/api/*`), used by the command-line interface.
 
-    client = Client()                      # LMSERVE_HOST, default 127.0.0.1:11434
+    client = Client()                      # LMSERVE_HOST / LMSERVE_PORT, default 127.0.0.1:11434
     for chunk in client.chat("smollm2:135m", [{"role": "user", "content": "Hi"}]):
         print(chunk["message"]["content"], end="")
 
 Streaming methods return iterators over the NDJSON objects; the request is sent when iteration starts.
 An HTTP error with a `{"error": "…"}` body, and an `{"error": …}` line inside a stream, raise `ClientError`;
-a server that cannot be reached raises `ServerUnreachable`.
+a server that cannot be reached raises `ServerUnreachable`. With LMSERVE_API_KEY set, every request carries it as
+`Authorization: Bearer <key>`; a 401 says so rather than anything about the request.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
+
+from lmserve.parsing import ParseError, parse_address
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434
 HOST_ENV = "LMSERVE_HOST"
+PORT_ENV = "LMSERVE_PORT"
+API_KEY_ENV = "LMSERVE_API_KEY"
 _TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=5.0)
+_PROBE_TIMEOUT = httpx.Timeout(connect=5.0, read=10.0, write=10.0, pool=5.0)
 
 Json = dict[str, Any]
 
@@ -44,31 +49,42 @@ class ServerUnreachable(ClientError):
         self.base_url = base_url
 
 
-def parse_host(host: str | None) -> str:
-    """`http://h:p`, `h:p`, `h`, `:p` or None/"" → a base URL such as `http://127.0.0.1:11434`."""
-    text = (host or "").strip()
-    if not text:
-        return f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
-    scheme = "http"
-    if "://" in text:
-        scheme, _, text = text.partition("://")
-    text, slash, path = text.partition("/")
-    split = urlsplit(f"//{text}")
-    name = split.hostname or DEFAULT_HOST
-    port = split.port or (443 if scheme == "https" and text and ":" not in text.rsplit("]", 1)[-1] else DEFAULT_PORT)
-    if ":" in name:  # IPv6 literal
-        name = f"[{name}]"
-    base = f"{scheme}://{name}:{port}"
-    return base + (slash + path).rstrip("/")
+def parse_host(host: str | None, port: str | None = None) -> str:
+    """`http://h:p`, `h:p`, `h`, `:p` or None/"" → a base URL such as `http://127.0.0.1:11434`.
+
+    `port` (LMSERVE_PORT) is used when `host` names no port; then https defaults to 443, else 11434.
+    """
+    try:
+        address = parse_address(host or "")
+        fallback = parse_address(f":{port.strip()}").port if port and port.strip() else None
+    except ParseError as exc:
+        raise ClientError(f"{HOST_ENV}/{PORT_ENV}: {exc}") from None
+    scheme = address.scheme or "http"
+    number = address.port if address.port is not None else fallback
+    if number is None:
+        number = 443 if scheme == "https" and address.host else DEFAULT_PORT
+    name = address.url_host or DEFAULT_HOST
+    return f"{scheme}://{name}:{number}{address.path}"
+
+
+def base_url_from(env: Mapping[str, str]) -> str:
+    """The server's base URL from LMSERVE_HOST and LMSERVE_PORT (the host's own port wins)."""
+    return parse_host(env.get(HOST_ENV), env.get(PORT_ENV))
 
 
 class Client:
     """The native API, one method per route. `transport` replaces the network (tests pass httpx.MockTransport)."""
 
-    def __init__(self, host: str | None = None, *, transport: httpx.BaseTransport | None = None,
-                 timeout: httpx.Timeout | float | None = None) -> None:
-        self.base_url = parse_host(host if host is not None else os.environ.get(HOST_ENV))
-        self._http = httpx.Client(base_url=self.base_url, transport=transport,
+    def __init__(self, host: str | None = None, *, api_key: str | None = None,
+                 transport: httpx.BaseTransport | None = None, timeout: httpx.Timeout | float | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        """`host` (else LMSERVE_HOST and LMSERVE_PORT from `env`, default os.environ) and `api_key` (else
+        LMSERVE_API_KEY) say where the server is and what key it needs."""
+        environ = os.environ if env is None else env
+        self.base_url = parse_host(host) if host is not None else base_url_from(environ)
+        self.api_key = api_key if api_key is not None else environ.get(API_KEY_ENV) or None
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._http = httpx.Client(base_url=self.base_url, transport=transport, headers=headers,
                                   timeout=_TIMEOUT if timeout is None else timeout)
 
     def close(self) -> None:
@@ -87,12 +103,38 @@ class Client:
         return str(self._request("GET", "/api/version").get("version", ""))
 
     def is_running(self) -> bool:
-        """True when something answers `/api/version` at the address."""
+        """True when lmserve answers at the address (False for nothing, or for something else)."""
         try:
-            self.version()
+            return self.check_server()
         except ClientError:
             return False
-        return True
+
+    def check_server(self) -> bool:
+        """True when lmserve answers `/api/version`; False when nothing answers at the address.
+
+        Raises ClientError when something answers but is not a server this client can use: one that wants an API
+        key (401), or anything that does not answer `/api/version` as lmserve does (what answered is named).
+        """
+        try:
+            response = self._http.get("/api/version", timeout=_PROBE_TIMEOUT)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            return False
+        except httpx.TransportError as exc:
+            raise ClientError(f"something that is not lmserve answers at {self.base_url} ({exc!r}); "
+                              f"set {HOST_ENV} to lmserve's address") from None
+        if response.status_code == 401:
+            raise self._unauthorized()
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if response.is_success and isinstance(data, dict) and isinstance(data.get("version"), str):
+            return True
+        server = response.headers.get("server")
+        raise ClientError(f"something that is not lmserve answers at {self.base_url}: GET /api/version gave "
+                          f"{response.status_code} {response.reason_phrase}".rstrip()
+                          + (f" from '{server}'" if server else "")
+                          + f"; set {HOST_ENV} to lmserve's address", response.status_code)
 
     def tags(self) -> Json:
         """`{"models": [...]}`: every model in the store."""
@@ -161,7 +203,7 @@ class Client:
             raise ServerUnreachable(self.base_url) from None
         except httpx.TransportError as exc:
             raise ClientError(f"connection to {self.base_url} failed: {exc}") from None
-        _raise_for_status(response)
+        self._raise_for_status(response)
         if not response.content:
             return {}
         data = _decode(response.text)
@@ -175,7 +217,7 @@ class Client:
             with self._http.stream("POST", path, json=body) as response:
                 if response.is_error:
                     response.read()
-                    _raise_for_status(response)
+                    self._raise_for_status(response)
                 for line in response.iter_lines():
                     if line.strip():
                         yield _check_line(_decode(line))
@@ -183,6 +225,16 @@ class Client:
             raise ServerUnreachable(self.base_url) from None
         except httpx.TransportError as exc:
             raise ClientError(f"connection to {self.base_url} failed: {exc}") from None
+
+    def _raise_for_status(self, response: httpx.Response) -> None:
+        if response.status_code == 401:
+            raise self._unauthorized()
+        _raise_for_status(response)
+
+    def _unauthorized(self) -> ClientError:
+        if self.api_key:
+            return ClientError(f"the server at {self.base_url} refused the API key in {API_KEY_ENV}", 401)
+        return ClientError(f"the server at {self.base_url} requires an API key: set {API_KEY_ENV}", 401)
 
 
 def _decode(text: str) -> Any:

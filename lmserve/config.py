@@ -1,71 +1,146 @@
-"""Server configuration: every flag and LMSERVE_* environment variable is resolved here, nowhere else.
+"""Server configuration: every flag and LMSERVE_* environment variable is declared here once, nowhere else.
+
+Each field of `ServerConfig` is one entry of the options table: its default, its flags, its environment variable,
+how its text is read, the bounds it must keep, and a help text into which the default is filled from the value
+(in the spirit of llama.cpp's `add_opt(...).set_env(...)`). `add_arguments` builds `lmserve serve`'s flags from
+the table, so adding an option is adding one field.
 
 Precedence: command-line flag → environment variable → default.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Literal, TypeVar
 
+from lmserve.parsing import ParseError, format_duration, parse_address
+from lmserve.parsing import parse_duration as parse_any_duration
 from lmserve.types import LoadOptions
+
+ENV_PREFIX = "LMSERVE_"
+T = TypeVar("T")
+Kind = Literal["str", "int", "list", "duration"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One server option: how it is given (flags, environment), read (`kind`), checked and described."""
+
+    env: str
+    """The environment variable, without the LMSERVE_ prefix."""
+    help: str
+    flags: tuple[str, ...] = ()
+    """`-c`, `--ctx-size` …; none: set through the environment only."""
+    kind: Kind = "str"
+    """How a text value is read: as is, an integer, a comma-separated list, or a duration (negative: forever)."""
+    minimum: int | None = None
+    maximum: int | None = None
+    special: int | None = None
+    """One value allowed outside the bounds (e.g. -1 for "unlimited")."""
+    metavar: str | None = None
+    shown: str | None = None
+    """How the default reads in the help when the value alone says nothing ("all cores")."""
+    positional: str | None = None
+    """The option is also the positional argument of this name (the model to serve)."""
+
+    @property
+    def env_name(self) -> str:
+        return ENV_PREFIX + self.env
+
+    @property
+    def name(self) -> str:
+        """What an error message calls the option: its long flag, else its variable."""
+        return self.flags[-1] if self.flags else self.env_name
+
+    def describe_default(self, default: object) -> str:
+        if self.shown is not None:
+            return self.shown
+        if self.kind == "duration":
+            return format_duration(default if isinstance(default, int | float) else None)
+        if default is None or default == ():
+            return "none"
+        return str(default)
+
+    def help_text(self, default: object) -> str:
+        """The help line: the text, then the default (filled in from the value) and the variable."""
+        return f"{self.help} (default {self.describe_default(default)}; {self.env_name})"
+
+
+def option(default: T, *flags: str, env: str, help: str, kind: Kind = "str", minimum: int | None = None,
+           maximum: int | None = None, special: int | None = None, metavar: str | None = None,
+           shown: str | None = None, positional: str | None = None) -> T:
+    """A ServerConfig field that is also an entry of the options table."""
+    entry = Option(env=env, help=help, flags=flags, kind=kind, minimum=minimum, maximum=maximum, special=special,
+                   metavar=metavar, shown=shown, positional=positional)
+    return field(default=default, metadata={"option": entry})
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """Everything `lmserve serve` needs to start."""
+    """Everything `lmserve serve` needs to start; each field is one option (flag, variable, default, help)."""
 
-    model: str = "smollm2:135m"
-    """A model name, or a path to a .gguf file."""
-    host: str = "127.0.0.1"
-    port: int = 11434
-    ctx_size: int = 4096
-    """Context length per sequence, in tokens."""
-    n_gpu_layers: int = 0
-    parallel: int = 4
-    threads: int | None = None
-    api_key: str | None = None
-    batch_size: int = 512
-    prefill_chunk: int = 256
-    alias: str | None = None
-    models_dir: str = "~/.lmserve/models"
-    """The model store (blobs and manifests)."""
-    keep_alive: float | None = 300.0
-    """Seconds a model stays loaded after its last request (None: forever)."""
-    max_loaded_models: int = 3
-    tool_call_parser: str | None = None
-    """Tool-call format to parse (lfm2, hermes, llama3_json, pythonic); None: detect from the chat template."""
-    max_queue: int = 512
-    """Requests that may wait for a slot, per model; beyond it 503 with Retry-After."""
-    shutdown_grace: int = 10
-    """Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest then end with an error."""
-    hf_endpoint: str | None = None
-    """The Hugging Face hub `pull` downloads from (None: HF_ENDPOINT, else huggingface.co)."""
-    origins: tuple[str, ...] = ()
-    """Browser origins allowed by CORS, on top of DEFAULT_ORIGINS (LMSERVE_ORIGINS, comma-separated).
-
-    A `*` matches anything; after a colon at the end (`http://host:*`) it matches a port number only.
-    A lone `*` allows every origin.
-    """
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest request body in bytes (413 beyond it); blob uploads (/api/blobs/…) are exempt."""
-    max_messages: int = 1024
-    """Most messages one chat request may carry."""
-    snapshot_mb: int = 256
-    """Memory for prompt-end state snapshots of hybrid models (LFM2), per loaded model, in MiB; 0 turns them off."""
-    max_images: int = 16
-    """Most images one request may carry."""
-    mmproj: str | None = None
-    """Vision projector (mmproj) GGUF for a model given as a .gguf path."""
-    image_min_tokens: int = 0
-    """Fewest tokens per image (or tile); 0: the projector's default."""
-    image_max_tokens: int = 0
-    """Most tokens per image (or tile); 0: the projector's default."""
-    image_allow_hosts: tuple[str, ...] = ()
-    """Hosts (name, IP or host:port) image URLs may reach even when private or loopback (comma-separated)."""
-    image_max_bytes: int = 20 * 1024 * 1024
-    """Largest image accepted, in bytes (data URI, base64 or download)."""
+    model: str = option("smollm2:135m", "-m", "--model-path", env="MODEL", positional="model", metavar="PATH",
+                        help="model name or path to a .gguf file")
+    host: str = option("127.0.0.1", "--host", env="HOST", help="address to listen on (host:port accepted)")
+    port: int = option(11434, "--port", env="PORT", kind="int", minimum=1, maximum=65535,
+                       help="port to listen on")
+    ctx_size: int = option(4096, "-c", "--ctx-size", env="CTX_SIZE", kind="int", minimum=1, metavar="N",
+                           help="context length PER SEQUENCE in tokens; each of the --parallel slots gets this many")
+    n_gpu_layers: int = option(0, "-ngl", "--n-gpu-layers", env="N_GPU_LAYERS", kind="int", minimum=-1, metavar="N",
+                               help="layers to offload to a GPU (-1: all)")
+    parallel: int = option(4, "-np", "--parallel", env="PARALLEL", kind="int", minimum=1, metavar="N",
+                           help="sequences decoded together")
+    threads: int | None = option(None, "-t", "--threads", env="THREADS", kind="int", minimum=1, metavar="N",
+                                 shown="all cores", help="CPU threads")
+    api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
+                                 help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but /health")
+    batch_size: int = option(512, "-b", "--batch-size", env="BATCH_SIZE", kind="int", minimum=1, metavar="N",
+                             help="most tokens decoded in one step")
+    prefill_chunk: int = option(256, "--prefill-chunk", env="PREFILL_CHUNK", kind="int", minimum=1, metavar="N",
+                                help="most prompt tokens prefilled in one step, so running streams keep going")
+    n_predict: int = option(-1, "-n", "--n-predict", env="N_PREDICT", kind="int", minimum=1, special=-1,
+                            metavar="N", shown="-1, unlimited",
+                            help="most tokens a reply may have when the request and the Modelfile say nothing")
+    alias: str | None = option(None, "-a", "--alias", env="ALIAS", metavar="NAME", help="name the model answers to")
+    models_dir: str = option("~/.lmserve/models", env="MODELS", help="the model store (blobs and manifests)")
+    keep_alive: float | None = option(300.0, env="KEEP_ALIVE", kind="duration",
+                                      help="how long a model stays loaded after its last request")
+    max_loaded_models: int = option(3, env="MAX_LOADED_MODELS", kind="int", minimum=1,
+                                    help="most models loaded at once")
+    tool_call_parser: str | None = option(None, "--tool-call-parser", env="TOOL_CALL_PARSER", metavar="NAME",
+                                          shown="detect from the chat template",
+                                          help="tool-call format: lfm2, hermes, llama3_json, pythonic")
+    max_queue: int = option(512, env="MAX_QUEUE", kind="int", minimum=0,
+                            help="requests that may wait for a slot, per model; beyond it 503 with Retry-After")
+    shutdown_grace: int = option(10, env="SHUTDOWN_GRACE", kind="int", minimum=0,
+                                 help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    hf_endpoint: str | None = option(None, env="HF_ENDPOINT", shown="HF_ENDPOINT, else huggingface.co",
+                                     help="the Hugging Face hub `pull` downloads from")
+    origins: tuple[str, ...] = option((), env="ORIGINS", kind="list",
+                                      help="browser origins CORS allows besides the local ones, comma-separated "
+                                      "(`*` matches anything; `http://host:*` any port)")
+    max_body_bytes: int = option(64 * 1024 * 1024, env="MAX_BODY", kind="int", minimum=1,
+                                 help="largest request body in bytes (413 beyond it); blob uploads are exempt")
+    max_messages: int = option(1024, env="MAX_MESSAGES", kind="int", minimum=1,
+                               help="most messages one chat request may carry")
+    snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0,
+                              help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
+    max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
+    mmproj: str | None = option(None, "--mmproj", env="MMPROJ", metavar="PATH",
+                                help="vision projector GGUF for a model given as a .gguf path")
+    image_min_tokens: int = option(0, "--image-min-tokens", env="IMAGE_MIN_TOKENS", kind="int", minimum=0,
+                                   metavar="N", shown="the projector's", help="fewest tokens per image or tile")
+    image_max_tokens: int = option(0, "--image-max-tokens", env="IMAGE_MAX_TOKENS", kind="int", minimum=0,
+                                   metavar="N", shown="the projector's", help="most tokens per image or tile")
+    image_allow_hosts: tuple[str, ...] = option((), "--image-allow-host", env="IMAGE_ALLOW_HOSTS", kind="list",
+                                                metavar="HOST",
+                                                help="let image URLs reach HOST (name, IP or host:port) even when it "
+                                                "is private or loopback; repeatable, or comma-separated")
+    image_max_bytes: int = option(20 * 1024 * 1024, env="IMAGE_MAX_BYTES", kind="int", minimum=1,
+                                  help="largest image accepted, in bytes (data URI, base64 or download)")
 
     @property
     def load_options(self) -> LoadOptions:
@@ -80,43 +155,9 @@ class ServerConfig:
         )
 
 
-ENV_PREFIX = "LMSERVE_"
-_ENV_NAMES = {
-    "model": "MODEL",
-    "host": "HOST",
-    "port": "PORT",
-    "ctx_size": "CTX_SIZE",
-    "n_gpu_layers": "N_GPU_LAYERS",
-    "parallel": "PARALLEL",
-    "threads": "THREADS",
-    "api_key": "API_KEY",
-    "batch_size": "BATCH_SIZE",
-    "prefill_chunk": "PREFILL_CHUNK",
-    "alias": "ALIAS",
-    "models_dir": "MODELS",
-    "keep_alive": "KEEP_ALIVE",
-    "max_loaded_models": "MAX_LOADED_MODELS",
-    "tool_call_parser": "TOOL_CALL_PARSER",
-    "max_queue": "MAX_QUEUE",
-    "shutdown_grace": "SHUTDOWN_GRACE",
-    "hf_endpoint": "HF_ENDPOINT",
-    "origins": "ORIGINS",
-    "max_body_bytes": "MAX_BODY",
-    "max_messages": "MAX_MESSAGES",
-    "snapshot_mb": "SNAPSHOT_MB",
-    "max_images": "MAX_IMAGES",
-    "mmproj": "MMPROJ",
-    "image_min_tokens": "IMAGE_MIN_TOKENS",
-    "image_max_tokens": "IMAGE_MAX_TOKENS",
-    "image_allow_hosts": "IMAGE_ALLOW_HOSTS",
-    "image_max_bytes": "IMAGE_MAX_BYTES",
-}
-_INTS = {"port", "ctx_size", "n_gpu_layers", "parallel", "threads", "batch_size", "prefill_chunk", "max_loaded_models",
-         "max_queue", "max_body_bytes", "max_messages", "shutdown_grace", "image_min_tokens", "image_max_tokens",
-         "image_max_bytes", "max_images", "snapshot_mb"}
-_POSITIVE = {"port", "ctx_size", "parallel", "batch_size", "prefill_chunk", "max_body_bytes", "max_messages",
-             "image_max_bytes", "max_images"}
-_LISTS = {"origins", "image_allow_hosts"}
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(ServerConfig)}
+"""The options table: ServerConfig field name → its entry."""
+DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(ServerConfig)}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
@@ -130,36 +171,63 @@ class ConfigError(ValueError):
     """A flag or environment variable has a value lmserve cannot use."""
 
 
-def env_name(field: str) -> str:
-    return ENV_PREFIX + _ENV_NAMES[field]
+def env_name(name: str) -> str:
+    """The environment variable of a ServerConfig field."""
+    return OPTIONS[name].env_name
+
+
+def flag_dest(name: str) -> str:
+    """Where argparse puts a flag's value: the field name, or `<field>_flag` beside a positional of that name."""
+    return f"{name}_flag" if OPTIONS[name].positional else name
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option that has flags to `parser` (values stay text: `resolve` reads and checks them)."""
+    for name, entry in OPTIONS.items():
+        help_text = entry.help_text(DEFAULTS[name]).replace("%", "%%")
+        if entry.positional:
+            parser.add_argument(entry.positional, nargs="?", metavar=entry.positional.upper(), help=help_text)
+        if entry.flags:
+            action = "append" if entry.kind == "list" else "store"
+            parser.add_argument(*entry.flags, dest=flag_dest(name), action=action, metavar=entry.metavar,
+                                help=help_text)
+
+
+def environment_help() -> str:
+    """The options set through the environment only, one per line with their defaults (for an epilog)."""
+    lines = ["environment only:"]
+    for name, entry in OPTIONS.items():
+        if not entry.flags:
+            lines.append(f"  {entry.env_name:<28} {entry.help} (default {entry.describe_default(DEFAULTS[name])})")
+    return "\n".join(lines)
+
+
+# ---- resolving -----------------------------------------------------------------------------------------------------
 
 
 def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = None) -> ServerConfig:
-    """Build a ServerConfig from parsed flags (None = not given) and the environment."""
+    """Build a ServerConfig from parsed flags (None = not given; text is read as the option's kind) and the
+    environment. Raises ConfigError naming the flag or variable whose value is unusable."""
     env = os.environ if env is None else env
     values: dict[str, object] = {}
-    for f in fields(ServerConfig):
-        value = flags.get(f.name)
+    sources: dict[str, str] = {}
+    for name, entry in OPTIONS.items():
+        value = flags.get(flag_dest(name))
+        if value is None and entry.positional:
+            value = flags.get(name)
+        source = entry.name
         if value is None:
-            raw = env.get(env_name(f.name))
+            raw = env.get(entry.env_name)
             if raw is None or raw == "":
                 continue
-            value = _parse(f.name, raw)
-        values[f.name] = value
-    host = values.get("host")
-    if isinstance(host, str) and ":" in host and not host.startswith("["):
-        name, _, port = host.rpartition(":")  # LMSERVE_HOST=0.0.0.0:8080, as the local runner accepts
-        values["host"] = name
-        if "port" not in values or flags.get("port") is None:
-            values["port"] = _parse("port", port)
-    for name in _POSITIVE:
-        value = values.get(name)
-        if isinstance(value, int) and value < 1:
-            raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
-    for name in ("image_min_tokens", "image_max_tokens", "snapshot_mb"):
-        value = values.get(name)
-        if isinstance(value, int) and value < 0:
-            raise ConfigError(f"{name.replace('_', '-')} must not be negative, got {value}")
+            value, source = raw, entry.env_name
+        values[name], sources[name] = _read(entry, value, source), source
+    _split_host(values, sources)
+    for name, value in values.items():
+        _check(OPTIONS[name], value, sources[name])
     low, high = values.get("image_min_tokens"), values.get("image_max_tokens")
     if isinstance(low, int) and isinstance(high, int) and 0 < high < low:
         raise ConfigError(f"image-max-tokens ({high}) is below image-min-tokens ({low})")
@@ -167,24 +235,54 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
 
 
 def parse_duration(raw: str) -> float | None:
-    """Seconds from '300', '5m', '1h', '30s'; negative means forever (None)."""
-    text = raw.strip()
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    """Seconds from `300`, `5m`, `1h30m`, `300ms`; negative means forever (None)."""
     try:
-        seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-    except ValueError:
-        raise ConfigError(f"{env_name('keep_alive')} must be a duration like 5m or a number of seconds") from None
+        seconds = parse_any_duration(raw)
+    except ParseError as exc:
+        raise ConfigError(f"{env_name('keep_alive')}: {exc}") from None
     return None if seconds < 0 else seconds
 
 
-def _parse(field: str, raw: str) -> object:
-    if field == "keep_alive":
-        return parse_duration(raw)
-    if field in _LISTS:
-        return tuple(o.strip() for o in raw.split(",") if o.strip())
-    if field in _INTS:
+def _read(entry: Option, value: object, source: str) -> object:
+    if entry.kind == "list":
+        items = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+        return tuple(part.strip() for item in items for part in str(item).split(",") if part.strip())
+    if not isinstance(value, str):
+        return value
+    if entry.kind == "duration":
         try:
-            return int(raw)
+            seconds = parse_any_duration(value)
+        except ParseError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return None if seconds < 0 else seconds
+    if entry.kind == "int":
+        try:
+            return int(value.strip())
         except ValueError:
-            raise ConfigError(f"{env_name(field)} must be an integer, got {raw!r}") from None
-    return raw
+            raise ConfigError(f"{source} must be an integer, got {value!r}") from None
+    return value
+
+
+def _split_host(values: dict[str, object], sources: dict[str, str]) -> None:
+    """`host:port` in the host (LMSERVE_HOST=0.0.0.0:8080, as the local runner accepts) sets the port too,
+    unless --port was given."""
+    host = values.get("host")
+    if not isinstance(host, str):
+        return
+    try:
+        address = parse_address(host)
+    except ParseError as exc:
+        raise ConfigError(f"{sources['host']}: {exc}") from None
+    values["host"] = address.host or DEFAULTS["host"]
+    if address.port is not None and sources.get("port") != OPTIONS["port"].name:
+        values["port"], sources["port"] = address.port, sources["host"]
+
+
+def _check(entry: Option, value: object, source: str) -> None:
+    if not isinstance(value, int) or value == entry.special:
+        return
+    also = f" (or {entry.special})" if entry.special is not None else ""
+    if entry.minimum is not None and value < entry.minimum:
+        raise ConfigError(f"{source} must be at least {entry.minimum}{also}, got {value}")
+    if entry.maximum is not None and value > entry.maximum:
+        raise ConfigError(f"{source} must be at most {entry.maximum}, got {value}")

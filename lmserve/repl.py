@@ -115,7 +115,7 @@ def user_message(text: str, images: Sequence[str] = ()) -> tuple[Message, list[P
 
 def parse_set_parameter(args: Sequence[str]) -> tuple[str, object]:
     """`NAME VALUE…` → (name, typed value) with the Modelfile's types; `stop` takes one or more values as a list."""
-    from lmserve.store.modelfile import parse_parameter
+    from lmserve.options import parse_parameter
 
     if len(args) < 2:
         raise ValueError("usage: /set parameter NAME VALUE")
@@ -173,6 +173,18 @@ def render_show(info: Mapping[str, Any], section: str = "info") -> str:
     if isinstance(value, list):
         return "\n\n".join(str(item) for item in value)
     return "" if value is None else str(value).rstrip("\n")
+
+
+def with_session(info: Mapping[str, Any], options: Mapping[str, object], system: str | None) -> dict[str, Any]:
+    """`show`'s answer as the session sees the model: its `/set system` and `/set parameter` values over the
+    model's own (a parameter set in the session replaces every value the model has for that name)."""
+    merged = dict(info)
+    if system is not None:
+        merged["system"] = system
+    if options:
+        own = [(name, value) for name, value in _parameters(info.get("parameters")) if name not in options]
+        merged["parameters"] = "\n".join(f"{name} {value}" for name, value in [*own, *_parameters(options)])
+    return merged
 
 
 def _summary(info: Mapping[str, Any]) -> str:
@@ -323,7 +335,7 @@ class Repl:
             self.out.write(f"Usage: /show {'|'.join(SHOW_SECTIONS)}\n")
             return
         try:
-            text = render_show(self.client.show(self.model), section)
+            text = render_show(with_session(self.client.show(self.model), self.options, self.system), section)
         except ClientError as exc:
             self.err.write(f"Error: {exc.message}\n")
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import sys
@@ -25,8 +26,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.engine.factory import EngineSettings, open_engine
     from lmserve.errors import ModelNotFound
     from lmserve.service.catalog import StoreCatalog, gguf_details
-    from lmserve.store.gguf_check import gguf_metadata
     from lmserve.service.residency import Residency
+    from lmserve.store.gguf_check import gguf_metadata
     from lmserve.store.modelfile import Modelfile
     from lmserve.store.names import is_gguf_path
     from lmserve.store.store import Store
@@ -60,14 +61,15 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
-                      max_images=config.max_images)
+                      max_images=config.max_images, n_predict=config.n_predict)
     return service, name
 
 
 def _name_for_file(path: Path) -> str:
-    """A model name from a file name: characters a name cannot hold become '-'."""
-    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in path.stem).strip("-._") or "model"
-    return stem + ":latest"
+    """The model name a .gguf file is served under: the same one `lmserve run FILE` gives it."""
+    from lmserve.parsing import model_name_for_file
+
+    return model_name_for_file(path)
 
 
 class GracefulServer(uvicorn.Server):
@@ -93,21 +95,32 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT: bind the port first, then build the service, announce, and run uvicorn on it.
+
+    Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
+    """
     from lmserve.api.app import create_app
     from lmserve.engine.llamacpp import default_threads
+    from lmserve.parsing import Address
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        sock = bind_socket(config.host, config.port)
+    except BindError as exc:
+        print(f"lmserve: {exc}", file=sys.stderr)
+        return 1
     try:
         service, name = build_service(config)
         froms = [line.removeprefix("FROM ") for line in service.models.describe(name).modelfile.splitlines()
                  if line.startswith("FROM ")]
         served_file = froms[0] + (f", vision projector {froms[1]}" if len(froms) > 1 else "")
     except LmserveError as exc:
+        sock.close()
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
     app = create_app(service, config, preload=[name])
     print(
-        f"lmserve listening on http://{config.host}:{config.port}\n"
+        f"lmserve listening on http://{Address(config.host).url_host}:{config.port}\n"
         f"  model    {name} ({served_file})\n"
         f"  context  {config.ctx_size} tokens per sequence\n"
         f"  slots    {config.parallel} parallel sequences, {config.threads or default_threads()} threads\n"
@@ -117,7 +130,34 @@ def run(config: ServerConfig) -> int:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                timeout_graceful_shutdown=config.shutdown_grace + 5)
     try:
-        GracefulServer(uv_config, service, config.shutdown_grace).run()
+        GracefulServer(uv_config, service, config.shutdown_grace).run(sockets=[sock])
     finally:
         service.close()
     return 0
+
+
+class BindError(OSError):
+    """The listen address cannot be bound (the port is taken, the host is not this machine's …)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, made before anything is announced; uvicorn listens on it once the app starts.
+
+    Raises BindError with one line that says why (`port 11434 on 127.0.0.1 is already in use`).
+    """
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise BindError(f"cannot listen on {host!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    family, kind, proto, _, address = min(found, key=lambda info: info[0] != socket.AF_INET)  # IPv4 first
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(f"port {port} on {host} is already in use") from None
+        raise BindError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock

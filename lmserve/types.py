@@ -50,20 +50,25 @@ class Bitmap:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling. Defaults are the server defaults (request → Modelfile → here).
+    """Per-request sampling, resolved by lmserve/options.py (request → Modelfile → model → server → here).
 
-    `temperature == 0` means greedy decoding. `top_k <= 0` and `top_p >= 1` and `min_p <= 0` disable
-    those filters. `max_tokens is None` means "until the context is full".
+    `temperature == 0` means greedy decoding. `top_k <= 0`, `top_p >= 1`, `min_p <= 0` and `typical_p >= 1`
+    disable those filters. `max_tokens is None` means "until the context is full".
     """
 
     temperature: float = 0.8
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    typical_p: float = 1.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    mirostat: int = 0
+    """0: off; 1 or 2: Mirostat (version 1 or 2) replaces top_k/top_p/min_p/typical_p, steering to `mirostat_tau`."""
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     max_tokens: int | None = None
@@ -86,6 +91,12 @@ class LoadOptions:
     num_gpu_layers: int = 0
     num_threads: int | None = None
     num_batch: int = 512
+    main_gpu: int = 0
+    """The GPU that holds the model when its layers are not split over several."""
+    use_mmap: bool | None = None
+    """Map the weights file (True), read it (False), or let llama.cpp choose (None)."""
+    use_mlock: bool = False
+    """Lock the weights in memory so they are never swapped out."""
     adapters: tuple[str, ...] = ()
     """Paths of LoRA adapter GGUFs applied at scale 1.0 (the Modelfile's ADAPTERs; set by the catalog)."""
     projector: str | None = None

@@ -18,7 +18,6 @@ from lmserve.cli import (
     dispatch,
     ensure_server,
     format_table,
-    gguf_model_name,
     human_duration,
     human_size,
     human_time,
@@ -63,8 +62,12 @@ class FakeClient:
             "capabilities": ["completion"],
         }
         self.running = True
+        self.answering: ClientError | None = None
+        """What answers at the address when it is not lmserve (check_server raises it)."""
 
-    def is_running(self) -> bool:
+    def check_server(self) -> bool:
+        if self.answering is not None:
+            raise self.answering
         return self.running
 
     def chat(self, model: str, messages: Sequence[Mapping[str, Any]], *, options: Mapping[str, Any] | None = None,
@@ -165,8 +168,8 @@ class Stdin(io.StringIO):
         (["pull", "hf.co/org/repo:Q4_K_M"], {"model": "hf.co/org/repo:Q4_K_M"}),
         (["cp", "a", "b"], {"source": "a", "destination": "b"}),
         (["stop", "m"], {"model": "m"}),
-        (["serve", "-m", "/x.gguf", "--port", "9000", "-np", "2"], {"model_path": "/x.gguf", "port": 9000,
-                                                                    "parallel": 2}),
+        (["serve", "-m", "/x.gguf", "--port", "9000", "-np", "2"], {"model_flag": "/x.gguf", "port": "9000",
+                                                                    "parallel": "2"}),
     ],
 )
 def test_parse_commands(argv: list[str], expected: dict[str, object]) -> None:
@@ -228,13 +231,17 @@ def test_ids_processor_and_tables() -> None:
         "NAME                ID\nlong-name:latest    abc")
 
 
-@pytest.mark.parametrize(
-    ("file", "name"),
-    [("SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct-Q8_0"), ("my model (1).gguf", "my-model-1-"),
-     ("_x.gguf", "x"), ("+++.gguf", "model")],
-)
-def test_gguf_model_name(file: str, name: str) -> None:
-    assert gguf_model_name(Path("/d") / file) == name
+@pytest.mark.parametrize("file", ["SmolLM2-135M-Instruct-Q8_0.gguf", "my model (1).gguf", "_x.gguf", "+++.gguf",
+                                  "modèle.gguf", "模型.gguf"])
+def test_run_names_a_file_as_serve_does(file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve FILE` names it with the same `model_name_for_file` (tests/test_server.py checks that side)."""
+    from lmserve.parsing import model_name_for_file
+
+    monkeypatch.setattr("sys.stdin", Stdin(tty=True))
+    (tmp_path / file).write_bytes(b"GGUF")
+    client = FakeClient()
+    assert run_cli(client, "run", str(tmp_path / file), "hi") == 0
+    assert client.calls[0][1]["model"] == model_name_for_file(tmp_path / file)
 
 
 def test_rewrite_modelfile_paths(tmp_path: Path) -> None:
@@ -421,6 +428,36 @@ def test_repl_show(images: Path) -> None:
     assert "Usage: /show info|modelfile|parameters|template|system|license" in out
 
 
+@pytest.mark.parametrize(
+    ("model_has", "lines", "shown"),
+    [
+        ({}, ["/show parameters", "/show system"],
+         ["No parameters was specified for this model.", "No system was specified for this model."]),
+        ({}, ["/set parameter temperature 0.7", "/set system Talk like a pirate.", "/show parameters", "/show system"],
+         ["temperature 0.7", "Talk like a pirate."]),
+        ({"parameters": 'temperature 0.1\nstop "<|im_end|>"', "system": "Be brief."},
+         ["/set parameter temperature 0.7", "/set parameter stop a b", "/show parameters"],
+         ["temperature 0.7", 'stop "a"', 'stop "b"']),
+        ({"parameters": 'temperature 0.1\nstop "<|im_end|>"', "system": "Be brief."},
+         ["/set parameter top_k 5", "/set system Be long.", "/show"],
+         ["Parameters", "temperature 0.1", 'stop "<|im_end|>"', "top_k 5", "System", "Be long."]),
+        ({"parameters": "temperature 0.1", "system": "Be brief."},
+         ["/set parameter temperature 0.7", "/unset parameter temperature", "/unset system", "/show parameters",
+          "/show system"],
+         ["temperature 0.1", "Be brief."]),
+    ],
+)  # fmt: skip
+def test_repl_show_reflects_the_session(model_has: dict[str, str], lines: list[str], shown: list[str]) -> None:
+    client = FakeClient()
+    for section in ("parameters", "system"):
+        client.info.pop(section)
+    client.info.update(model_has)
+    _, out, _, _ = repl_session(client, *lines)
+    printed = [" ".join(line.split()) for line in out.splitlines() if not line.startswith(("Set ", "Unset "))]
+    printed = [line for line in printed if line]
+    assert any(printed[i : i + len(shown)] == shown for i in range(len(printed))), printed
+
+
 def test_repl_images(images: Path) -> None:
     client = FakeClient()
     encoded = base64.b64encode(PNG).decode()
@@ -540,9 +577,9 @@ def test_run_gguf_creates_a_model_named_after_the_file(tmp_path: Path, monkeypat
     monkeypatch.chdir(tmp_path)
     client = FakeClient()
     assert run_cli(client, "run", "Tiny-Q8_0.gguf", "hi") == 0
-    assert client.calls[0] == ("create", {"model": "Tiny-Q8_0", "modelfile": None,
+    assert client.calls[0] == ("create", {"model": "Tiny-Q8_0:latest", "modelfile": None,
                                           "from_": str((tmp_path / "Tiny-Q8_0.gguf").resolve())})
-    assert chats(client)[0]["model"] == "Tiny-Q8_0"
+    assert chats(client)[0]["model"] == "Tiny-Q8_0:latest"
     assert run_cli(client, "run", "missing.gguf", "hi") == 1
 
 
@@ -622,3 +659,71 @@ def test_main_reports_a_server_that_does_not_start(monkeypatch: pytest.MonkeyPat
 def test_every_command_is_listed() -> None:
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(subparsers.choices) == {"serve", "run", "create", "list", "ls", "rm", "show", "ps", "pull", "cp", "stop"}
+
+
+# ---- the server's address, its API key, and what answers there ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [ClientError("the server at http://127.0.0.1:11434 requires an API key: set LMSERVE_API_KEY", 401),
+     ClientError("something that is not lmserve answers at http://127.0.0.1:11434: GET /api/version gave 404", 404)],
+)
+def test_no_server_is_started_when_anything_answers(answer: ClientError, capsys: pytest.CaptureFixture[str]) -> None:
+    client = FakeClient()
+    client.answering = answer
+    assert dispatch(build_parser().parse_args(["list"]), client) == 1  # type: ignore[arg-type]
+    assert capsys.readouterr().err == f"Error: {answer.message}\n"
+    with pytest.raises(ClientError):
+        ensure_server(client, spawn=lambda url, log: pytest.fail("spawned"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("env", "url"),
+    [({"LMSERVE_PORT": "9"}, "http://127.0.0.1:9"), ({"LMSERVE_HOST": "127.0.0.1:9", "LMSERVE_PORT": "7"},
+                                                     "http://127.0.0.1:9")],
+)
+def test_the_cli_finds_the_server_at_lmserve_port(env: dict[str, str], url: str, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    for name in ("LMSERVE_HOST", "LMSERVE_PORT", "LMSERVE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spawned: list[str] = []
+    monkeypatch.setattr(cli, "SERVER_LOG", tmp_path / "server.log")
+
+    def spawn(url: str, log: Path) -> FakeProcess:
+        spawned.append(url)
+        return FakeProcess(3)
+
+    monkeypatch.setattr(cli, "_spawn_server", spawn)
+    assert cli.main(["ps"]) == 1
+    assert spawned == [url]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmserve import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert (exit_.value.code, capsys.readouterr().out) == (0, f"lmserve {__version__}\n")
+
+
+@pytest.mark.parametrize("command", ["run", "create", "list", "ls", "rm", "show", "ps", "pull", "cp", "stop"])
+def test_client_help_names_the_address_and_key_variables(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("LMSERVE_HOST", "LMSERVE_PORT", "LMSERVE_API_KEY"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--port", "99999"], "lmserve: --port must be at most 65535, got 99999\n"),
+     (["--port", "x"], "lmserve: --port must be an integer, got 'x'\n"),
+     (["-c", "0"], "lmserve: --ctx-size must be at least 1, got 0\n")],
+)
+def test_bad_serve_values_are_one_line_and_exit_2(argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", *argv]) == 2
+    assert capsys.readouterr().err == message

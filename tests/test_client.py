@@ -198,3 +198,82 @@ def test_blank_lines_are_skipped_and_context_manager_closes() -> None:
     client, _ = client_for({("POST", "/api/pull"): httpx.Response(200, text='\n{"status": "success"}\n\n')})
     with client:
         assert list(client.pull("m")) == [{"status": "success"}]
+
+
+# ---- where the server is, its API key, and what answers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "http://127.0.0.1:11434"),
+        ({"LMSERVE_PORT": "8123"}, "http://127.0.0.1:8123"),
+        ({"LMSERVE_HOST": "0.0.0.0", "LMSERVE_PORT": "8123"}, "http://0.0.0.0:8123"),
+        ({"LMSERVE_HOST": "h:9000", "LMSERVE_PORT": "8123"}, "http://h:9000"),
+        ({"LMSERVE_HOST": "[::1]", "LMSERVE_PORT": "8123"}, "http://[::1]:8123"),
+        ({"LMSERVE_HOST": "https://h", "LMSERVE_PORT": ""}, "https://h:443"),
+        ({"LMSERVE_HOST": "https://h", "LMSERVE_PORT": "8443"}, "https://h:8443"),
+    ],
+)
+def test_lmserve_port_is_honoured_unless_the_host_names_a_port(env: dict[str, str], expected: str) -> None:
+    assert Client(env=env).base_url == expected
+
+
+@pytest.mark.parametrize("env", [{"LMSERVE_PORT": "99999"}, {"LMSERVE_PORT": "eleven"}, {"LMSERVE_HOST": "h:x"}])
+def test_an_unusable_address_is_a_client_error(env: dict[str, str]) -> None:
+    with pytest.raises(ClientError, match="LMSERVE_HOST/LMSERVE_PORT"):
+        Client(env=env)
+
+
+def test_the_api_key_is_sent_as_a_bearer_token() -> None:
+    recorder = Recorder({("GET", "/api/tags"): httpx.Response(200, json={"models": []})})
+    with Client(env={"LMSERVE_API_KEY": "sekret"}, transport=httpx.MockTransport(recorder)) as client:
+        client.tags()
+    assert recorder.requests[0].headers["authorization"] == "Bearer sekret"
+    with Client(env={}, transport=httpx.MockTransport(recorder)) as client:
+        client.tags()
+    assert "authorization" not in recorder.requests[1].headers
+
+
+def unauthorized(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(401, json={"error": {"message": "Invalid API key", "type": "authentication_error"}})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, r"the server at http://127\.0\.0\.1:11434 requires an API key: set LMSERVE_API_KEY"),
+        ({"LMSERVE_API_KEY": "wrong"},
+         r"the server at http://127\.0\.0\.1:11434 refused the API key in LMSERVE_API_KEY"),
+    ],
+)
+def test_a_401_says_an_api_key_is_needed(env: dict[str, str], message: str) -> None:
+    client = Client(env=env, transport=httpx.MockTransport(unauthorized))
+    for call in (client.check_server, client.tags, lambda: list(client.chat("m", []))):
+        with pytest.raises(ClientError, match=message) as caught:
+            call()
+        assert caught.value.status == 401
+    assert not client.is_running()
+
+
+@pytest.mark.parametrize(
+    ("response", "named"),
+    [
+        (httpx.Response(404, text="<html>Not Found</html>", headers={"server": "nginx"}), "404 Not Found from 'nginx'"),
+        (httpx.Response(200, text="hello"), "200 OK"),
+        (httpx.Response(200, json={"name": "other"}), "200 OK"),
+        (httpx.Response(500, json={"error": "boom"}), "500 Internal Server Error"),
+    ],
+)
+def test_something_else_answering_is_named_not_taken_for_no_server(response: httpx.Response, named: str) -> None:
+    client = Client(env={}, transport=httpx.MockTransport(lambda request: response))
+    with pytest.raises(ClientError) as caught:
+        client.check_server()
+    assert caught.value.message.startswith("something that is not lmserve answers at http://127.0.0.1:11434")
+    assert named in caught.value.message
+
+
+def test_check_server_is_true_for_lmserve_and_false_for_nothing() -> None:
+    answering = Client(env={}, transport=httpx.MockTransport(lambda r: httpx.Response(200, json={"version": "0.1"})))
+    assert answering.check_server()
+    assert not Client(env={}, transport=httpx.MockTransport(refuse)).check_server()

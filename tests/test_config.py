@@ -1,25 +1,34 @@
-"""Every serve flag has an LMSERVE_* variable; a flag wins over the variable, the variable over the default."""
+"""Every serve option is one entry of the table: a flag (maybe), an LMSERVE_* variable, a default filled into its
+help; a flag wins over the variable, the variable over the default; unusable values are refused naming their source."""
 
 from __future__ import annotations
+
+import argparse
+from dataclasses import fields
 
 import pytest
 
 from lmserve.cli import build_parser
-from lmserve.config import ConfigError, ServerConfig, resolve
+from lmserve.config import OPTIONS, ConfigError, ServerConfig, env_name, environment_help, parse_duration, resolve
 
 
 def flags(*argv: str) -> dict[str, object]:
-    args = vars(build_parser().parse_args(["serve", *argv]))
-    path = args.pop("model_path")
-    if path is not None:
-        args["model"] = path
-    return args
+    return vars(build_parser().parse_args(["serve", *argv]))
+
+
+def serve_help() -> str:
+    subparsers = build_parser()._subparsers
+    assert subparsers is not None
+    action = subparsers._group_actions[0]
+    assert isinstance(action, argparse._SubParsersAction)
+    return str(action.choices["serve"].format_help())
 
 
 def test_defaults() -> None:
     config = resolve(flags(), env={})
     assert config == ServerConfig()
     assert (config.host, config.port, config.ctx_size, config.parallel) == ("127.0.0.1", 11434, 4096, 4)
+    assert (config.n_predict, config.keep_alive) == (-1, 300.0)
 
 
 @pytest.mark.parametrize(
@@ -39,13 +48,28 @@ def test_defaults() -> None:
         (["--api-key", "k1"], {"LMSERVE_API_KEY": "k2"}, "api_key", "k1"),
         ([], {"LMSERVE_API_KEY": "k2"}, "api_key", "k2"),
         (["-m", "/models/x.gguf"], {}, "model", "/models/x.gguf"),
+        (["-m", "/models/x.gguf", "other"], {}, "model", "/models/x.gguf"),
         (["smollm2:135m"], {"LMSERVE_MODEL": "/m.gguf"}, "model", "smollm2:135m"),
         ([], {"LMSERVE_MODEL": "/m.gguf"}, "model", "/m.gguf"),
         ([], {"LMSERVE_HOST": "0.0.0.0"}, "host", "0.0.0.0"),
+        ([], {"LMSERVE_HOST": "0.0.0.0:8080"}, "host", "0.0.0.0"),
         ([], {"LMSERVE_HOST": "0.0.0.0:8080"}, "port", 8080),
+        ([], {"LMSERVE_HOST": "[::1]:8080"}, "host", "::1"),
+        ([], {"LMSERVE_HOST": "::1"}, "host", "::1"),
+        ([], {"LMSERVE_HOST": "http://0.0.0.0:8080"}, "port", 8080),
+        (["--host", "0.0.0.0:7001"], {}, "port", 7001),
         (["--port", "7000"], {"LMSERVE_HOST": "0.0.0.0:8080"}, "port", 7000),
         (["-b", "128"], {}, "batch_size", 128),
         ([], {"LMSERVE_PREFILL_CHUNK": "64"}, "prefill_chunk", 64),
+        (["-n", "256"], {}, "n_predict", 256),
+        (["--n-predict", "-1"], {"LMSERVE_N_PREDICT": "64"}, "n_predict", -1),
+        ([], {"LMSERVE_N_PREDICT": "64"}, "n_predict", 64),
+        ([], {"LMSERVE_KEEP_ALIVE": "1h30m"}, "keep_alive", 5400.0),
+        ([], {"LMSERVE_KEEP_ALIVE": "-1"}, "keep_alive", None),
+        ([], {"LMSERVE_KEEP_ALIVE": "90"}, "keep_alive", 90.0),
+        (["--image-allow-host", "a", "--image-allow-host", "b,c"], {}, "image_allow_hosts", ("a", "b", "c")),
+        ([], {"LMSERVE_IMAGE_ALLOW_HOSTS": "a, b"}, "image_allow_hosts", ("a", "b")),
+        ([], {"LMSERVE_MODELS": "/store"}, "models_dir", "/store"),
     ],
 )
 def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str], field: str, expected: object) -> None:
@@ -53,18 +77,64 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
 
 
 @pytest.mark.parametrize(
-    ("argv", "env"),
+    ("argv", "env", "message"),
     [
-        ([], {"LMSERVE_PORT": "eleven"}),
-        (["--parallel", "0"], {}),
-        ([], {"LMSERVE_CTX_SIZE": "-5"}),
+        ([], {"LMSERVE_PORT": "eleven"}, "LMSERVE_PORT must be an integer, got 'eleven'"),
+        (["--port", "99999"], {}, "--port must be at most 65535, got 99999"),
+        (["--port", "x"], {}, "--port must be an integer, got 'x'"),
+        ([], {"LMSERVE_HOST": "h:99999"}, "LMSERVE_HOST: expected a port number"),
+        (["--parallel", "0"], {}, "--parallel must be at least 1, got 0"),
+        ([], {"LMSERVE_CTX_SIZE": "-5"}, "LMSERVE_CTX_SIZE must be at least 1, got -5"),
+        (["-n", "0"], {}, "--n-predict must be at least 1 (or -1), got 0"),
+        ([], {"LMSERVE_KEEP_ALIVE": "soon"}, "LMSERVE_KEEP_ALIVE: expected a duration"),
+        (["--image-min-tokens", "64", "--image-max-tokens", "32"], {}, "image-max-tokens (32) is below"),
     ],
 )
-def test_unusable_values_are_refused(argv: list[str], env: dict[str, str]) -> None:
-    with pytest.raises(ConfigError):
+def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
         resolve(flags(*argv), env=env)
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
 
 
-def test_help_says_the_context_is_per_sequence() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    assert "PER SEQUENCE" in serve.format_help()
+def test_every_field_is_one_entry_with_its_own_variable() -> None:
+    assert list(OPTIONS) == [f.name for f in fields(ServerConfig)]
+    variables = [env_name(name) for name in OPTIONS]
+    assert len(set(variables)) == len(variables)
+    assert all(v.startswith("LMSERVE_") for v in variables)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("PER SEQUENCE", "serve"),
+        ("(default 4096; LMSERVE_CTX_SIZE)", "serve"),
+        ("(default -1, unlimited; LMSERVE_N_PREDICT)", "serve"),
+        ("(default all cores; LMSERVE_THREADS)", "serve"),
+        ("-n N, --n-predict N", "serve"),
+        ("LMSERVE_KEEP_ALIVE", "environment"),
+        ("(default 5m)", "environment"),
+        ("(default ~/.lmserve/models)", "environment"),
+    ],
+)
+def test_help_fills_in_each_default_from_its_value(text: str, where: str) -> None:
+    shown = serve_help() if where == "serve" else environment_help()
+    assert text in " ".join(shown.split())
+
+
+def test_flags_and_environment_only_options_are_all_documented() -> None:
+    shown = serve_help()
+    for entry in OPTIONS.values():
+        assert entry.env_name in shown
+        for flag in entry.flags:
+            assert flag in shown
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", None)])
+def test_parse_duration_reads_the_keep_alive_variable(raw: str, seconds: float | None) -> None:
+    assert parse_duration(raw) == seconds
+
+
+def test_parse_duration_refusal_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="LMSERVE_KEEP_ALIVE"):
+        parse_duration("later")

@@ -16,7 +16,7 @@ SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory", "lmserve.engine.qua
 ALLOWED: dict[str, set[str]] = {
     "lmserve.types": set(),
     "lmserve.errors": set(),
-    "lmserve.parsing": {"lmserve.errors"},
+    "lmserve.parsing": {"lmserve.errors", "lmserve.types"},
     "lmserve.options": {"lmserve.types", "lmserve.errors"},
     "lmserve.config": {"lmserve.types", "lmserve.errors", "lmserve.parsing"},
     "lmserve.engine": BASE,

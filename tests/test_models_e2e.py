@@ -180,3 +180,40 @@ def test_api_create_with_uploaded_weights_and_adapter(client: ollama.Client, tmp
     assert len(shown.adapters) == 1
     assert client.generate(model="api-lora", prompt="hi", raw=True, options={"num_predict": 2}, keep_alive=0).done
     client.delete("api-lora")
+
+
+def test_quantizing_an_already_quantized_model_is_a_400_that_says_why(server: Server, client: ollama.Client,
+                                                                       tmp_path: Path) -> None:
+    reason = ("cannot quantize smollm2:135m to Q4_K_M: its weights are already quantized (Q4_1); "
+              "quantize from an F32, F16 or BF16 GGUF")
+    with pytest.raises(ollama.ResponseError) as info:
+        client.create(model="smol-q4km", from_=MODEL, quantize="q4_K_M")
+    assert (info.value.status_code, info.value.error) == (400, reason)
+    (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\n")
+    env = {**os.environ, "LMSERVE_HOST": f"127.0.0.1:{server.port}"}
+    created = subprocess.run([sys.executable, "-m", "lmserve", "create", "smol-q4km", "-f",
+                              str(tmp_path / "Modelfile"), "-q", "q4_K_M"],
+                             env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert created.returncode == 1
+    assert f"Error: {reason}" in created.stderr
+    assert "smol-q4km:latest" not in names(client)
+
+
+def test_the_removed_embedded_model_says_how_to_restore_it_and_pull_restores_it(server: Server,
+                                                                                 client: ollama.Client) -> None:
+    client.delete(MODEL)  # the model `serve` was started with, loaded and in use
+    assert MODEL not in names(client)
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model=MODEL, prompt="Hi", options={"num_predict": 2})
+    assert info.value.status_code == 404
+    assert "`lmserve pull smollm2:135m` restores it" in info.value.error
+    env = {**os.environ, "LMSERVE_HOST": f"127.0.0.1:{server.port}"}
+    pulled = subprocess.run([sys.executable, "-m", "lmserve", "pull", MODEL], env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert pulled.returncode == 0, pulled.stderr
+    lines = [line.strip() for line in pulled.stderr.splitlines()]
+    assert lines[0] == "pulling manifest" and "success" in lines
+    assert MODEL in names(client)
+    assert client.generate(model=MODEL, prompt="Hi", options={"num_predict": 2}).done
+    statuses = [part.status for part in client.pull(MODEL, stream=True)]  # again: nothing to do, still success
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"

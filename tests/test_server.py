@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -85,11 +87,61 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
 
 def test_startup_prints_address_model_context_and_slots() -> None:
     srv = Server("-c", "512", "-np", "2")
+    with srv.client() as client:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=3)  # type: ignore[arg-type]
     out = srv.stop()
     assert srv.base_url in out
     assert MODEL in out
     assert "512 tokens per sequence" in out
     assert "2 parallel sequences" in out
+    assert re.search(rf"^POST /v1/chat/completions 200 model={MODEL} tokens=\d+\+3 \d+\.\d\ds$", out, re.MULTILINE)
+    assert re.search(r"^GET /health 200 ", out, re.MULTILINE)
+
+
+def lmserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the `lmserve` command with no LMSERVE_* variables but those in `env`."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+    return subprocess.run([sys.executable, "-m", "lmserve", *args], env={**environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_a_taken_port_is_one_line_before_any_banner() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = lmserve("serve", "--port", str(port), env={"LMSERVE_MODELS": tempfile.mkdtemp()})
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1, "", f"lmserve: port {port} on 127.0.0.1 is already in use\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--port", "99999"], {}, "lmserve: --port must be at most 65535, got 99999\n"),
+        ([], {"LMSERVE_PARALLEL": "many"}, "lmserve: LMSERVE_PARALLEL must be an integer, got 'many'\n"),
+        (["--host", "no.such.host.invalid"], {}, "lmserve: cannot listen on 'no.such.host.invalid': "),
+    ],
+)
+def test_bad_values_are_one_line_errors(args: list[str], env: dict[str, str], message: str) -> None:
+    done = lmserve("serve", *args, env=env)
+    assert done.returncode == (1 if "listen" in message else 2)
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_serve_names_a_file_as_run_does(tmp_path: Path) -> None:
+    from lmserve.parsing import model_name_for_file
+    from lmserve.server import _name_for_file
+
+    for name in ("SmolLM2 Q4.gguf", "modèle.gguf", "模型.gguf"):
+        assert _name_for_file(tmp_path / name) == model_name_for_file(tmp_path / name)
+
+
+def test_version_flag() -> None:
+    from lmserve import __version__
+
+    assert lmserve("--version").stdout == f"lmserve {__version__}\n"
 
 
 def test_chat_completion(client: openai.OpenAI) -> None:
@@ -261,6 +313,17 @@ def test_api_key_is_required_when_set() -> None:
             assert [m.id for m in good.models.list()] == [MODEL]
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
+        # The CLI sends LMSERVE_API_KEY; without it (or with a wrong one) it says so and starts no second server.
+        where = {"LMSERVE_HOST": f"127.0.0.1:{srv.port}"}
+        listed = lmserve("list", env={**where, "LMSERVE_API_KEY": "sekret"})
+        assert listed.returncode == 0 and MODEL in listed.stdout
+        refused = lmserve("list", env=where)
+        assert (refused.returncode, refused.stderr) == (
+            1, f"Error: the server at {srv.base_url} requires an API key: set LMSERVE_API_KEY\n")
+        wrong_key = lmserve("ps", env={**where, "LMSERVE_API_KEY": "nope"})
+        assert "refused the API key in LMSERVE_API_KEY" in wrong_key.stderr
+        by_port = lmserve("list", env={"LMSERVE_PORT": str(srv.port), "LMSERVE_API_KEY": "sekret"})
+        assert by_port.returncode == 0 and MODEL in by_port.stdout
     finally:
         srv.stop()
 
@@ -284,6 +347,7 @@ def test_the_ollama_client_chats_generates_and_manages(server: Server) -> None:
         shown = client.show(MODEL)
         assert shown.details is not None and shown.details.family == "llama"
         assert [m.model for m in client.ps().models] == [MODEL]
+        assert httpx.get(server.base_url + "/api/ps").json()["models"][0]["context_length"] == 1024
         with pytest.raises(ollama.ResponseError) as info:
             client.chat(model="nope", messages=QUESTION)
         assert info.value.status_code == 404

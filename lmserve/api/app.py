@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.api.access_log import install as install_access_log
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
@@ -82,6 +83,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.add_middleware(GuardMiddleware, config=config)  # outside auth: preflights carry no Authorization
     app.add_middleware(CatchAllMiddleware)  # outside auth and guards, so it also covers them
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)  # outermost: sees every status
+    install_access_log(app, service.observers)  # one line per request on the console, outside even the metrics
     return app
 
 

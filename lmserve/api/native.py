@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lmserve import __version__
+from lmserve import options as opts
 from lmserve.api import native_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
@@ -28,6 +27,7 @@ from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.chat.media import MediaPolicy, decode_base64
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.parsing import ParseError, chat_role, parse_duration
 from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile, parse_parameter
 from lmserve.store.modelfile import parse as parse_modelfile
@@ -35,8 +35,6 @@ from lmserve.store.store import check_digest
 from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
 
 NDJSON = "application/x-ndjson"
-_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 # ---- requests → records ---------------------------------------------------------------------------
@@ -46,39 +44,20 @@ def parse_keep_alive(value: wire.KeepAlive) -> float | None:
     """Seconds from "5m", "1h30m", "300", 300 or -1 (negative: forever); None when not given."""
     if value is None or value == "":
         return None
-    if isinstance(value, int | float):
-        return float(value)
-    text = value.strip()
     try:
-        return float(text)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
-        raise InvalidRequest(f"keep_alive {value!r} is not a duration like '5m' or a number of seconds",
-                             param="keep_alive")
-    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        return parse_duration(value)
+    except ParseError:
+        raise InvalidRequest(f"keep_alive {value!r} is not a duration like '5m' or '1h30m' or a number of seconds",
+                             param="keep_alive") from None
 
 
 def to_sampling_params(
     options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None
 ) -> SamplingParams:
-    """Request options over the model's defaults (Modelfile PARAMETER over the server's); `format` → grammar."""
-    params = replace(defaults, stop=list(defaults.stop), logit_bias=dict(defaults.logit_bias))
+    """The request's `options` (lmserve/options.py checks them) over `defaults`, the layers under the request
+    (Modelfile PARAMETERs, model and server defaults); `format` → grammar."""
+    params = opts.sampling(opts.from_native(options), base=defaults)
     params.grammar = format_grammar(format)
-    if options is None:
-        return params
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        value = getattr(options, name)
-        if value is not None:
-            setattr(params, name, value)
-    if options.top_k is not None:
-        params.top_k = max(options.top_k, 0)
-    if options.stop is not None:
-        params.stop = [options.stop] if isinstance(options.stop, str) else list(options.stop)
-    if options.num_predict is not None:
-        params.max_tokens = None if options.num_predict < 0 else options.num_predict
     return params
 
 
@@ -94,17 +73,9 @@ def format_grammar(format: str | dict[str, Any] | None) -> str | None:
 
 
 def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
-    """The load-time options a request asks for; None when it asks for none (the server's apply)."""
-    if options is None:
-        return None
-    changes = {
-        "num_ctx": options.num_ctx,
-        "num_batch": options.num_batch,
-        "num_gpu_layers": options.num_gpu,
-        "num_threads": options.num_thread,
-    }
-    given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
-    return replace(defaults, **given) if given else None
+    """The load-time options a request asks for over `defaults`; None when it asks for none (the model's apply)."""
+    layer = opts.from_native(options)
+    return opts.load_options(defaults, layer) if opts.has_load_options(layer) else None
 
 
 def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
@@ -114,7 +85,7 @@ def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = No
     for i, m in enumerate(messages):
         calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
         images = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
-        role = "system" if m.role == "developer" else m.role
+        role = chat_role(m.role)
         out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name))
     return out
 
@@ -236,7 +207,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
-        defaults = await service.sampling_defaults(body.model)
+        defaults = await service.sampling_defaults(body.model, "native")
         record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
                                    context=list(body.context or ()), images=images, options=load,
                                    keep_alive=keep_alive)
@@ -266,7 +237,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         if not body.messages:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
-        defaults = await service.sampling_defaults(body.model)
+        defaults = await service.sampling_defaults(body.model, "native")
         sampling = to_sampling_params(body.options, defaults, body.format)
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
@@ -386,7 +357,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             listing = service.models.get(resident.model.name)
             expires = resident.expires_at
             until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
-            models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0})
+            models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+                           "context_length": resident.model.engine.info.num_ctx})
         return {"models": models}
 
     @router.post("/api/embed")
@@ -401,8 +373,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         num_tokens = 0
         if body.input != "":  # an empty string only loads the model; an empty list is an error
             texts = [body.input] if isinstance(body.input, str) else body.input
-            work = service.generation.embed(body.model, texts, truncate=body.truncate, options=load, keep_alive=keep_alive,
-                                 dimensions=body.dimensions)
+            work = service.generation.embed(body.model, texts, truncate=body.truncate, options=load,
+                                            keep_alive=keep_alive, dimensions=body.dimensions)
             _, vectors, num_tokens = await until_disconnect(work, request.receive)
         return {"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
                 "load_duration": load_ns, "prompt_eval_count": num_tokens}

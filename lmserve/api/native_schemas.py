@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from lmserve.options import json_schema
 
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class Options(Wire):
-    """`options` of a request, and the Modelfile PARAMETER names."""
-
-    temperature: float | None = Field(None, ge=0)
-    top_k: int | None = None
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    typical_p: float | None = None
-    repeat_penalty: float | None = Field(None, gt=0)
-    repeat_last_n: int | None = Field(None, ge=-1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    num_predict: int | None = None
-    num_keep: int | None = None
-    num_ctx: int | None = Field(None, ge=1)
-    num_batch: int | None = Field(None, ge=1, le=8192)
-    num_gpu: int | None = None
-    main_gpu: int | None = None
-    use_mmap: bool | None = None
-    num_thread: int | None = Field(None, ge=1, le=1024)
+Options = Annotated[dict[str, Any], WithJsonSchema(json_schema())]
+"""`options` of a request: the names of lmserve/options.py's table (as Modelfile PARAMETERs), checked there."""
 
 
 class FunctionCall(Wire):

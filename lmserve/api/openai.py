@@ -17,13 +17,13 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from lmserve import options as opts
 from lmserve.api import schemas
 from lmserve.api.streaming import (
     HOLE,
@@ -39,6 +39,7 @@ from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, ope
 from lmserve.chat.media import MediaPolicy, decode_data_uri, fetch_image
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.parsing import chat_role
 from lmserve.service import Generation, ModelListing, Service
 from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
@@ -64,43 +65,10 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def to_sampling_params(req: schemas.SamplingFields, defaults: SamplingParams | None = None) -> SamplingParams:
-    """Request fields win over `defaults` (the model's defaults, else the server's)."""
-    params = SamplingParams() if defaults is None else replace(defaults, stop=list(defaults.stop))
-    params.logit_bias = dict(params.logit_bias)
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "seed"):
-        value = getattr(req, name)
-        if value is not None:
-            setattr(params, name, value)
-    if req.top_k is not None:
-        params.top_k = max(req.top_k, 0)
-    repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
-    if repeat is not None:
-        params.repeat_penalty = repeat
-    max_tokens = req.max_tokens
-    if isinstance(req, schemas.ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    if max_tokens is not None:
-        params.max_tokens = max_tokens
-    if req.stop is not None:
-        params.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    if req.logit_bias:
-        params.logit_bias = _logit_bias(req.logit_bias)
-    if req.ignore_eos:
-        params.ignore_eos = True
-    return params
-
-
-def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for key, bias in raw.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if token < 0 or not -100.0 <= bias <= 100.0:
-            raise InvalidRequest(f"logit_bias[{key!r}] = {bias} is out of range", param="logit_bias")
-        out[token] = bias
-    return out
+    """The body's sampling fields (lmserve/options.py names and checks them) over `defaults`, the layers under the
+    request (Modelfile PARAMETERs, model and server defaults). Fields that would change the reply but that lmserve
+    does not do (n > 1, logprobs, load-time options …) are refused with a 400 naming them."""
+    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True)), base=defaults)
 
 
 def to_chat_request(
@@ -111,8 +79,7 @@ def to_chat_request(
 
     `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
     """
-    if req.logprobs:
-        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    sampling = to_sampling_params(req, defaults)
     if images is None:
         if has_images(req):
             raise InvalidRequest("this request's images were not loaded", param="messages")
@@ -120,7 +87,6 @@ def to_chat_request(
     messages = [_to_message(i, m, images[i]) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
-    sampling = to_sampling_params(req, defaults)
     sampling.grammar = response_grammar(req.response_format)
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
                        parallel_tool_calls=req.parallel_tool_calls is not False)
@@ -133,7 +99,8 @@ def response_grammar(response_format: schemas.ResponseFormat | None) -> str | No
     if isinstance(response_format, schemas.JsonObjectFormat):
         return json_object_grammar()
     if response_format.json_schema.schema_ is None:
-        raise InvalidRequest("response_format.json_schema.schema is required", param="response_format")
+        raise InvalidRequest("Missing required parameter: 'response_format.json_schema.schema'.",
+                             param="response_format")
     return schema_grammar(response_format.json_schema.schema_, param="response_format")
 
 
@@ -155,7 +122,7 @@ def _forced_tool(choice: str | schemas.NamedToolChoice | None, tools: list[dict[
 def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes]) -> Message:
     text = _content(m.content)
     calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
-    role = "system" if m.role == "developer" else m.role
+    role = chat_role(m.role)
     return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
 
 
@@ -226,11 +193,8 @@ def to_completion_request(
 ) -> EngineCompletionRequest:
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
-    if req.logprobs:
-        raise InvalidRequest("logprobs are not supported", param="logprobs")
-    return EngineCompletionRequest(
-        model=req.model, prompt=_single_prompt(req.prompt), sampling=to_sampling_params(req, defaults)
-    )
+    sampling = to_sampling_params(req, defaults)
+    return EngineCompletionRequest(model=req.model, prompt=_single_prompt(req.prompt), sampling=sampling)
 
 
 def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:

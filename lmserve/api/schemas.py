@@ -165,13 +165,6 @@ class SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:

@@ -10,6 +10,9 @@ has less freedom: properties come in schema order; a property that `properties` 
 when `additionalProperties` is true or a schema; whitespace between tokens is at most one space; numbers have at
 most 16 integer digits (and no exponent when bounded); strings under `pattern` escape only the characters the
 pattern itself names; `\\d`, `\\w`, `\\s` mean their ASCII forms; `format: date` never writes February 29th.
+
+`pattern` is read through the standard library's private regex parser (`re._parser`); the tree shapes used are
+pinned by `tests/chat/test_regex_parse_tree.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from lmserve.errors import InvalidRequest
 
 __all__ = ["ANNOTATIONS", "ENFORCED", "FORMATS", "json_object_grammar", "schema_grammar"]
 
-_sre: Any = importlib.import_module("re._parser")  # the standard library's regex parser (sre_parse)
+# The standard library's regex parser (sre_parse), private: the parse-tree shapes `_Pattern` reads are pinned by
+# tests/chat/test_regex_parse_tree.py, so a Python release that changes them fails there.
+_sre: Any = importlib.import_module("re._parser")
 _MAXREPEAT: int = importlib.import_module("re._constants").MAXREPEAT
 
 ANNOTATIONS = frozenset({

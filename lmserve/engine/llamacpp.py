@@ -82,6 +82,15 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def load_mode(options: LoadOptions) -> int:
+    """llama.cpp's load mode for use_mmap (None: its own choice) and use_mlock."""
+    if options.use_mlock:
+        return lc.LLAMA_LOAD_MODE_MLOCK if options.use_mmap is False else lc.LLAMA_LOAD_MODE_MMAP_MLOCK
+    if options.use_mmap is None:
+        return lc.LLAMA_LOAD_MODE_AUTO
+    return lc.LLAMA_LOAD_MODE_MMAP if options.use_mmap else lc.LLAMA_LOAD_MODE_NONE
+
+
 class LlamaCppBackend:
     """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
 
@@ -92,6 +101,8 @@ class LlamaCppBackend:
             raise EngineFailure(f"model file not found: {path}")
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = options.num_gpu_layers
+        mparams.main_gpu = options.main_gpu
+        mparams.load_mode = load_mode(options)
         model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise EngineFailure(f"llama.cpp could not load {path.name}: not a valid GGUF model")
@@ -552,19 +563,31 @@ class LlamaCppBackend:
                 lc.llama_sampler_free(chain)
                 raise EngineFailure("llama.cpp could not parse the output grammar")
             lc.llama_sampler_chain_add(chain, grammar)
+        self._add_pick(chain, s)
+        return chain  # type: ignore[no-any-return]
+
+    def _add_pick(self, chain: lc.llama_sampler_p, s: SamplingParams) -> None:
+        """The end of the chain: greedy, Mirostat, or the filters, the temperature and a seeded draw."""
         if s.is_greedy:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return chain  # type: ignore[no-any-return]
+            return
+        seed = (s.seed if s.seed is not None else random.getrandbits(32)) & 0xFFFFFFFF
+        if s.mirostat:  # Mirostat picks the token itself, in place of the filters and the distribution
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
+            mirostat = (lc.llama_sampler_init_mirostat(self._num_vocab, seed, s.mirostat_tau, s.mirostat_eta, 100)
+                        if s.mirostat == 1 else lc.llama_sampler_init_mirostat_v2(seed, s.mirostat_tau, s.mirostat_eta))
+            lc.llama_sampler_chain_add(chain, mirostat)
+            return
         if s.top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
+        if s.typical_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_typical(s.typical_p, 1))
         if s.top_p < 1.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(s.top_p, 1))
         if s.min_p > 0.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(s.min_p, 1))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
-        seed = s.seed if s.seed is not None else random.getrandbits(32)
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain  # type: ignore[no-any-return]
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
 
     def _token_text(self, token: int) -> str:
         if token < 0:

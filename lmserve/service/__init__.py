@@ -11,6 +11,7 @@ Every part is built here from a Catalog (service/catalog.py), the one place that
 
 from __future__ import annotations
 
+from lmserve.options import Dialect
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
 from lmserve.service.defaults import Defaults
 from lmserve.service.generation import Generation, GenerationService
@@ -37,11 +38,12 @@ class Service:
         tool_call_parser: str | None = None,
         max_messages: int = 1024,
         max_images: int = 16,
+        n_predict: int = -1,
     ) -> None:
         self.catalog = catalog
         self.residency = residency
         self.observers: Observers = residency.observers
-        self.defaults = Defaults(catalog, load_options)
+        self.defaults = Defaults(catalog, load_options, n_predict)
         self.generation = GenerationService(catalog, residency, self.defaults, self.observers,
                                             tool_call_parser=tool_call_parser, max_messages=max_messages,
                                             max_images=max_images)
@@ -50,8 +52,8 @@ class Service:
     def load_defaults(self, name: str) -> LoadOptions:
         return self.defaults.load_defaults(name)
 
-    async def sampling_defaults(self, name: str) -> SamplingParams:
-        return await self.defaults.sampling_defaults(name)
+    async def sampling_defaults(self, name: str, dialect: Dialect = "openai") -> SamplingParams:
+        return await self.defaults.sampling_defaults(name, dialect)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight, on every loaded model, with an error carrying `message`."""

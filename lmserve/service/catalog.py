@@ -13,16 +13,18 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
+from lmserve.options import Layer
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
-from lmserve.types import LoadOptions, Message, SamplingParams
+from lmserve.types import LoadOptions, Message
 
 EngineOpener = Callable[[Path, LoadOptions], Engine]
 """Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
@@ -69,12 +71,12 @@ class Catalog(Protocol):
         """Whether the model has a vision projector (cheaper than `describe`)."""
         ...
 
-    def sampling_defaults(self, name: str) -> SamplingParams:
-        """The model's own sampling defaults (its Modelfile PARAMETERs) over the server's."""
+    def parameters(self, name: str) -> Layer:
+        """The model's Modelfile PARAMETERs as an option layer, sampling and load-time (see lmserve/options.py)."""
         ...
 
-    def load_parameters(self, name: str) -> dict[str, Any]:
-        """The model's own load-time options, as LoadOptions field names (e.g. {"num_ctx": 2048})."""
+    def model_defaults(self, name: str) -> Layer:
+        """The sampling its weights recommend (GGUF `general.sampling.*`), as an option layer."""
         ...
 
     def plan(self, name: str, options: LoadOptions) -> LoadPlan:
@@ -97,10 +99,6 @@ class Catalog(Protocol):
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
                32: "BF16"}  # fmt: skip
-_SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
-_LOAD_FIELDS = {"num_ctx": "num_ctx", "num_batch": "num_batch", "num_gpu": "num_gpu_layers",
-                "num_thread": "num_threads"}  # fmt: skip
-"""Modelfile PARAMETER name → LoadOptions field."""
 
 
 def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any]:
@@ -116,25 +114,14 @@ def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any
     }
 
 
-def sampling_from_parameters(parameters: dict[str, Any]) -> SamplingParams:
-    """Modelfile PARAMETERs as sampling defaults (load-time ones are not sampling)."""
-    params = SamplingParams()
-    for name, value in parameters.items():
-        if name == "stop":
-            params.stop = list(value) if isinstance(value, list) else [str(value)]
-        elif name == "num_predict":
-            params.max_tokens = None if int(value) < 0 else int(value)
-        elif name in _SAMPLING_NAMES:
-            setattr(params, name, value)
-    return params
-
-
 class StoreCatalog:
     """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
     def __init__(self, store: Store, open_engine: EngineOpener) -> None:
         self._store = store
         self._open_engine = open_engine
+        self._model_defaults: dict[str, Layer] = {}
+        """Each weights blob's recommended sampling, by digest."""
 
     @property
     def store(self) -> Store:
@@ -183,12 +170,17 @@ class StoreCatalog:
             license=list(m.license),
         )
 
-    def sampling_defaults(self, name: str) -> SamplingParams:
-        return sampling_from_parameters(self.store.find(name).manifest.parameters)
+    def parameters(self, name: str) -> Layer:
+        return opts.from_parameters(self.store.find(name).manifest.parameters)
 
-    def load_parameters(self, name: str) -> dict[str, Any]:
-        parameters = self.store.find(name).manifest.parameters
-        return {field: int(parameters[key]) for key, field in _LOAD_FIELDS.items() if key in parameters}
+    def model_defaults(self, name: str) -> Layer:
+        digest = self.store.find(name).manifest.model
+        if digest not in self._model_defaults:  # a blob never changes: its header is read once
+            try:
+                self._model_defaults[digest] = opts.model_defaults(gguf_metadata(self.store.blob_path(digest)))
+            except (OSError, LmserveError):
+                return {}  # a missing or broken blob recommends nothing; loading it says what is wrong
+        return self._model_defaults[digest]
 
     def copy(self, source: str, destination: str) -> None:
         self.store.copy(parse_name(source), parse_name(destination))
@@ -225,7 +217,8 @@ class StoreCatalog:
             messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
             return LoadedModel(
                 name=str(entry.name), engine=engine, template=template,
-                sampling=sampling_from_parameters(manifest.parameters), system=manifest.system, messages=messages,
+                sampling=opts.sampling(opts.from_parameters(manifest.parameters), opts.model_defaults(info.metadata)),
+                system=manifest.system, messages=messages,
                 template_source=manifest.template or info.chat_template,
                 created=int(manifest.modified_at),
             )
@@ -343,11 +336,12 @@ class StaticCatalog:
     def has_vision(self, name: str) -> bool:
         return self._models[name].engine.info.image_marker is not None
 
-    def sampling_defaults(self, name: str) -> SamplingParams:
-        return self._models[name].sampling
+    def parameters(self, name: str) -> Layer:
+        """What the model's `sampling` changes from SamplingParams' defaults (it has no Modelfile)."""
+        return opts.layer_of(self._models[name].sampling)
 
-    def load_parameters(self, name: str) -> dict[str, Any]:
-        return {}
+    def model_defaults(self, name: str) -> Layer:
+        return opts.model_defaults(self._models[name].engine.info.metadata)
 
     @property
     def store(self) -> Store | None:

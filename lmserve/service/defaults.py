@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+from lmserve import options
+from lmserve.options import Dialect
 from lmserve.service.catalog import Catalog
 from lmserve.types import LoadOptions, SamplingParams
 
@@ -14,16 +14,20 @@ from lmserve.types import LoadOptions, SamplingParams
 class Defaults:
     """What a request gets for the options it does not set, per model."""
 
-    def __init__(self, catalog: Catalog, load_options: LoadOptions | None = None) -> None:
+    def __init__(self, catalog: Catalog, load_options: LoadOptions | None = None, n_predict: int = -1) -> None:
         self.catalog = catalog
         self.load_options = load_options or LoadOptions()
         """The server's load-time options (flags and LMSERVE_* variables)."""
+        self.n_predict = n_predict
+        """The server's default length limit (--n-predict); -1: unlimited."""
 
     def load_defaults(self, name: str) -> LoadOptions:
         """Load-time options for `name`: its Modelfile PARAMETERs (num_ctx, num_batch …) over the server's."""
-        return replace(self.load_options, **self.catalog.load_parameters(self.catalog.resolve(name)))
+        return options.load_options(self.load_options, self.catalog.parameters(self.catalog.resolve(name)))
 
-    async def sampling_defaults(self, name: str) -> SamplingParams:
-        """The model's Modelfile PARAMETERs over the server defaults (a request's own fields go on top)."""
-        defaults = self.catalog.sampling_defaults(self.catalog.resolve(name))
-        return replace(defaults, stop=list(defaults.stop), logit_bias=dict(defaults.logit_bias))
+    async def sampling_defaults(self, name: str, dialect: Dialect = "openai") -> SamplingParams:
+        """The layers under a request (options.py): Modelfile PARAMETERs → model defaults → the server's for
+        `dialect`. A fresh record: the request's own options go on top of it."""
+        canonical = self.catalog.resolve(name)
+        return options.sampling(self.catalog.parameters(canonical), self.catalog.model_defaults(canonical),
+                                options.server_defaults(dialect, self.n_predict))

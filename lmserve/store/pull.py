@@ -9,7 +9,8 @@ Resume: huggingface_hub 2.x no longer resumes an interrupted `hf_hub_download` (
 process-unique temporary file that is deleted on failure), so plain-HTTP downloads go through our own stable
 partial file `blobs/<etag>.partial`, resumed with a `Range` request on the next pull; `hf_hub_download` then only
 links the finished blob into the snapshot. Xet-backed files (when `hf_xet` is installed) are left to
-`hf_hub_download`, which fetches them through Xet (no cross-call resume there).
+`hf_hub_download`, which fetches them through Xet (no cross-call resume there). Only huggingface_hub's public
+API is used (`tests/test_dependencies.py` checks); `httpx2` is imported for the errors its client raises.
 
 Progress events mirror the local runner's `/api/pull` stream: "pulling manifest", then per file
 "pulling <filename>" with digest/total/completed, then "verifying sha256 digest". The caller adds
@@ -22,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from filelock import FileLock
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, get_session, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -40,11 +43,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.hf_api import RepoSibling
-from huggingface_hub.utils._fixes import WeakFileLock
-from huggingface_hub.utils._headers import build_hf_headers
-from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+from huggingface_hub.utils import tqdm as hf_tqdm
 
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
 from lmserve.store.names import DEFAULT_TAG, ModelName
@@ -143,7 +144,7 @@ def pull(
     repo_id = f"{name.namespace}/{name.name}"
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     progress(PullProgress("pulling manifest"))
-    with _hub_errors(str(name)):
+    with _hub_errors(str(name), endpoint):
         info = HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True, token=token)
     siblings = {s.rfilename: s for s in info.siblings or []}
     model_file, projector_file = choose_files(list(siblings), name.tag)
@@ -167,7 +168,8 @@ class _Source:
 
     @property
     def storage(self) -> Path:
-        return self.cache_dir / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        """The repo's folder in the huggingface_hub cache layout: `models--<org>--<repo>`."""
+        return self.cache_dir / "--".join(["models", *self.repo_id.split("/")])
 
 
 def _pull_file(source: _Source, sibling: RepoSibling, model: str, progress: ProgressFn) -> tuple[Path, str]:
@@ -176,7 +178,7 @@ def _pull_file(source: _Source, sibling: RepoSibling, model: str, progress: Prog
     expected = sibling.lfs.sha256.lower() if sibling.lfs is not None else None
     digest = f"sha256:{expected}" if expected else None
     status = f"pulling {filename}"
-    with _hub_errors(model):
+    with _hub_errors(model, source.endpoint):
         path = _fetch(source, filename, sibling.size, lambda total, n: progress(PullProgress(status, digest, total, n)))
     size = path.stat().st_size
     progress(PullProgress(status, digest, size, size))
@@ -203,7 +205,7 @@ def _fetch(source: _Source, filename: str, listed_size: int | None, report: Call
     if meta.etag is not None and not blob.is_file() and not _uses_xet(meta.xet_file_data):
         lock = source.cache_dir / ".locks" / source.storage.name / f"{meta.etag}.partial.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
-        with WeakFileLock(lock):
+        with FileLock(lock):
             _download_resumable(meta.location, url, partial, blob, total, source.token, bars)
     downloaded = hf_hub_download(
         source.repo_id,
@@ -220,7 +222,11 @@ def _fetch(source: _Source, filename: str, listed_size: int | None, report: Call
 def _download_resumable(
     location: str, url: str, partial: Path, blob: Path, total: int | None, token: str | None, report: _Reporter
 ) -> None:
-    """Append the missing tail of `location` to `partial` (Range request), then move it to `blob`."""
+    """Append the missing tail of `location` to `partial` (Range request), then move it to `blob`.
+
+    Streams through huggingface_hub's shared HTTP client (`get_session`), so proxies and TLS settings match the
+    hub calls. A server that ignores the Range answers 200 with the whole file, which then replaces `partial`.
+    """
     if blob.is_file():  # another pull finished it while we waited for the lock
         return
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -228,12 +234,38 @@ def _download_resumable(
     if total is not None and have > total:
         partial.unlink()
         have = 0
+    if total is None or have < total:
+        have = _stream_into(location, _download_headers(url, location, token, have), partial, have, report)
+    if total is not None and have != total:
+        raise LmserveError(
+            f"the download of {blob.name} stopped at {have} of {total} bytes; pull again to resume",
+            code="pull_failed",
+        )
+    os.replace(partial, blob)
+
+
+def _download_headers(url: str, location: str, token: str | None, have: int) -> dict[str, str]:
+    """The hub's headers (user agent, token), minus the token for another host, plus a Range to resume from."""
     headers = build_hf_headers(token=token)
     if urlsplit(location).netloc != urlsplit(url).netloc:
         headers.pop("authorization", None)  # a signed CDN URL: do not leak the hub token to it
-    with partial.open("ab") as file:
-        http_get(location, file, resume_size=have, headers=headers, expected_size=total, tqdm_class=report.bar_class())
-    os.replace(partial, blob)
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    return headers
+
+
+def _stream_into(location: str, headers: dict[str, str], partial: Path, have: int, report: _Reporter) -> int:
+    """GET `location` into `partial` (appended on a 206, rewritten otherwise); return the bytes it now holds."""
+    timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    with get_session().stream("GET", location, headers=headers, timeout=timeout, follow_redirects=True) as response:
+        hf_raise_for_status(response)
+        done = have if response.status_code == 206 else 0
+        with partial.open("ab" if done else "wb") as file:
+            for chunk in response.iter_bytes(_CHUNK):
+                file.write(chunk)
+                done += len(chunk)
+                report.bytes_done(done)
+    return done
 
 
 class _Reporter:
@@ -277,7 +309,7 @@ class _Reporter:
 
 
 @contextmanager
-def _hub_errors(model: str) -> Iterator[None]:
+def _hub_errors(model: str, endpoint: str | None) -> Iterator[None]:
     """Translate huggingface_hub and network errors into lmserve errors, once, here."""
     try:
         yield
@@ -294,7 +326,35 @@ def _hub_errors(model: str) -> Iterator[None]:
     except HfHubHTTPError as error:
         raise LmserveError(f"pulling '{model}' failed: {error}", code="pull_failed") from error
     except (httpx2.HTTPError, OSError) as error:
-        raise LmserveError(f"pulling '{model}' failed: {error}", code="pull_failed") from error
+        raise _network_failure(model, endpoint, error) from error
+
+
+def _network_failure(model: str, endpoint: str | None, error: BaseException) -> LmserveError:
+    """"could not reach the hub at https://…: name resolution failed (are you offline? …)" when the network
+    failed (the socket error under the client's), else the error as it is."""
+    reason = _socket_reason(error)
+    if reason is None:
+        return LmserveError(f"pulling '{model}' failed: {error}", code="pull_failed")
+    hub = (endpoint or constants.ENDPOINT).rstrip("/")
+    return LmserveError(f"could not reach the hub at {hub}: {reason}", code="hub_unreachable")
+
+
+def _socket_reason(error: BaseException) -> str | None:
+    """What went wrong on the network, from the first socket-level error in `error`'s chain; None if none is."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, socket.gaierror):
+            return "name resolution failed (are you offline? set HF_ENDPOINT for a mirror)"
+        if isinstance(current, ConnectionRefusedError):
+            return "connection refused (is HF_ENDPOINT right?)"
+        if isinstance(current, TimeoutError):
+            return "timed out (are you offline? set HF_ENDPOINT for a mirror)"
+        if isinstance(current, OSError) and current.strerror:
+            return current.strerror[:1].lower() + current.strerror[1:]
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _uses_xet(xet_file_data: object | None) -> bool:

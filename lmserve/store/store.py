@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
+from lmserve.store.embedded import removed_hint
 from lmserve.store.names import ModelName, parse_name
 
 logger = logging.getLogger(__name__)
@@ -223,8 +224,16 @@ class Store:
             return self._load(name, path)
 
     def find(self, text: str) -> ModelEntry:
-        """Parse `text` as a model name (tag defaults to `latest`) and return that model."""
-        return self.get(parse_name(text))
+        """Parse `text` as a model name (tag defaults to `latest`) and return that model.
+
+        ModelNotFound names the model as `text` wrote it, lists some that exist, and says how to bring back the
+        embedded model when that is the one missing.
+        """
+        try:
+            return self.get(parse_name(text))
+        except ModelNotFound:
+            available = [str(entry.name) for entry in self.list()]
+            raise ModelNotFound(text, available=available, hint=removed_hint(text)) from None
 
     def list(self) -> list[ModelEntry]:
         """Every readable model, newest first; corrupt manifests and models with missing blobs are logged, skipped."""

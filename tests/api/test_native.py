@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from lmserve.api.native import parse_keep_alive, to_load_options, to_sampling_params
-from lmserve.api.native_schemas import Options
 from lmserve.engine.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
@@ -117,6 +116,7 @@ async def test_management_routes(client: httpx.AsyncClient) -> None:
     await client.post("/api/generate", json={"model": "fake"})
     ps = (await client.get("/api/ps")).json()["models"]
     assert [m["name"] for m in ps] == ["fake"] and "expires_at" in ps[0]
+    assert ps[0]["context_length"] == 2048
 
 
 @pytest.mark.parametrize(
@@ -136,17 +136,17 @@ def test_bad_keep_alive_is_refused(value: str) -> None:
 
 def test_options_over_model_defaults() -> None:
     defaults = SamplingParams(temperature=0.1, top_k=50, stop=["<|im_end|>"])
-    params = to_sampling_params(Options(temperature=0.7, num_predict=-1), defaults)
+    params = to_sampling_params({"temperature": 0.7, "num_predict": -1}, defaults)
     assert (params.temperature, params.top_k, params.stop, params.max_tokens) == (0.7, 50, ["<|im_end|>"], None)
-    assert to_sampling_params(Options(num_predict=12, stop="x"), defaults).stop == ["x"]
+    assert to_sampling_params({"num_predict": 12, "stop": "x"}, defaults).stop == ["x"]
     assert defaults.stop == ["<|im_end|>"]
 
 
 def test_load_time_options_are_split_from_sampling() -> None:
     base = LoadOptions()
     assert to_load_options(None, base) is None
-    assert to_load_options(Options(temperature=1.0), base) is None
-    assert to_load_options(Options(num_ctx=1024, num_thread=1), base) == LoadOptions(num_ctx=1024, num_threads=1)
+    assert to_load_options({"temperature": 1.0}, base) is None
+    assert to_load_options({"num_ctx": 1024, "num_thread": 1}, base) == LoadOptions(num_ctx=1024, num_threads=1)
 
 
 async def test_a_full_queue_is_503_with_retry_after() -> None:

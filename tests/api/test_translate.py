@@ -115,7 +115,11 @@ def test_to_completion_request(prompt: Any, expected: str) -> None:
         (("messages", 0, "role"), "messages[0].role"),
         (("stop", "list[str]", 3), "stop[3]"),
         (("messages", 1, "content", "list[tagged-union[TextPart,ImagePart]]", 0, "text", "text"),
-         "messages[1].content[0].text.text"),
+         "messages[1].content[0].text"),  # a discriminated union's tag ("text") names its payload too: said once
+        (("messages", 0, "content", "list[tagged-union[TextPart,ImagePart]]", 0, "image_url", "image_url", "url"),
+         "messages[0].content[0].image_url.url"),
+        (("response_format", "json_schema", "json_schema", "name"), "response_format.json_schema.name"),
+        (("tool_choice", "NamedToolChoice", "function"), "tool_choice.function"),
         (("temperature", "float"), "temperature"),
     ],
 )  # fmt: skip

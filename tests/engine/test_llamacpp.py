@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
 import pytest
 
 from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp import LlamaCppBackend, load_mode
 from lmserve.errors import ContextOverflow
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 
@@ -162,3 +163,28 @@ async def test_a_huge_repeat_window_is_bounded_by_the_context(engine: BatchingEn
     _, text = await generate(engine, chat("Hi"), temperature=0, max_tokens=4, repeat_penalty=1.1,
                              repeat_last_n=2**30)
     assert text
+
+
+async def test_typical_p_of_one_changes_nothing_and_other_values_are_taken(engine: BatchingEngine) -> None:
+    prompt = chat(PROMPTS[4])
+    _, plain = await generate(engine, prompt, temperature=0.7, seed=11, max_tokens=16)
+    _, typical_one = await generate(engine, prompt, temperature=0.7, seed=11, max_tokens=16, typical_p=1.0)
+    assert typical_one == plain
+    for sampling in ({"typical_p": 0.5}, {"mirostat": 1}, {"mirostat": 2, "mirostat_tau": 3.0}):
+        chunks, text = await generate(engine, prompt, temperature=0.7, seed=11, max_tokens=8, **sampling)
+        assert text and chunks[-1].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("given", "mode"), [
+    ({}, lc.LLAMA_LOAD_MODE_AUTO), ({"use_mmap": False}, lc.LLAMA_LOAD_MODE_NONE),
+    ({"use_mmap": True}, lc.LLAMA_LOAD_MODE_MMAP), ({"use_mlock": True}, lc.LLAMA_LOAD_MODE_MMAP_MLOCK),
+    ({"use_mmap": False, "use_mlock": True, "main_gpu": 0}, lc.LLAMA_LOAD_MODE_MLOCK),
+])  # fmt: skip
+async def test_weights_load_with_each_mmap_mode(model_path: Path, given: dict[str, Any], mode: int) -> None:
+    options = LoadOptions(num_ctx=256, num_parallel=1, num_batch=64, **given)
+    assert load_mode(options) == mode
+    backend = LlamaCppBackend(model_path, options)
+    try:
+        assert backend.tokenize("Hello", add_special=False, parse_special=False)
+    finally:
+        backend.close()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import llama_cpp as lc
 import pytest
 
-from lmserve.engine.quantize import QUANT_TYPES, parse_quant, quantize
+from lmserve.engine.quantize import QUANT_TYPES, file_type, file_type_name, parse_quant, quantize
 from lmserve.errors import EngineFailure, InvalidRequest
 from tests.tiny_gguf import F16, write_tiny_llama
 
@@ -48,11 +47,6 @@ def test_quant_types_are_distinct_upper_case_names() -> None:
 @pytest.fixture(scope="module")
 def tiny_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf")
-
-
-def file_type(path: Path) -> int:
-    field = gguf.GGUFReader(path).fields["general.file_type"]
-    return int(field.parts[field.data[0]][0])
 
 
 def decodes(path: Path) -> bool:
@@ -99,25 +93,61 @@ def test_quantize_from_f16(tmp_path: Path) -> None:
     assert file_type(tmp_path / "tiny-q8.gguf") == lc.LLAMA_FTYPE_MOSTLY_Q8_0
 
 
-def test_requantizing_fails_and_leaves_no_file(tiny_f32: Path, tmp_path: Path) -> None:
-    q8 = tmp_path / "q8.gguf"
-    quantize(tiny_f32, q8, "Q8_0", threads=1)
-    with pytest.raises(EngineFailure):
-        quantize(q8, tmp_path / "q4.gguf", "Q4_0", threads=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf"]
+@pytest.mark.parametrize(("source_level", "level"), [("Q8_0", "Q4_0"), ("Q4_0", "q4_K_M"), ("Q4_1", "Q8_0")])
+def test_requantizing_is_a_400_that_says_why_and_leaves_no_file(
+    tiny_f32: Path, tmp_path: Path, source_level: str, level: str
+) -> None:
+    quantized = tmp_path / "quantized.gguf"
+    quantize(tiny_f32, quantized, source_level, threads=1)
+    with pytest.raises(InvalidRequest) as info:
+        quantize(quantized, tmp_path / "out.gguf", level, threads=1, label="tiny:latest")
+    assert (info.value.status, info.value.param, info.value.code) == (400, "quantize", "already_quantized")
+    assert info.value.message == (
+        f"cannot quantize tiny:latest to {level.upper()}: its weights are already quantized ({source_level}); "
+        "quantize from an F32, F16 or BF16 GGUF"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quantized.gguf"]
+
+
+def test_the_embedded_q4_1_model_cannot_be_requantized(model_path: Path, tmp_path: Path) -> None:
+    assert file_type(model_path) == lc.LLAMA_FTYPE_MOSTLY_Q4_1
+    with pytest.raises(InvalidRequest) as info:
+        quantize(model_path, tmp_path / "out.gguf", "q4_K_M", label="smollm2:135m")
+    assert "cannot quantize smollm2:135m to Q4_K_M: its weights are already quantized (Q4_1)" in info.value.message
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
-    ("content", "error"),
-    [(None, EngineFailure), (b"not a gguf at all", EngineFailure)],
-)
-def test_quantize_refuses_a_bad_source(tmp_path: Path, content: bytes | None, error: type[Exception]) -> None:
+    ("ftype", "name"),
+    [(lc.LLAMA_FTYPE_ALL_F32, "F32"), (lc.LLAMA_FTYPE_MOSTLY_BF16, "BF16"), (lc.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q4_K_M"),
+     (lc.LLAMA_FTYPE_MOSTLY_IQ2_XXS, "IQ2_XXS"), (9999, "9999")],
+)  # fmt: skip
+def test_file_type_names(ftype: int, name: str) -> None:
+    assert file_type_name(ftype) == name
+
+
+def test_file_type_reads_the_header(tiny_f32: Path, tmp_path: Path) -> None:
+    assert file_type(tiny_f32) == lc.LLAMA_FTYPE_ALL_F32
+    assert file_type(write_tiny_llama(tmp_path / "f16.gguf", ftype=F16)) == lc.LLAMA_FTYPE_MOSTLY_F16
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    assert file_type(tmp_path / "junk.gguf") is None
+
+
+def test_a_missing_source_is_an_engine_failure(tmp_path: Path) -> None:
+    with pytest.raises(EngineFailure):
+        quantize(tmp_path / "source.gguf", tmp_path / "out.gguf", "Q4_0", threads=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refusal_by_llama_cpp_carries_its_reason(tmp_path: Path) -> None:
     source = tmp_path / "source.gguf"
-    if content is not None:
-        source.write_bytes(content)
-    with pytest.raises(error):
+    source.write_bytes(b"not a gguf at all")
+    with pytest.raises(InvalidRequest) as info:
         quantize(source, tmp_path / "out.gguf", "Q4_0", threads=1)
-    assert not (tmp_path / "out.gguf").exists()
+    assert (info.value.status, info.value.code) == (400, "quantize_failed")
+    assert info.value.message.startswith("llama.cpp could not quantize source.gguf to Q4_0: ")
+    assert "status" not in info.value.message  # llama.cpp's own words, caught from its log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source.gguf"]
 
 
 def test_quantize_checks_the_level_first(tiny_f32: Path, tmp_path: Path) -> None:

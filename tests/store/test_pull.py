@@ -219,11 +219,24 @@ def test_pull_errors(
     assert info.value.code == code
 
 
-def test_unreachable_hub_is_a_server_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("no-such-host.invalid", "name resolution failed (are you offline? set HF_ENDPOINT for a mirror)"),
+        (None, "connection refused (is HF_ENDPOINT right?)"),  # a port nobody listens on
+    ],
+)
+def test_an_unreachable_hub_is_named_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str | None, reason: str
+) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with serve_hub({}) as fake:
         endpoint = fake.endpoint  # the port is free again once the server stops
+    if host is not None:
+        endpoint = f"http://{host}"
     with pytest.raises(LmserveError) as info:
         pull(parse_name("hf.co/org/tiny-GGUF"), endpoint=endpoint, cache_dir=tmp_path)
-    assert info.value.code == "pull_failed"
+    assert (info.value.status, info.value.code) == (500, "hub_unreachable")
+    assert info.value.message == f"could not reach the hub at {endpoint}: {reason}"
+    assert "Errno" not in info.value.message
     assert os.listdir(tmp_path) == []

@@ -175,6 +175,31 @@ def test_find_defaults_the_tag_and_get_raises_404(store: Store) -> None:
         assert caught.value.status == 404
 
 
+@pytest.mark.parametrize(
+    ("stored", "asked", "message"),
+    [
+        ([], "gpt-4o", "model 'gpt-4o' not found (available: none)"),
+        (["llama3", "qwen:7b"], "gpt-4o", "model 'gpt-4o' not found (available: qwen:7b, llama3:latest)"),
+        (["llama3"], "llama3:8b", "model 'llama3:8b' not found (available: llama3:latest)"),
+        ([f"m{i}" for i in range(7)], "x",
+         "model 'x' not found (available: m6:latest, m5:latest, m4:latest, m3:latest, m2:latest and 2 more; "
+         "see GET /v1/models)"),
+        (["llama3"], "smollm2:135m", "model 'smollm2:135m' not found: it was removed; `lmserve pull smollm2:135m` "
+         "restores it (available: llama3:latest)"),
+    ],
+)  # fmt: skip
+def test_find_names_the_model_as_written_and_what_exists(
+    store: Store, monkeypatch: pytest.MonkeyPatch, stored: list[str], asked: str, message: str
+) -> None:
+    clock = itertools.count(1000)
+    monkeypatch.setattr(store_module.time, "time", lambda: float(next(clock)))
+    for i, text in enumerate(stored):
+        model(store, text, data=b"weights %d" % i)
+    with pytest.raises(ModelNotFound) as caught:
+        store.find(asked)
+    assert (caught.value.message, caught.value.name, caught.value.param) == (message, asked, "model")
+
+
 def test_list_is_newest_first(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = itertools.count(1000)
     monkeypatch.setattr(store_module.time, "time", lambda: float(next(clock)))

@@ -1,0 +1,100 @@
+"""Options through HTTP: refused and unknown ones are 400s naming them in each dialect's shape; defaults by dialect."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from api_wire import assert_openai_error
+
+from lmserve.engine.batching import BatchingEngine
+from lmserve.service import Service
+from lmserve.types import SamplingParams
+
+USER = [{"role": "user", "content": "hi"}]
+
+NATIVE_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    # (route, options, the name the error gives)
+    ("/api/generate", {"num_keep": 4}, "num_keep"),
+    ("/api/generate", {"tfs_z": 0.5}, "tfs_z"),
+    ("/api/generate", {"temprature": 0.5}, "temprature"),
+    ("/api/generate", {"top_p": 0}, "top_p"),
+    ("/api/chat", {"num_keep": 4}, "num_keep"),
+    ("/api/chat", {"mirostat": 5}, "mirostat"),
+    ("/api/chat", {"use_mmap": "no"}, "use_mmap"),
+    ("/api/embed", {"numa": True}, "numa"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "given", "name"), NATIVE_REFUSED)
+async def test_native_refusals_name_the_option(client: httpx.AsyncClient, route: str, given: dict[str, Any],
+                                               name: str) -> None:
+    body = {"model": "fake", "prompt": "x", "messages": USER, "input": "x", "options": given, "stream": False}
+    r = await client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"} and f"'{name}'" in r.json()["error"]
+
+
+OPENAI_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"num_ctx": 8192}, "num_ctx"),
+    ("/v1/chat/completions", {"num_keep": 8}, "num_keep"),
+    ("/v1/chat/completions", {"typical_p": 0}, "typical_p"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "given", "name"), OPENAI_REFUSED)
+async def test_openai_refusals_name_the_field(client: httpx.AsyncClient, route: str, given: dict[str, Any],
+                                              name: str) -> None:
+    body = {"model": "fake", **({"messages": USER} if "chat" in route else {"prompt": "x"}), **given}
+    r = await client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert assert_openai_error(r.json(), error_type="invalid_request_error")["param"] == name
+
+
+async def test_a_modelfile_with_a_refused_parameter_is_refused_at_create(client: httpx.AsyncClient) -> None:
+    r = await client.post("/api/create", json={"model": "k", "modelfile": "FROM fake\nPARAMETER num_keep 24",
+                                               "stream": False})
+    assert r.status_code == 400 and "'num_keep'" in r.json()["error"]
+
+
+@pytest.fixture
+def seen(engine: BatchingEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
+    """The sampling of every sequence the fake backend starts."""
+    record: list[SamplingParams] = []
+    start = engine.backend.start
+
+    def recording(slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+        record.append(sampling)
+        return start(slot, sampling, prompt, num_reused)
+
+    monkeypatch.setattr(engine.backend, "start", recording)
+    return record
+
+
+async def test_native_routes_sample_with_the_local_runners_defaults(
+    client: httpx.AsyncClient, seen: list[SamplingParams]
+) -> None:
+    r = await client.post("/api/generate", json={"model": "fake", "prompt": "x", "stream": False,
+                                                 "options": {"top_k": 7, "typical_p": 0.9}})
+    assert r.status_code == 200, r.text
+    s = seen[-1]
+    assert (s.temperature, s.top_k, s.top_p, s.typical_p, s.repeat_penalty, s.repeat_last_n) == (
+        0.8, 7, 0.9, 0.9, 1.1, 64)
+
+
+async def test_openai_routes_keep_their_own_defaults(client: httpx.AsyncClient, seen: list[SamplingParams]) -> None:
+    r = await client.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "typical_p": 0.5})
+    assert r.status_code == 200, r.text
+    assert seen[-1] == SamplingParams(typical_p=0.5)
+
+
+async def test_the_server_length_limit_is_the_last_layer(service: Service) -> None:
+    service.defaults.n_predict = 5
+    assert (await service.sampling_defaults("fake", "native")).max_tokens == 5
+    assert (await service.sampling_defaults("fake")).max_tokens == 5
