@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test test-fast lint bench
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The in-process tests only (fake backend, parsers, translators, ASGI): under a minute. Lanes: tests/conftest.py.
+test-fast: $(STAMP)
+	@start=$$(date +%s); $(PY) -m pytest -q -m "not model and not server and not slow" $(ARGS); rc=$$?; \
+	echo "test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lmserve tests bench

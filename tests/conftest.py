@@ -1,14 +1,71 @@
-"""Shared fixtures: the embedded real model (SmolLM2-135M-Instruct), found without any download."""
+"""Shared fixtures: the embedded real model (SmolLM2-135M-Instruct), found without any download.
+
+Lanes: every test is marked from what it uses, so `make test-fast` (`-m "not model and not server and not slow"`)
+runs the in-process tests (fake backend, parsers, translators, ASGI) and `make test` runs them all:
+
+- `model`: llama.cpp over a real GGUF: the embedded model (the `model_path` fixture) or a tiny generated one (a
+  module that imports a tests/tiny_*.py writer and llama.cpp); checks that call llama.cpp without a model, or
+  write a GGUF without llama.cpp, stay in the fast lane;
+- `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect` or tests/test_server.py;
+  tests/test_soak_short.py, which runs bench/ scripts, by name);
+- `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from lmserve.store.embedded import embedded_model_path
 
+TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora"})
+LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp", "lmserve.engine.quantize"})
+SERVER = frozenset({"subprocess", "pexpect", "tests.test_server"})
+SLOW = frozenset({"schemathesis"})
+SERVER_FILES = frozenset({"test_soak_short.py"})
+
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return embedded_model_path()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give each test the lane markers of what it uses (see the module docstring)."""
+    uses: dict[str, set[str]] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if isinstance(module, ModuleType):
+            used = uses.setdefault(module.__name__, _modules_used(module))
+            for mark in sorted(_lanes(used, set(getattr(item, "fixturenames", ())), item.path.name)):
+                item.add_marker(mark)
+
+
+def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:
+    """The lane markers of a test from the modules its module uses, its fixtures and its file name."""
+    marks: set[str] = set()
+    if "model_path" in fixtures or (_any_of(used, TINY_GGUF) and _any_of(used, LLAMA_CPP)):
+        marks.add("model")
+    if _any_of(used, SERVER) or filename in SERVER_FILES:
+        marks.add("server")
+    if _any_of(used, SLOW):
+        marks.add("slow")
+    return marks
+
+
+def _modules_used(module: ModuleType) -> set[str]:
+    """The modules a test module imported, or imported names from."""
+    used: set[str] = set()
+    for value in vars(module).values():
+        if isinstance(value, ModuleType):
+            used.add(value.__name__)
+        else:
+            used.add(str(getattr(value, "__module__", "") or ""))
+    used.discard(module.__name__)
+    return used
+
+
+def _any_of(used: set[str], names: frozenset[str]) -> bool:
+    return any(u == n or u.startswith(n + ".") for u in used for n in names)
