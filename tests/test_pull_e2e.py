@@ -21,7 +21,6 @@ import pytest
 from PIL import Image
 
 from lmserve.api.pulling import PullCancelled, PullFeed
-from lmserve.service import Service
 from tests.hub import FakeHub, serve_hub, sha256_hex
 from tests.test_server import Server
 from tests.tiny_lfm2 import write_tiny_lfm2
@@ -159,7 +158,7 @@ def test_cli_pull_prints_progress_and_success(server: Server) -> None:
 
 
 class _SlowPull:
-    """A stand-in for Service whose pull reports progress until its callback raises."""
+    """A stand-in for ModelService whose pull reports progress until its callback raises."""
 
     def __init__(self) -> None:
         self.stopped = threading.Event()
@@ -176,7 +175,7 @@ class _SlowPull:
 
 async def test_abort_stops_the_worker_at_its_next_progress_line() -> None:
     service = _SlowPull()
-    feed = PullFeed(cast(Service, service), "hf.co/org/repo")
+    feed = PullFeed(service.pull, "hf.co/org/repo")
     head = await feed.head()
     assert [line["status"] for line in head] == ["pulling manifest", "pulling x.gguf"]
     feed.abort()

@@ -298,7 +298,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.PullBody)
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
-        feed = PullFeed(service, body.target)
+        feed = PullFeed(service.models.pull, body.target)
         if not body.stream:
             try:
                 await until_disconnect(feed.wait(), request.receive)

@@ -1,4 +1,4 @@
-"""`/api/pull` plumbing: the blocking `Service.pull` runs in a worker thread; its progress lines reach the event loop.
+"""`/api/pull` plumbing: the blocking `ModelService.pull` runs in a worker thread; its lines reach the event loop.
 
 The worker's progress callback hands each line over with `loop.call_soon_threadsafe` onto an `asyncio.Queue`; the
 end of the worker puts a sentinel after its last line. `head()` waits until the pull is past "pulling manifest"
@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lmserve.errors import LmserveError
-from lmserve.service import Service
 
 log = logging.getLogger(__name__)
 
 _MANIFEST = "pulling manifest"
+
+Puller = Callable[[str, Callable[[dict[str, Any]], None]], None]
+"""A blocking pull: (name, progress callback) → None (ModelService.pull)."""
 
 
 class PullCancelled(LmserveError):
@@ -33,13 +35,13 @@ class PullCancelled(LmserveError):
 class PullFeed:
     """One pull running in a worker thread, and its progress lines as they come. Create it on the event loop."""
 
-    def __init__(self, service: Service, name: str) -> None:
+    def __init__(self, pull: Puller, name: str) -> None:
         self._name = name
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._aborted = threading.Event()
         self._ended = False
-        self._worker = asyncio.ensure_future(asyncio.to_thread(service.models.pull, name, self._put))
+        self._worker = asyncio.ensure_future(asyncio.to_thread(pull, name, self._put))
         self._worker.add_done_callback(self._finished)
 
     async def head(self) -> list[dict[str, Any]]:

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmserve.engine.quantize import parse_quant
-from lmserve.engine.quantize import quantize as run_quantize
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
 from lmserve.service.defaults import Defaults
@@ -55,6 +53,9 @@ class ModelService:
         """Create (or replace) a stored model from a Modelfile, quantizing its weights when asked."""
         quantizer = None
         if quantize is not None:
+            from lmserve.engine.quantize import parse_quant
+            from lmserve.engine.quantize import quantize as run_quantize  # llama.cpp, imported when needed
+
             level = quantize
             parse_quant(level)
 
