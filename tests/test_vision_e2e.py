@@ -196,11 +196,15 @@ def native(server: Server) -> Iterator[ollama.Client]:
         yield c
 
 
+NATIVE_OPTIONS = {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0}
+"""Greedy, and without the native routes' default repeat penalty (1.1), so both dialects sample alike."""
+
+
 @pytest.fixture(scope="module")
 def short_model(native: ollama.Client) -> str:
     """The vision model with a short reply by default: `lmserve run` has no flag for it, and the random model
     would otherwise write until the context is full."""
-    created = native.create(model="vl-short", from_=VL_MODEL, parameters={"num_predict": 8, "temperature": 0, "repeat_penalty": 1.0})
+    created = native.create(model="vl-short", from_=VL_MODEL, parameters=NATIVE_OPTIONS)
     assert created.status == "success"
     return "vl-short:latest"
 
@@ -360,10 +364,6 @@ def test_text_and_image_requests_together_equal_each_alone(server: Server, hosts
 
 
 # ---- native routes -------------------------------------------------------------------------------------------------
-
-NATIVE_OPTIONS = {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0}
-"""Greedy, and without the native routes' default repeat penalty (1.1), so both dialects sample alike."""
-
 
 def test_native_chat_with_images_by_path_and_bytes(native: ollama.Client, client: openai.OpenAI,
                                                    image_files: dict[str, Path]) -> None:
