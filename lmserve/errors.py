@@ -6,6 +6,7 @@
     ├── AuthenticationFailed          401 authentication_error
     ├── ModelNotFound                 404 not_found_error
     ├── Overloaded                    503 overloaded_error
+    ├── Unreachable                   502 upstream_error          (the model hub cannot be reached)
     └── EngineFailure                 500 server_error            (llama.cpp refused a batch, load failed …)
 
 The web layer maps these to a wire body once (api/app.py); nothing matches on message text.
@@ -85,6 +86,13 @@ class Overloaded(LmserveError):
 
     status = 503
     type = "overloaded_error"
+
+
+class Unreachable(LmserveError):
+    """Something lmserve needs from elsewhere (the model hub) cannot be reached: no fault of the request."""
+
+    status = 502
+    type = "upstream_error"
 
 
 class EngineFailure(LmserveError):

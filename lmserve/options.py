@@ -200,11 +200,14 @@ def from_parameters(parameters: Mapping[str, Any]) -> Layer:
     layer: Layer = {}
     for name, value in parameters.items():
         option = PARAMETERS.get(name)
-        if option is None:
-            raise InvalidRequest(f"the model has an unknown parameter '{name}'; create it again without it",
-                                 param=name)
-        if _accepted(option, value, name):
-            layer[name] = check(option, value, name)
+        try:
+            if option is None:
+                raise InvalidRequest(f"'{name}' is unknown", param=name)
+            if _accepted(option, value, name):
+                layer[name] = check(option, value, name)
+        except InvalidRequest as exc:  # stored by an older lmserve: the model, not the request, must change
+            raise InvalidRequest(f"the model's Modelfile has PARAMETER {name}, which lmserve does not take "
+                                 f"({exc.message}); create the model again without it", param=name) from None
     return layer
 
 

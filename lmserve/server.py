@@ -141,7 +141,8 @@ class BindError(OSError):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, made before anything is announced; uvicorn listens on it once the app starts.
+    """A socket listening on host:port, made before anything is announced. Connections that come while the model
+    loads wait in its backlog until uvicorn serves them (a client sees a slow answer, never a refused connection).
 
     Raises BindError with one line that says why (`port 11434 on 127.0.0.1 is already in use`).
     """
@@ -159,5 +160,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             raise BindError(f"port {port} on {host} is already in use") from None
         raise BindError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -9,8 +9,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lmserve"
 BASE = {"lmserve.types", "lmserve.errors", "lmserve.config", "lmserve.options", "lmserve.parsing"}
-SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory", "lmserve.engine.quantize"}
-"""What the service may know of engines: the protocol, the factory that picks one, and GGUF quantizing."""
+SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory"}
+"""What the service may know of engines: the protocol, and the factory that picks one (and quantizes GGUFs)."""
 
 # module prefix → the lmserve modules it may import (besides itself and its own subpackage)
 ALLOWED: dict[str, set[str]] = {
@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.service": BASE | SEAM | {"lmserve.store", "lmserve.chat"},
     "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media"},
     "lmserve.client": BASE,
-    "lmserve.repl": BASE | {"lmserve.client", "lmserve.cli"},
+    "lmserve.repl": BASE | {"lmserve.client"},
     "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""

@@ -224,3 +224,11 @@ def test_the_native_json_schema_lists_every_native_option() -> None:
     assert set(schema["properties"]) == set(options.PARAMETERS) and schema["additionalProperties"] is False
     assert schema["properties"]["top_p"] == {"type": "number", "description": TABLE["top_p"].help,
                                              "exclusiveMinimum": 0, "maximum": 1}
+
+
+@pytest.mark.parametrize("stored", [{"num_keep": 24}, {"frobnicate": 1}, {"top_p": 7.0}])
+def test_a_stored_parameter_lmserve_does_not_take_says_to_create_the_model_again(stored: dict[str, object]) -> None:
+    name = next(iter(stored))
+    with pytest.raises(InvalidRequest, match=f"Modelfile has PARAMETER {name}.*create the model again") as info:
+        options.from_parameters(stored)
+    assert info.value.param == name

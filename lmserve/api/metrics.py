@@ -9,7 +9,8 @@ process. What is recorded:
 - lmserve_time_to_first_token_seconds{model}: submission to first token (total_ns - eval_ns of the final timings).
 - lmserve_time_per_output_token_seconds{model}: eval_ns / (completion_tokens - 1), for replies of 2+ tokens.
 - lmserve_model_loads_total{model}: each model load.
-- lmserve_queue_depth{model}, lmserve_running_sequences{model}, lmserve_loaded_models: read at scrape time.
+- lmserve_queue_depth{model}, lmserve_running_sequences{model}, lmserve_loaded_models: read at scrape time (an
+  engine shared by several names is reported once, under the most recently used of them).
 
 The engine knows nothing of this: `Metrics.attach` registers observers with the service (`Service.observers`,
 service/observers.py), beside any others. /metrics is not in OPEN_PATHS: with an
@@ -113,17 +114,23 @@ class _ServiceCollector(Collector):
         decode = CounterMetricFamily("lmserve_engine_decode_seconds",
                                      "Engine thread time in the backend's batch decode and sampling (since load).",
                                      labels=["model"])
-        for resident in residents:
+        seen: set[int] = set()
+        for resident in residents:  # names sharing one engine: its numbers once, under the most recent name
             engine = resident.model.engine
+            if id(engine) in seen:
+                continue
+            seen.add(id(engine))
+            stats = engine.stats
             queue.add_metric([resident.model.name], engine.num_waiting)
             running.add_metric([resident.model.name], engine.num_running)
-            step.add_metric([resident.model.name], engine.stats.step_ns * _NS)
-            decode.add_metric([resident.model.name], engine.stats.decode_ns * _NS)
+            step.add_metric([resident.model.name], stats.step_ns * _NS)
+            decode.add_metric([resident.model.name], stats.decode_ns * _NS)
         yield queue
         yield running
         yield step
         yield decode
-        yield GaugeMetricFamily("lmserve_loaded_models", "Models in memory.", value=len(residents))
+        yield GaugeMetricFamily("lmserve_loaded_models", "Engine instances in memory (names sharing weights count "
+                                "once).", value=self._service.residency.num_instances)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -198,6 +198,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_load_options(body.options, service.load_defaults(body.model))
+        _refuse_thinking(body.model, body.think)
         if body.suffix:
             raise InvalidRequest(f"model '{body.model}' does not support insert (suffix): its template has no "
                                  "fill-in-the-middle form", param="suffix")
@@ -234,6 +235,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_load_options(body.options, service.load_defaults(body.model))
+        _refuse_thinking(body.model, body.think)
         if not body.messages:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
@@ -440,9 +442,17 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
     return modelfile
 
 
+def _refuse_thinking(model: str, think: bool | str | None) -> None:
+    """`think` asks for reasoning output, which lmserve does not separate yet: refused, never ignored."""
+    if think not in (None, False, "", "false"):
+        raise InvalidRequest(f"model '{model}' does not support thinking: reasoning output is not separated yet",
+                             param="think")
+
+
 def _parameters_text(parameters: dict[str, Any]) -> str:
     rows = []
     for name, value in parameters.items():
         for item in value if isinstance(value, list) else [value]:
-            rows.append(f"{name:<30} {json.dumps(item) if isinstance(item, str) else item}")
+            text = json.dumps(item) if isinstance(item, str) else str(item).lower() if isinstance(item, bool) else item
+            rows.append(f"{name:<30} {text}")
     return "\n".join(rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, WithJsonSchema
 
 from lmserve.options import json_schema
 
@@ -34,7 +34,8 @@ class ChatMessage(Wire):
     tool_name: str | None = None
 
 
-KeepAlive = str | float | int | None
+KeepAlive = StrictStr | StrictInt | StrictFloat | None
+"""A duration ("5m", "1h30m"), seconds, or negative for forever; strict, so `true` is not 1 s."""
 
 
 class GenerateBody(Wire):

@@ -49,3 +49,21 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
     backend = LlamaCppBackend(path, options)
     return BatchingEngine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=settings.max_prefill_tokens,
                           max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes)
+
+
+def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:
+    """Write the GGUF `source` quantized to `level` (e.g. "q4_K_M") at `destination` with llama.cpp. Blocking.
+
+    InvalidRequest (param `quantize`) for an unknown level or weights that cannot be quantized; `label` names the
+    source in errors.
+    """
+    from lmserve.engine.quantize import quantize
+
+    quantize(source, destination, level, label=label)
+
+
+def check_quantization(level: str) -> None:
+    """InvalidRequest (param `quantize`) unless llama.cpp can quantize to `level`."""
+    from lmserve.engine.quantize import parse_quant
+
+    parse_quant(level)

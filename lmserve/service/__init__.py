@@ -6,7 +6,8 @@
     defaults    the option layers under a request: Modelfile PARAMETERs over the server's (service/defaults.py)
     observers   registered listeners of finished generations and loads, e.g. metrics (service/observers.py)
 
-Every part is built here from a Catalog (service/catalog.py), the one place that knows where models come from.
+The parts share one Catalog (service/catalog.py), the one place that knows where models come from, and the
+Residency given to the Service (whose observers they share).
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from lmserve.service.residency import LoadedModel, Residency
 from lmserve.types import LoadOptions, SamplingParams
 
 __all__ = ["Generation", "ModelDescription", "ModelListing", "Service", "static_service"]
-
-DEFAULT_KEEP_ALIVE = 300.0
-
 
 class Service:
     """Generation, models and residency over one catalog."""

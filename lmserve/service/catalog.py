@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
+from lmserve.engine.factory import engine_kind
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.options import Layer
@@ -198,9 +199,10 @@ class StoreCatalog:
 
         def open_engine() -> Engine:
             try:
-                if not path.is_file():
-                    raise EngineFailure(f"its weights file {path.name} is missing from the store")
-                check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see a bad one
+                if engine_kind(path) == "llamacpp":
+                    if not path.is_file():
+                        raise EngineFailure(f"its weights file {path.name} is missing from the store")
+                    check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
                 return self._open_engine(path, full)
             except LmserveError as exc:
                 raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
@@ -216,14 +218,12 @@ class StoreCatalog:
                 template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
             messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
             return LoadedModel(
-                name=str(entry.name), engine=engine, template=template,
-                sampling=opts.sampling(opts.from_parameters(manifest.parameters), opts.model_defaults(info.metadata)),
-                system=manifest.system, messages=messages,
+                name=str(entry.name), engine=engine, template=template, system=manifest.system, messages=messages,
                 template_source=manifest.template or info.chat_template,
                 created=int(manifest.modified_at),
             )
 
-        return LoadPlan(WeightsKey(str(path), full), open_engine, bind)
+        return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest)
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
                quantize: Callable[[Path], Path] | None = None) -> None:
@@ -334,7 +334,7 @@ class StaticCatalog:
         )
 
     def has_vision(self, name: str) -> bool:
-        return self._models[name].engine.info.image_marker is not None
+        return self._models[name].engine.info.has_vision
 
     def parameters(self, name: str) -> Layer:
         """What the model's `sampling` changes from SamplingParams' defaults (it has no Modelfile)."""

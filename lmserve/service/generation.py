@@ -21,7 +21,7 @@ from lmserve.service.catalog import Catalog
 from lmserve.service.defaults import Defaults
 from lmserve.service.observers import Observers
 from lmserve.service.residency import LoadedModel, Residency, Resident
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall, Usage
 
 
 @dataclass(slots=True)
@@ -253,7 +253,9 @@ class GenerationService:
             self.residency.release(resident)
         if dimensions is not None:
             vectors = [unit_vector(v[:dimensions]) if normalize else v[:dimensions] for v in vectors]
-        return resident.model.name, vectors, sum(len(p) for p in inputs_tokens)
+        num_tokens = sum(len(p) for p in inputs_tokens)
+        self.observers.finished(resident.model.name, Chunk(finish_reason="stop", usage=Usage(prompt_tokens=num_tokens)))
+        return resident.model.name, vectors, num_tokens
 
     def _submit(
         self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.factory import check_quantization, quantize_weights
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
 from lmserve.service.defaults import Defaults
@@ -53,15 +54,12 @@ class ModelService:
         """Create (or replace) a stored model from a Modelfile, quantizing its weights when asked."""
         quantizer = None
         if quantize is not None:
-            from lmserve.engine.quantize import parse_quant
-            from lmserve.engine.quantize import quantize as run_quantize  # llama.cpp, imported when needed
-
             level = quantize
-            parse_quant(level)
+            check_quantization(level)
 
             def quantizer(source: Path) -> Path:
                 destination = source.with_name(f".quantized-{level}-{source.name}")
-                run_quantize(source, destination, level, label=modelfile.from_)
+                quantize_weights(source, destination, level, label=modelfile.from_)
                 return destination
 
         self.catalog.create(name, modelfile, base_dir=base_dir, quantize=quantizer)

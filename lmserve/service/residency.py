@@ -10,8 +10,10 @@ sampling defaults): models created FROM another that differ only in those share 
 - A name stays resident while requests use it; `keep_alive` (seconds; None = forever; 0 = unload when idle) counts
   from its last use. An instance lives while a resident name binds it or a request still uses it.
 - A request whose load-time options differ from the resident instance's gets a fresh instance with its options;
-  the old one finishes the requests it is running and is then closed.
-- Beyond `max_loaded` instances, the least recently used idle instance (and every name bound to it) is unloaded.
+  the old one finishes the requests it is running and is then closed. A name whose stored settings changed (it was
+  created again) is bound again, on the same instance when its weights and load options did not change.
+- Before another instance loads beyond `max_loaded`, the least recently used idle instances (and every name bound
+  to them) are unloaded. Busy instances are never unloaded for room: the limit is what loading aims for, not a cap.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmserve.engine.protocol import Engine
-from lmserve.errors import InvalidRequest
+from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service.observers import Observers
 from lmserve.types import LoadOptions, Message, SamplingParams
 
@@ -51,6 +53,7 @@ class LoadedModel:
     engine: Engine
     template: Prompter
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    """A fixed model's sampling defaults (StaticCatalog); a stored model's come from its Modelfile (the catalog)."""
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
     template_source: str | None = None
@@ -75,6 +78,8 @@ class LoadPlan:
     key: WeightsKey
     open: Callable[[], Engine]
     bind: Callable[[Engine], LoadedModel]
+    binding: str = ""
+    """What the bound settings were made from (e.g. the manifest's digest): a change means binding again."""
 
 
 Planner = Callable[[str, LoadOptions], LoadPlan]
@@ -101,6 +106,7 @@ class Resident:
 
     model: LoadedModel
     instance: Instance
+    binding: str
     keep_alive: float | None
     last_used: float
     users: int = 0
@@ -117,6 +123,11 @@ class Resident:
     @property
     def is_idle(self) -> bool:
         return self.users == 0
+
+
+def _retrieve(future: asyncio.Future[Instance]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def keep_alive_seconds(keep_alive: float) -> float | None:
@@ -155,6 +166,11 @@ class Residency:
         """Instances no name binds any more, closed when their last request releases them."""
         self._num_waiting: dict[WeightsKey, int] = {}
         """Requests waiting for an instance to load (it must not be closed before they bind it)."""
+        self._num_acquiring: dict[str, int] = {}
+        """Requests of each name between asking for it and holding it (they may be waiting for a load)."""
+        self._unloaded_while_acquiring: set[str] = set()
+        """Names unloaded while a request for them was loading: that request runs, then the name goes."""
+        self._is_closed = False
 
     async def acquire(self, name: str, options: LoadOptions, keep_alive: float | None = None) -> Resident:
         """The resident model `name` (loading its instance if needed), leased until `release`.
@@ -162,25 +178,43 @@ class Residency:
         `keep_alive` None keeps a resident name's lease as it is (a model preloaded by `serve` stays loaded) and gives
         a new one the default; negative means forever; otherwise seconds after last use.
         """
+        lease = None if keep_alive is None else keep_alive_seconds(keep_alive)
         plan = self._planner(name, options)
+        self._num_acquiring[name] = self._num_acquiring.get(name, 0) + 1
+        try:
+            resident = await self._bound(name, plan)
+        finally:
+            self._num_acquiring[name] -= 1
+            if not self._num_acquiring[name]:
+                del self._num_acquiring[name]
+        if keep_alive is not None:
+            resident.keep_alive = lease
+        if name in self._unloaded_while_acquiring:  # unloaded (or deleted) meanwhile: answer, then go
+            self._unloaded_while_acquiring.discard(name)
+            resident.keep_alive = 0.0
+        return self._lease(resident)
+
+    async def _bound(self, name: str, plan: LoadPlan) -> Resident:
+        """The resident bound as `plan` says: as it is, bound again on its instance, or on a newly loaded one."""
         while True:
             resident = self._residents.get(name)
-            if resident is not None and resident.instance.key == plan.key:
-                return self._lease(resident, keep_alive)
+            if resident is not None and resident.instance.key == plan.key and resident.binding == plan.binding:
+                return resident
             instance = await self._instance(plan, name)
-            if self._residents.get(name) is not None and self._residents[name].instance.key == plan.key:
-                continue  # another request bound it while this one waited for the load
+            current = self._residents.get(name)
+            if current is not None and current is not resident:
+                continue  # another request bound it while this one waited for the load: look again
             try:
                 model = plan.bind(instance.engine)
             except BaseException:
                 self._close_if_unbound(instance)
                 raise
-            if name in self._residents:
-                self._unbind(name)
-            lease = self.default_keep_alive if keep_alive is None else keep_alive_seconds(keep_alive)
-            resident = Resident(model, instance, lease, self._clock())
-            self._residents[name] = resident
-            return self._lease(resident, keep_alive)
+            lease = resident.keep_alive if resident is not None else self.default_keep_alive
+            bound = Resident(model, instance, plan.binding, lease, self._clock())
+            self._residents[name] = bound
+            if resident is not None:
+                self._close_if_unbound(resident.instance)
+            return bound
 
     def release(self, resident: Resident) -> None:
         """End one lease; an instance no name binds any more is closed once its last request is done."""
@@ -198,9 +232,6 @@ class Residency:
         """The resident names, most recently used first."""
         return sorted(self._residents.values(), key=lambda r: r.last_used, reverse=True)
 
-    def get(self, name: str) -> Resident | None:
-        return self._residents.get(name)
-
     def engines(self) -> list[Engine]:
         """Every engine in memory, retired ones still finishing requests included."""
         return [instance.engine for instance in [*self._instances.values(), *self._retired]]
@@ -211,9 +242,13 @@ class Residency:
         return len(self._instances) + len(self._retired)
 
     async def unload(self, name: str) -> bool:
-        """Forget `name`; its instance is closed when no other name binds it and its requests are done."""
+        """Forget `name`; its instance is closed when no other name binds it and its requests are done. A request
+        for it that is loading it now still gets its answer; the name goes when that request is done."""
+        pending = name in self._num_acquiring
+        if pending:
+            self._unloaded_while_acquiring.add(name)
         if name not in self._residents:
-            return False
+            return pending
         self._unbind(name)
         return True
 
@@ -233,7 +268,9 @@ class Residency:
             await self.expire()
 
     def close(self) -> None:
-        """Close every instance (requests still running end with an error)."""
+        """Close every instance (requests still running end with an error); loads still running are closed when
+        they finish."""
+        self._is_closed = True
         self._residents.clear()
         for instance in [*self._instances.values(), *self._retired]:
             self._close(instance)
@@ -242,13 +279,10 @@ class Residency:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _lease(self, resident: Resident, keep_alive: float | None) -> Resident:
-        now = self._clock()
+    def _lease(self, resident: Resident) -> Resident:
         resident.users += 1
         resident.instance.users += 1
-        if keep_alive is not None:
-            resident.keep_alive = keep_alive_seconds(keep_alive)
-        resident.last_used = resident.instance.last_used = now
+        resident.last_used = resident.instance.last_used = self._clock()
         return resident
 
     async def _instance(self, plan: LoadPlan, name: str) -> Instance:
@@ -265,6 +299,7 @@ class Residency:
         if pending is None:
             self._evict_for_one_more()
             pending = asyncio.ensure_future(self._open(plan, name))
+            pending.add_done_callback(_retrieve)  # a load nobody waits for any more may fail unheard
             self._loading[plan.key] = pending
         self._num_waiting[plan.key] = self._num_waiting.get(plan.key, 0) + 1
         try:
@@ -280,6 +315,9 @@ class Residency:
         finally:
             del self._loading[plan.key]
         instance = Instance(plan.key, engine, self._clock())
+        if self._is_closed or plan.key not in self._num_waiting:  # shut down, or every request for it went away
+            self._close(instance)
+            raise EngineFailure(f"model '{name}' was loaded for requests that are gone")
         self._instances[plan.key] = instance
         log.info("loaded %s", name)
         self.observers.loaded(name)
@@ -309,7 +347,7 @@ class Residency:
         idle = sorted((i for i in self._instances.values() if i.is_idle and i.key not in self._num_waiting),
                       key=lambda i: i.last_used)
         for instance in idle:
-            if len(self._instances) + len(self._loading) < self._max_loaded:
+            if len(self._instances) + len(self._retired) + len(self._loading) < self._max_loaded:
                 break
             for name in [n for n, r in self._residents.items() if r.instance is instance]:
                 self._residents.pop(name)

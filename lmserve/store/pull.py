@@ -47,7 +47,7 @@ from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
+from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound, Unreachable
 from lmserve.store.names import DEFAULT_TAG, ModelName
 
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "F16")
@@ -336,7 +336,7 @@ def _network_failure(model: str, endpoint: str | None, error: BaseException) -> 
     if reason is None:
         return LmserveError(f"pulling '{model}' failed: {error}", code="pull_failed")
     hub = (endpoint or constants.ENDPOINT).rstrip("/")
-    return LmserveError(f"could not reach the hub at {hub}: {reason}", code="hub_unreachable")
+    return Unreachable(f"could not reach the hub at {hub}: {reason}", code="hub_unreachable")
 
 
 def _socket_reason(error: BaseException) -> str | None:
@@ -351,7 +351,7 @@ def _socket_reason(error: BaseException) -> str | None:
             return "connection refused (is HF_ENDPOINT right?)"
         if isinstance(current, TimeoutError):
             return "timed out (are you offline? set HF_ENDPOINT for a mirror)"
-        if isinstance(current, OSError) and current.strerror:
+        if isinstance(current, ConnectionError) and current.strerror:
             return current.strerror[:1].lower() + current.strerror[1:]
         current = current.__cause__ or current.__context__
     return None

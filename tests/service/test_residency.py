@@ -13,6 +13,7 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.protocol import Engine
+from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service.residency import LoadedModel, LoadPlan, Residency, WeightsKey
 from lmserve.types import LoadOptions, SamplingParams
 
@@ -30,6 +31,8 @@ class Catalog:
 
     def __init__(self, weights: dict[str, str] | None = None) -> None:
         self.weights = weights or {}
+        self.bindings: dict[str, str] = {}
+        """The stored settings' version of each name (changing it is like creating the name again)."""
         self.opened: list[tuple[str, LoadOptions]] = []
         self.closed: list[str] = []
         self.engines: list[BatchingEngine] = []
@@ -52,7 +55,7 @@ class Catalog:
             return LoadedModel(name=name, engine=engine, template=ChatTemplate(None),
                                sampling=SamplingParams(temperature=len(name) / 10))
 
-        return LoadPlan(WeightsKey(weights, options), open_engine, bind)
+        return LoadPlan(WeightsKey(weights, options), open_engine, bind, binding=self.bindings.get(name, ""))
 
     def close(self, engine: Engine) -> None:
         self.closed.append(engine.info.path)
@@ -232,3 +235,70 @@ async def test_an_unloaded_instance_still_in_use_is_taken_back_instead_of_loaded
     models.release(busy)
     models.release(again)
     assert catalog.closed == []
+
+
+async def test_a_model_created_again_is_bound_again_on_the_same_instance(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    before = await models.acquire("a", LoadOptions(), -1)
+    models.release(before)
+    catalog.bindings["a"] = "v2"
+    after = await models.acquire("a", LoadOptions())
+    assert after.model is not before.model and after.model.engine is before.model.engine
+    assert after.binding == "v2" and after.keep_alive is None  # the forever lease stays
+    assert len(catalog.opened) == 1 and catalog.closed == []
+
+
+async def test_a_preloaded_model_keeps_its_lease_when_other_options_reload_it(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("a", LoadOptions(num_ctx=512), -1))
+    resident = await models.acquire("a", LoadOptions(num_ctx=1024))
+    assert resident.keep_alive is None and resident.model.engine.info.num_ctx == 1024
+
+
+async def test_a_name_unloaded_while_it_loads_answers_its_request_then_goes(catalog: Catalog) -> None:
+    clock = Clock()
+    models = residency(catalog, clock)
+    catalog.gates["a"] = threading.Event()
+    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    assert await models.unload("a")  # e.g. deleted meanwhile
+    catalog.gates["a"].set()
+    resident = await pending
+    assert resident.keep_alive == 0
+    models.release(resident)
+    await models.expire()
+    assert models.running() == [] and catalog.closed == ["a"]
+
+
+async def test_a_load_whose_only_request_went_away_is_closed(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    catalog.gates["a"] = threading.Event()
+    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    await asyncio.sleep(0)
+    catalog.gates["a"].set()
+    for _ in range(100):
+        if catalog.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert catalog.closed == ["a"] and models.num_instances == 0
+
+
+async def test_closing_while_a_model_loads_closes_it_when_it_is_loaded(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    catalog.gates["a"] = threading.Event()
+    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    models.close()
+    catalog.gates["a"].set()
+    with pytest.raises(EngineFailure):
+        await pending
+    assert catalog.closed == ["a"] and models.num_instances == 0
+
+
+async def test_a_nan_keep_alive_is_refused_before_anything_is_leased(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    with pytest.raises(InvalidRequest, match="NaN"):
+        await models.acquire("a", LoadOptions(), float("nan"))
+    assert catalog.opened == [] and models.running() == []

@@ -236,7 +236,7 @@ def test_an_unreachable_hub_is_named_with_the_reason(
         endpoint = f"http://{host}"
     with pytest.raises(LmserveError) as info:
         pull(parse_name("hf.co/org/tiny-GGUF"), endpoint=endpoint, cache_dir=tmp_path)
-    assert (info.value.status, info.value.code) == (500, "hub_unreachable")
+    assert (info.value.status, info.value.code) == (502, "hub_unreachable")
     assert info.value.message == f"could not reach the hub at {endpoint}: {reason}"
     assert "Errno" not in info.value.message
     assert os.listdir(tmp_path) == []
