@@ -25,6 +25,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     from lmserve.engine.factory import EngineSettings, open_engine
     from lmserve.errors import ModelNotFound
+    from lmserve.parsing import model_name_for_file
     from lmserve.service.catalog import StoreCatalog, gguf_details
     from lmserve.service.residency import Residency
     from lmserve.store.gguf_check import gguf_metadata
@@ -48,7 +49,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     name = config.model
     path = Path(name).expanduser()
     if is_gguf_path(name) or path.is_file():
-        name = _name_for_file(path)
+        name = model_name_for_file(path)  # the name `lmserve run FILE` gives it too
         projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
         catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
     elif config.mmproj:
@@ -63,13 +64,6 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
                       max_images=config.max_images, n_predict=config.n_predict)
     return service, name
-
-
-def _name_for_file(path: Path) -> str:
-    """The model name a .gguf file is served under: the same one `lmserve run FILE` gives it."""
-    from lmserve.parsing import model_name_for_file
-
-    return model_name_for_file(path)
 
 
 class GracefulServer(uvicorn.Server):

@@ -130,12 +130,19 @@ def test_bad_values_are_one_line_errors(args: list[str], env: dict[str, str], me
     assert done.stdout == ""
 
 
-def test_serve_names_a_file_as_run_does(tmp_path: Path) -> None:
+def test_serve_names_a_file_as_run_does(tmp_path: Path, model_path: Path) -> None:
+    """`serve FILE` registers it under `model_name_for_file`, the name `run FILE` gives it (tests/test_cli.py)."""
     from lmserve.parsing import model_name_for_file
-    from lmserve.server import _name_for_file
 
-    for name in ("SmolLM2 Q4.gguf", "modèle.gguf", "模型.gguf"):
-        assert _name_for_file(tmp_path / name) == model_name_for_file(tmp_path / name)
+    path = tmp_path / "Modèle été Q4.gguf"
+    path.symlink_to(model_path)
+    srv = Server(str(path))
+    try:
+        names = [m["name"] for m in httpx.get(srv.base_url + "/api/tags").json()["models"]]
+    finally:
+        srv.stop()
+    assert model_name_for_file(path) == "Modele-ete-Q4:latest"
+    assert "Modele-ete-Q4:latest" in names
 
 
 def test_version_flag() -> None:
