@@ -195,6 +195,21 @@ def parse_parameter(name: str, text: str) -> ParameterValue:
     return value
 
 
+def parameter_from_json(name: str, value: Any) -> ParameterValue | list[str]:
+    """A PARAMETER given as JSON (/api/create `parameters`), typed and checked as `parse_parameter` does text."""
+    option = PARAMETERS.get(name)
+    if option is None:
+        raise InvalidRequest(f"unknown parameter '{name}'; known: {', '.join(_honoured())}", param=name)
+    if name == "stop":
+        return _stops(value, name)
+    if isinstance(value, list):
+        raise InvalidRequest(f"parameter '{name}' takes one value, not a list", param=name)
+    typed: ParameterValue = _typed(option, value, name)
+    if _accepted(option, typed, name):
+        check(option, typed, name)
+    return typed
+
+
 def from_parameters(parameters: Mapping[str, Any]) -> Layer:
     """A model's stored Modelfile PARAMETERs (typed, `stop` a list) as a layer."""
     layer: Layer = {}

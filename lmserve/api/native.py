@@ -29,7 +29,7 @@ from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.parsing import ParseError, chat_role, parse_duration
 from lmserve.service import Generation, ModelListing, Service
-from lmserve.store.modelfile import Modelfile, parse_parameter
+from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
 from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
@@ -432,9 +432,7 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
     if body.system is not None:
         modelfile.system = body.system
     for name, value in (body.parameters or {}).items():
-        values = value if isinstance(value, list) else [value]
-        typed = [parse_parameter(name, str(v).lower() if isinstance(v, bool) else str(v)) for v in values]
-        modelfile.parameters[name] = [str(v) for v in typed] if name == "stop" else typed[-1]
+        modelfile.parameters[name] = opts.parameter_from_json(name, value)
     for m in body.messages or ():
         modelfile.messages.append((m.role, m.content or ""))
     if body.license is not None:

@@ -98,3 +98,22 @@ async def test_the_server_length_limit_is_the_last_layer(service: Service) -> No
     service.defaults.n_predict = 5
     assert (await service.sampling_defaults("fake", "native")).max_tokens == 5
     assert (await service.sampling_defaults("fake")).max_tokens == 5
+
+
+def test_create_parameters_are_json_values_typed_by_the_table() -> None:
+    """/api/create `parameters` are checked as JSON (2048.0 is an integer), not as text parsed again."""
+    from lmserve.api import native_schemas as wire
+    from lmserve.api.native import to_modelfile
+    from lmserve.errors import InvalidRequest
+
+    def create(parameters: dict[str, Any]) -> dict[str, Any]:
+        body = wire.CreateBody.model_validate({"model": "m", "from": "base", "parameters": parameters})
+        return to_modelfile(body).parameters
+
+    assert create({"num_ctx": 2048.0, "temperature": 1, "stop": "\n", "use_mmap": False}) == {
+        "num_ctx": 2048, "temperature": 1.0, "stop": ["\n"], "use_mmap": False}
+    for parameters, param in [({"num_ctx": [1, 2]}, "num_ctx"), ({"temperature": "hot"}, "temperature"),
+                              ({"num_keep": 4}, "num_keep"), ({"frobnicate": 1}, "frobnicate")]:
+        with pytest.raises(InvalidRequest) as info:
+            create(parameters)
+        assert info.value.param == param
