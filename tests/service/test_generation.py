@@ -90,3 +90,17 @@ async def test_placeholders_and_images_must_agree(seer: BatchingEngine) -> None:
     message = Message("user", f"{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}", images=[image(0)])
     with pytest.raises(InvalidRequest, match="1 images but 2 image placeholders"):
         await service.generation.chat(ChatRequest("m", [message], SamplingParams(max_tokens=1)))
+
+
+@pytest.mark.asyncio
+async def test_an_engine_without_constrained_sampling_or_embeddings_refuses_them(seer: BatchingEngine) -> None:
+    seer.info.can_constrain = False
+    seer.info.can_embed = False
+    service = static_service([LoadedModel(name="m", engine=seer, template=ChatTemplate(None))])
+    structured = ChatRequest("m", [Message("user", "hi")], SamplingParams(max_tokens=1, grammar='root ::= "x"'))
+    with pytest.raises(InvalidRequest, match="cannot constrain") as refused:
+        await service.generation.chat(structured)
+    assert refused.value.param == "response_format"
+    with pytest.raises(InvalidRequest, match="cannot make embeddings"):
+        await service.generation.embed("m", ["hi"])
+    assert service.residency.running()[0].users == 0  # both leases were given back
