@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
 
-from lmserve.parsing import ParseError, format_duration, parse_address
-from lmserve.parsing import parse_duration as parse_any_duration
+from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
 from lmserve.types import LoadOptions
 
 ENV_PREFIX = "LMSERVE_"
@@ -234,15 +233,6 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     return ServerConfig(**values)  # type: ignore[arg-type]
 
 
-def parse_duration(raw: str) -> float | None:
-    """Seconds from `300`, `5m`, `1h30m`, `300ms`; negative means forever (None)."""
-    try:
-        seconds = parse_any_duration(raw)
-    except ParseError as exc:
-        raise ConfigError(f"{env_name('keep_alive')}: {exc}") from None
-    return None if seconds < 0 else seconds
-
-
 def _read(entry: Option, value: object, source: str) -> object:
     if entry.kind == "list":
         items = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
@@ -251,7 +241,7 @@ def _read(entry: Option, value: object, source: str) -> object:
         return value
     if entry.kind == "duration":
         try:
-            seconds = parse_any_duration(value)
+            seconds = parse_duration(value)
         except ParseError as exc:
             raise ConfigError(f"{source}: {exc}") from None
         return None if seconds < 0 else seconds

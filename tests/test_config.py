@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 
 from lmserve.cli import build_parser
-from lmserve.config import OPTIONS, ConfigError, ServerConfig, env_name, environment_help, parse_duration, resolve
+from lmserve.config import OPTIONS, ConfigError, ServerConfig, env_name, environment_help, resolve
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -131,10 +131,10 @@ def test_flags_and_environment_only_options_are_all_documented() -> None:
 
 
 @pytest.mark.parametrize(("raw", "seconds"), [("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", None)])
-def test_parse_duration_reads_the_keep_alive_variable(raw: str, seconds: float | None) -> None:
-    assert parse_duration(raw) == seconds
+def test_the_keep_alive_variable_is_a_duration(raw: str, seconds: float | None) -> None:
+    assert resolve({}, {"LMSERVE_KEEP_ALIVE": raw}).keep_alive == seconds
 
 
-def test_parse_duration_refusal_is_a_config_error() -> None:
+def test_a_keep_alive_that_is_no_duration_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="LMSERVE_KEEP_ALIVE"):
-        parse_duration("later")
+        resolve({}, {"LMSERVE_KEEP_ALIVE": "later"})
