@@ -49,6 +49,10 @@ class FakeHub:
     cdn_endpoint: str = ""
     gated: frozenset[str] = frozenset()
     requests: list[Request] = field(default_factory=list)
+    honours_range: bool = True
+    """False: the CDN ignores `Range` and answers 200 with the whole file, as some servers do."""
+    cut_after: int | None = None
+    """Send at most this many bytes of a CDN file (a download that stops short, cleanly)."""
 
     def is_lfs(self, filename: str) -> bool:
         """LFS files are served through a CDN redirect, like the real hub does for large files."""
@@ -194,12 +198,15 @@ class _Handler(BaseHTTPRequestHandler):
         if data is None:
             self._send(404, b"no such blob", {}, head=head)
             return
+        if self.hub.cut_after is not None and not head:
+            self._send(200, data[: self.hub.cut_after], {"ETag": f'"{digest}"'}, head=head)
+            return
         self._send_bytes(data, {"ETag": f'"{digest}"'}, head=head)
 
     def _send_bytes(self, data: bytes, headers: dict[str, str], *, head: bool) -> None:
         """Serve `data`, or its tail for `Range: bytes=N-`."""
         headers = headers | {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        start = _range_start(self.headers.get("Range"))
+        start = _range_start(self.headers.get("Range")) if self.hub.honours_range else None
         if start is None or head:
             self._send(200, data, headers, head=head)
         elif start >= len(data):

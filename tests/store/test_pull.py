@@ -167,6 +167,32 @@ def test_pull_resumes_a_partial_download(hub: FakeHub, tmp_path: Path) -> None:
     assert not (blobs / f"{digest}.partial").exists()
 
 
+def test_a_server_that_ignores_the_range_rewrites_the_partial_file(hub: FakeHub, tmp_path: Path) -> None:
+    data = FILES["tiny-Q4_K_M.gguf"]
+    blobs = tmp_path / "cache" / "models--org--tiny-GGUF" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{sha256_hex(data)}.partial").write_bytes(data[:1000])
+    hub.honours_range = False
+
+    pulled = pull_from(hub, tmp_path / "cache", "hf.co/org/tiny-GGUF:Q4_K_M")
+
+    assert pulled.model.read_bytes() == data  # not the first 1000 bytes twice
+
+
+def test_a_download_that_stops_short_fails_and_the_next_pull_resumes_it(hub: FakeHub, tmp_path: Path) -> None:
+    data = FILES["tiny-Q4_K_M.gguf"]
+    digest = sha256_hex(data)
+    hub.cut_after = 1000
+    with pytest.raises(LmserveError, match=f"stopped at 1000 of {len(data)} bytes; pull again to resume"):
+        pull_from(hub, tmp_path / "cache", "hf.co/org/tiny-GGUF:Q4_K_M")
+    hub.cut_after = None
+
+    pulled = pull_from(hub, tmp_path / "cache", "hf.co/org/tiny-GGUF:Q4_K_M")
+
+    assert pulled.model.read_bytes() == data
+    assert hub.requests_for(f"/cdn/{digest}")[-1].headers["range"] == "bytes=1000-"
+
+
 def test_corrupt_partial_is_refused_then_pulled_again(hub: FakeHub, tmp_path: Path) -> None:
     data = FILES["tiny-Q4_K_M.gguf"]
     blobs = tmp_path / "cache" / "models--org--tiny-GGUF" / "blobs"
