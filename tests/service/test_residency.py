@@ -14,7 +14,7 @@ from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.service.residency import LoadedModel, LoadPlan, Residency, WeightsKey
+from lmserve.service.residency import LoadedModel, LoadPlan, Residency, Resident, WeightsKey
 from lmserve.types import LoadOptions, SamplingParams
 
 
@@ -70,6 +70,14 @@ def catalog() -> Iterator[Catalog]:
         gate.set()
     for engine in catalog.engines:
         engine.close()
+
+
+async def loading(models: Residency, catalog: Catalog, name: str) -> asyncio.Future[Resident]:
+    """A request for `name` whose load is under way (held until `catalog.gates[name]` is set)."""
+    catalog.gates[name] = threading.Event()
+    pending = asyncio.ensure_future(models.acquire(name, LoadOptions(), 300))
+    await asyncio.sleep(0.05)
+    return pending
 
 
 def residency(catalog: Catalog, clock: Clock, max_loaded: int = 2) -> Residency:
@@ -258,9 +266,7 @@ async def test_a_preloaded_model_keeps_its_lease_when_other_options_reload_it(ca
 async def test_a_name_unloaded_while_it_loads_answers_its_request_then_goes(catalog: Catalog) -> None:
     clock = Clock()
     models = residency(catalog, clock)
-    catalog.gates["a"] = threading.Event()
-    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
-    await asyncio.sleep(0.05)
+    pending = await loading(models, catalog, "a")
     assert await models.unload("a")  # e.g. deleted meanwhile
     catalog.gates["a"].set()
     resident = await pending
@@ -272,9 +278,7 @@ async def test_a_name_unloaded_while_it_loads_answers_its_request_then_goes(cata
 
 async def test_a_load_whose_only_request_went_away_is_closed(catalog: Catalog) -> None:
     models = residency(catalog, Clock())
-    catalog.gates["a"] = threading.Event()
-    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
-    await asyncio.sleep(0.05)
+    pending = await loading(models, catalog, "a")
     pending.cancel()
     await asyncio.sleep(0)
     catalog.gates["a"].set()
@@ -287,9 +291,7 @@ async def test_a_load_whose_only_request_went_away_is_closed(catalog: Catalog) -
 
 async def test_closing_while_a_model_loads_closes_it_when_it_is_loaded(catalog: Catalog) -> None:
     models = residency(catalog, Clock())
-    catalog.gates["a"] = threading.Event()
-    pending = asyncio.ensure_future(models.acquire("a", LoadOptions(), 300))
-    await asyncio.sleep(0.05)
+    pending = await loading(models, catalog, "a")
     models.close()
     catalog.gates["a"].set()
     with pytest.raises(EngineFailure):
