@@ -21,7 +21,8 @@ from lmserve.types import LoadOptions
 
 ENV_PREFIX = "LMSERVE_"
 T = TypeVar("T")
-Kind = Literal["str", "int", "list", "duration"]
+Kind = Literal["str", "int", "float", "bool", "list", "duration"]
+EngineName = Literal["llamacpp", "vllm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +35,10 @@ class Option:
     flags: tuple[str, ...] = ()
     """`-c`, `--ctx-size` …; none: set through the environment only."""
     kind: Kind = "str"
-    """How a text value is read: as is, an integer, a comma-separated list, or a duration (negative: forever)."""
-    minimum: int | None = None
-    maximum: int | None = None
+    """How a text value is read: as is, an integer, a number, a switch (a flag without a value; 1/true/yes/on in
+    the environment), a comma-separated list, or a duration (negative: forever)."""
+    minimum: float | None = None
+    maximum: float | None = None
     special: int | None = None
     """One value allowed outside the bounds (e.g. -1 for "unlimited")."""
     metavar: str | None = None
@@ -44,6 +46,12 @@ class Option:
     """How the default reads in the help when the value alone says nothing ("all cores")."""
     positional: str | None = None
     """The option is also the positional argument of this name (the model to serve)."""
+    choices: tuple[str, ...] = ()
+    """The values allowed (none: any)."""
+    engine: EngineName | None = None
+    """The one engine that understands the option (None: both); given for a model on the other, it is an error."""
+    env_aliases: tuple[str, ...] = ()
+    """More environment variables (without the prefix) that set it, under the names other servers use."""
 
     @property
     def env_name(self) -> str:
@@ -63,17 +71,27 @@ class Option:
             return "none"
         return str(default)
 
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (self.env_name, *(ENV_PREFIX + alias for alias in self.env_aliases))
+
     def help_text(self, default: object) -> str:
-        """The help line: the text, then the default (filled in from the value) and the variable."""
-        return f"{self.help} (default {self.describe_default(default)}; {self.env_name})"
+        """The help line: the text, then the default (filled in from the value) and the variable(s)."""
+        engine = f"{ENGINE_LABELS[self.engine]} only; " if self.engine else ""
+        return f"{self.help} (default {self.describe_default(default)}; {engine}{', '.join(self.env_names)})"
 
 
-def option(default: T, *flags: str, env: str, help: str, kind: Kind = "str", minimum: int | None = None,
-           maximum: int | None = None, special: int | None = None, metavar: str | None = None,
-           shown: str | None = None, positional: str | None = None) -> T:
+ENGINE_LABELS: dict[str, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
+
+
+def option(default: T, *flags: str, env: str, help: str, kind: Kind = "str", minimum: float | None = None,
+           maximum: float | None = None, special: int | None = None, metavar: str | None = None,
+           shown: str | None = None, positional: str | None = None, choices: tuple[str, ...] = (),
+           engine: EngineName | None = None, env_aliases: tuple[str, ...] = ()) -> T:
     """A ServerConfig field that is also an entry of the options table."""
     entry = Option(env=env, help=help, flags=flags, kind=kind, minimum=minimum, maximum=maximum, special=special,
-                   metavar=metavar, shown=shown, positional=positional)
+                   metavar=metavar, shown=shown, positional=positional, choices=choices, engine=engine,
+                   env_aliases=env_aliases)
     return field(default=default, metadata={"option": entry})
 
 
@@ -82,28 +100,61 @@ class ServerConfig:
     """Everything `lmserve serve` needs to start; each field is one option (flag, variable, default, help)."""
 
     model: str = option("smollm2:135m", "-m", "--model-path", env="MODEL", positional="model", metavar="PATH",
-                        help="model name or path to a .gguf file")
+                        help="a stored model's name, a hub repository <org>/<repo> (pulled when not stored; gated "
+                        "ones read the token from HF_TOKEN), a .gguf file, or a directory with config.json and "
+                        "safetensors")
+    engine: str = option("auto", "--engine", env="ENGINE", choices=("auto", "llamacpp", "vllm"),
+                         help="the engine: auto picks llama.cpp for GGUF weights and vLLM for safetensors")
     host: str = option("127.0.0.1", "--host", env="HOST", help="address to listen on (host:port accepted)")
     port: int = option(11434, "--port", env="PORT", kind="int", minimum=1, maximum=65535,
                        help="port to listen on")
-    ctx_size: int = option(4096, "-c", "--ctx-size", env="CTX_SIZE", kind="int", minimum=1, metavar="N",
+    ctx_size: int = option(4096, "-c", "--ctx-size", "--max-model-len", env="CTX_SIZE", kind="int", minimum=1,
+                           metavar="N", env_aliases=("MAX_MODEL_LEN",),
                            help="context length PER SEQUENCE in tokens; each of the --parallel slots gets this many")
     n_gpu_layers: int = option(0, "-ngl", "--n-gpu-layers", env="N_GPU_LAYERS", kind="int", minimum=-1, metavar="N",
+                               engine="llamacpp",
                                help="layers to offload to a GPU (-1: all)")
-    parallel: int = option(4, "-np", "--parallel", env="PARALLEL", kind="int", minimum=1, metavar="N",
+    parallel: int = option(4, "-np", "--parallel", "--max-num-seqs", env="PARALLEL", kind="int", minimum=1,
+                           metavar="N", env_aliases=("MAX_NUM_SEQS",),
                            help="sequences decoded together")
     threads: int | None = option(None, "-t", "--threads", env="THREADS", kind="int", minimum=1, metavar="N",
                                  shown="all cores", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but /health")
     batch_size: int = option(512, "-b", "--batch-size", env="BATCH_SIZE", kind="int", minimum=1, metavar="N",
+                             engine="llamacpp",
                              help="most tokens decoded in one step")
-    prefill_chunk: int = option(256, "--prefill-chunk", env="PREFILL_CHUNK", kind="int", minimum=1, metavar="N",
-                                help="most prompt tokens prefilled in one step, so running streams keep going")
+    prefill_chunk: int | None = option(None, "--prefill-chunk", "--chunked-prefill-size", env="PREFILL_CHUNK",
+                                       kind="int", minimum=1, special=-1, metavar="N",
+                                       env_aliases=("CHUNKED_PREFILL_SIZE",),
+                                       shown="256 on llama.cpp, vLLM's own on vLLM",
+                                       help="most prompt tokens prefilled in one step, so running streams keep "
+                                       "going; -1 prefills a prompt whole (no chunking)")
     n_predict: int = option(-1, "-n", "--n-predict", env="N_PREDICT", kind="int", minimum=1, special=-1,
                             metavar="N", shown="-1, unlimited",
                             help="most tokens a reply may have when the request and the Modelfile say nothing")
-    alias: str | None = option(None, "-a", "--alias", env="ALIAS", metavar="NAME", help="name the model answers to")
+    alias: str | None = option(None, "-a", "--alias", "--served-model-name", env="ALIAS", metavar="NAME",
+                               env_aliases=("SERVED_MODEL_NAME",), help="name the model answers to")
+    dtype: str = option("auto", "--dtype", env="DTYPE", choices=("auto", "float16", "bfloat16", "float32"),
+                        engine="vllm", help="weight and activation dtype (a hybrid model's convolution state "
+                        "follows it)")
+    gpu_memory_utilization: float | None = option(None, "--gpu-memory-utilization", env="GPU_MEMORY_UTILIZATION",
+                                                  kind="float", minimum=0.0, maximum=1.0, metavar="F",
+                                                  engine="vllm", shown="vLLM's 0.9 on a GPU",
+                                                  help="fraction of GPU memory for weights and KV cache, 0-1 (GPU "
+                                                  "only: vLLM's CPU build sizes its KV cache for --parallel x "
+                                                  "--ctx-size)")
+    tensor_parallel_size: int = option(1, "-tp", "--tensor-parallel-size", env="TENSOR_PARALLEL_SIZE", kind="int",
+                                       minimum=1, metavar="N", engine="vllm",
+                                       help="GPUs (or CPU workers) each layer is split over")
+    pipeline_parallel_size: int = option(1, "-pp", "--pipeline-parallel-size", env="PIPELINE_PARALLEL_SIZE",
+                                         kind="int", minimum=1, metavar="N", engine="vllm",
+                                         help="stages the layers are split into")
+    data_parallel_size: int = option(1, "-dp", "--data-parallel-size", env="DATA_PARALLEL_SIZE", kind="int",
+                                     minimum=1, metavar="N", engine="vllm", help="replicas of the model")
+    enable_torch_compile: bool = option(False, "--enable-torch-compile", env="ENABLE_TORCH_COMPILE", kind="bool",
+                                        engine="vllm", help="compile the model (and capture CUDA graphs): longer "
+                                        "start, faster tokens; off runs eagerly")
     models_dir: str = option("~/.lmserve/models", env="MODELS", help="the model store (blobs and manifests)")
     keep_alive: float | None = option(300.0, env="KEEP_ALIVE", kind="duration",
                                       help="how long a model stays loaded after its last request")
@@ -125,21 +176,37 @@ class ServerConfig:
                                  help="largest request body in bytes (413 beyond it); blob uploads are exempt")
     max_messages: int = option(1024, env="MAX_MESSAGES", kind="int", minimum=1,
                                help="most messages one chat request may carry")
-    snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0,
+    snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
                               help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
-    mmproj: str | None = option(None, "--mmproj", env="MMPROJ", metavar="PATH",
+    mmproj: str | None = option(None, "--mmproj", env="MMPROJ", metavar="PATH", engine="llamacpp",
                                 help="vision projector GGUF for a model given as a .gguf path")
     image_min_tokens: int = option(0, "--image-min-tokens", env="IMAGE_MIN_TOKENS", kind="int", minimum=0,
-                                   metavar="N", shown="the projector's", help="fewest tokens per image or tile")
+                                   metavar="N", shown="the projector's", engine="llamacpp",
+                                   help="fewest tokens per image or tile")
     image_max_tokens: int = option(0, "--image-max-tokens", env="IMAGE_MAX_TOKENS", kind="int", minimum=0,
-                                   metavar="N", shown="the projector's", help="most tokens per image or tile")
+                                   metavar="N", shown="the projector's", engine="llamacpp",
+                                   help="most tokens per image or tile")
     image_allow_hosts: tuple[str, ...] = option((), "--image-allow-host", env="IMAGE_ALLOW_HOSTS", kind="list",
                                                 metavar="HOST",
                                                 help="let image URLs reach HOST (name, IP or host:port) even when it "
                                                 "is private or loopback; repeatable, or comma-separated")
     image_max_bytes: int = option(20 * 1024 * 1024, env="IMAGE_MAX_BYTES", kind="int", minimum=1,
                                   help="largest image accepted, in bytes (data URI, base64 or download)")
+    given: frozenset[str] = field(default=frozenset())
+    """The options set by a flag or a variable (not defaulted): those one engine does not understand are refused."""
+
+    def refused_by(self, engine: EngineName) -> str | None:
+        """Why this configuration cannot serve a model on `engine` (an option only the other engine understands
+        was given), or None."""
+        for name in sorted(self.given):
+            entry = OPTIONS.get(name)
+            if entry is not None and entry.engine is not None and entry.engine != engine:
+                return (f"{entry.name} is a {ENGINE_LABELS[entry.engine]} option, but {self.model} is served by "
+                        f"{ENGINE_LABELS[engine]}; drop it" + (" or pass --engine llamacpp with a .gguf model"
+                                                                 if engine == "vllm" else
+                                                                 " or serve a safetensors repository (--engine vllm)"))
+        return None
 
     @property
     def load_options(self) -> LoadOptions:
@@ -154,9 +221,9 @@ class ServerConfig:
         )
 
 
-OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(ServerConfig)}
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(ServerConfig) if "option" in f.metadata}
 """The options table: ServerConfig field name → its entry."""
-DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(ServerConfig)}
+DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(ServerConfig) if f.name in OPTIONS}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
@@ -189,7 +256,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = entry.help_text(DEFAULTS[name]).replace("%", "%%")
         if entry.positional:
             parser.add_argument(entry.positional, nargs="?", metavar=entry.positional.upper(), help=help_text)
-        if entry.flags:
+        if entry.flags and entry.kind == "bool":
+            parser.add_argument(*entry.flags, dest=flag_dest(name), action="store_const", const=True,
+                                help=help_text)
+        elif entry.flags:
             action = "append" if entry.kind == "list" else "store"
             parser.add_argument(*entry.flags, dest=flag_dest(name), action=action, metavar=entry.metavar,
                                 help=help_text)
@@ -219,10 +289,10 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
             value = flags.get(name)
         source = entry.name
         if value is None:
-            raw = env.get(entry.env_name)
-            if raw is None or raw == "":
+            found = next(((var, env[var]) for var in entry.env_names if env.get(var)), None)
+            if found is None:
                 continue
-            value, source = raw, entry.env_name
+            source, value = found
         values[name], sources[name] = _read(entry, value, source), source
     _split_host(values, sources)
     for name, value in values.items():
@@ -230,7 +300,7 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     low, high = values.get("image_min_tokens"), values.get("image_max_tokens")
     if isinstance(low, int) and isinstance(high, int) and 0 < high < low:
         raise ConfigError(f"image-max-tokens ({high}) is below image-min-tokens ({low})")
-    return ServerConfig(**values)  # type: ignore[arg-type]
+    return ServerConfig(**values, given=frozenset(values))  # type: ignore[arg-type]
 
 
 def _read(entry: Option, value: object, source: str) -> object:
@@ -250,7 +320,21 @@ def _read(entry: Option, value: object, source: str) -> object:
             return int(value.strip())
         except ValueError:
             raise ConfigError(f"{source} must be an integer, got {value!r}") from None
+    if entry.kind == "float":
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{source} must be a number, got {value!r}") from None
+    if entry.kind == "bool":
+        if value.strip().lower() not in _SWITCH:
+            raise ConfigError(f"{source} must be one of {', '.join(_SWITCH)}, got {value!r}")
+        return _SWITCH[value.strip().lower()]
+    if entry.choices and value not in entry.choices:
+        raise ConfigError(f"{source} must be one of {', '.join(entry.choices)}, got {value!r}")
     return value
+
+
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _split_host(values: dict[str, object], sources: dict[str, str]) -> None:
@@ -269,7 +353,7 @@ def _split_host(values: dict[str, object], sources: dict[str, str]) -> None:
 
 
 def _check(entry: Option, value: object, source: str) -> None:
-    if not isinstance(value, int) or value == entry.special:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value == entry.special:
         return
     also = f" (or {entry.special})" if entry.special is not None else ""
     if entry.minimum is not None and value < entry.minimum:

@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from lmserve.config import ServerConfig
+from lmserve.engine.factory import EngineSettings
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
@@ -23,7 +24,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     """The service over the model store, and the name of the model `serve` was asked for."""
     from functools import partial
 
-    from lmserve.engine.factory import EngineSettings, open_engine
+    from lmserve.engine.factory import engine_kind, open_engine
     from lmserve.errors import ModelNotFound
     from lmserve.parsing import model_name_for_file
     from lmserve.service.catalog import StoreCatalog, gguf_details
@@ -33,8 +34,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.store.names import is_gguf_path
     from lmserve.store.store import Store
 
-    settings = EngineSettings(max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-                              snapshot_bytes=config.snapshot_mb * 2**20)
+    settings = engine_settings(config)
     store = Store(Path(config.models_dir).expanduser())
     catalog = StoreCatalog(store, partial(open_engine, settings=settings))
     try:
@@ -48,22 +48,54 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
             store.ensure_embedded(DEFAULT_MODEL_NAME, embedded, gguf_details(gguf_metadata(embedded)))
     name = config.model
     path = Path(name).expanduser()
-    if is_gguf_path(name) or path.is_file():
+    if is_gguf_path(name) or path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         name = model_name_for_file(path)  # the name `lmserve run FILE` gives it too
         projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
         catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
     elif config.mmproj:
         raise InvalidRequest(f"--mmproj goes with a model given as a .gguf path, not the name '{name}' (a stored "
                              "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
-    name = catalog.resolve(name)
-    if config.alias:
-        catalog.copy(name, config.alias)
-        name = catalog.resolve(config.alias)
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
                       max_images=config.max_images, n_predict=config.n_predict)
+    try:
+        name = catalog.resolve(name)
+    except ModelNotFound:
+        if "/" not in name:
+            raise
+        service.models.pull(name, _print_progress)  # a hub repository, as vLLM's `serve <org>/<repo>` fetches it
+        name = catalog.resolve(name)
+    refusal = config.refused_by(engine_kind(store.model_path(store.find(name).manifest)))
+    if refusal:
+        raise InvalidRequest(refusal)
+    if config.alias:
+        catalog.copy(name, config.alias)
+        name = catalog.resolve(config.alias)
     return service, name
+
+
+def _print_progress(event: dict[str, object]) -> None:
+    """One line on stderr per pull step (a file's percentage every tenth)."""
+    total, completed = event.get("total"), event.get("completed")
+    if isinstance(total, int) and isinstance(completed, int) and total > 0:
+        percent = completed * 100 // total
+        if percent % 10 and completed != total:
+            return
+        print(f"lmserve: {event.get('status')} {percent}%", file=sys.stderr, flush=True)
+    else:
+        print(f"lmserve: {event.get('status')}", file=sys.stderr, flush=True)
+
+
+def engine_settings(config: ServerConfig) -> EngineSettings:
+    """The engine settings of `serve`'s options."""
+    return EngineSettings(
+        engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
+        snapshot_bytes=config.snapshot_mb * 2**20, dtype=config.dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=config.data_parallel_size,
+        torch_compile=config.enable_torch_compile,
+    )
 
 
 class GracefulServer(uvicorn.Server):

@@ -5,7 +5,8 @@ runs the in-process tests (fake backend, parsers, translators, ASGI) and `make t
 
 - `model`: llama.cpp over a real GGUF: the embedded model (the `model_path` fixture) or a tiny generated one (a
   module that imports a tests/tiny_*.py writer and llama.cpp); checks that call llama.cpp without a model, or
-  write a GGUF without llama.cpp, stay in the fast lane;
+  write a GGUF without llama.cpp, stay in the fast lane; and vLLM (a module that imports vllm or tests/hf_repos.py's
+  repositories);
 - `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect` or tests/test_server.py;
   tests/test_soak_short.py, which runs bench/ scripts, by name);
 - `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
@@ -22,6 +23,7 @@ from lmserve.store.embedded import embedded_model_path
 
 TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora"})
 LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp", "lmserve.engine.quantize"})
+VLLM = frozenset({"vllm", "tests.hf_repos"})
 SERVER = frozenset({"subprocess", "pexpect", "tests.test_server"})
 SLOW = frozenset({"schemathesis"})
 SERVER_FILES = frozenset({"test_soak_short.py"})
@@ -46,7 +48,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:
     """The lane markers of a test from the modules its module uses, its fixtures and its file name."""
     marks: set[str] = set()
-    if "model_path" in fixtures or (_any_of(used, TINY_GGUF) and _any_of(used, LLAMA_CPP)):
+    if "model_path" in fixtures or (_any_of(used, TINY_GGUF) and _any_of(used, LLAMA_CPP)) or _any_of(used, VLLM):
         marks.add("model")
     if _any_of(used, SERVER) or filename in SERVER_FILES:
         marks.add("server")

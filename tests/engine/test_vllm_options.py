@@ -1,0 +1,67 @@
+"""The vLLM engine's mapping of lmserve's options to vLLM's, written once (pure: no engine is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmserve.engine.vllm import VllmOptions, engine_args, kv_cache_bytes, to_vllm_sampling
+from lmserve.errors import InvalidRequest
+from lmserve.types import SamplingParams
+
+
+def test_launch_options_map_to_vllm_engine_arguments() -> None:
+    options = VllmOptions(num_ctx=2048, num_parallel=16, dtype="float16", tensor_parallel_size=2,
+                          pipeline_parallel_size=2, data_parallel_size=1, torch_compile=False, prefill_chunk=512)
+    args = engine_args(Path("/m"), options, kv_bytes=2**28)
+    assert args | {"model": "/m"} == args
+    assert (args["max_model_len"], args["max_num_seqs"], args["dtype"]) == (2048, 16, "float16")
+    assert (args["tensor_parallel_size"], args["pipeline_parallel_size"]) == (2, 2)
+    assert args["enforce_eager"] is True and args["enable_prefix_caching"] is True
+    assert args["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in args
+    assert (args["enable_chunked_prefill"], args["max_num_batched_tokens"]) == (True, 512)
+    assert args["mamba_cache_dtype"] == "float16"  # a hybrid model's conv state follows --dtype float16
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    (VllmOptions(), {}),
+    (VllmOptions(torch_compile=True), {"enforce_eager": False}),
+    (VllmOptions(prefill_chunk=-1, num_ctx=4096), {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}),
+    (VllmOptions(gpu_memory_utilization=0.5), {"gpu_memory_utilization": 0.5}),
+])
+def test_each_option_reaches_vllm_only_when_given(options: VllmOptions, expected: dict[str, object]) -> None:
+    args = engine_args(Path("/m"), options, kv_bytes=None)
+    assert {key: args[key] for key in expected} == expected
+    if not options.prefill_chunk:
+        assert "max_num_batched_tokens" not in args and "enable_chunked_prefill" not in args
+    if options.dtype == "auto":
+        assert "mamba_cache_dtype" not in args
+
+
+def test_the_cpu_kv_cache_holds_parallel_times_context_for_attention_layers_only() -> None:
+    hybrid = {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"],
+              "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512}
+    options = VllmOptions(num_ctx=32768, num_parallel=64)
+    assert kv_cache_bytes(hybrid, options, None) == 2 * 1 * 2 * 64 * 2 * 32768 * 64  # K and V, 1 layer, bf16
+    assert kv_cache_bytes(hybrid, options, 2**30) == 2**29  # at most half of what is available
+    assert kv_cache_bytes(hybrid, VllmOptions(num_ctx=16, num_parallel=1), None) == 64 * 2**20  # the floor
+
+
+def test_sampling_maps_once_with_top_k_zero_as_disabled() -> None:
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repeat_penalty=1.1, seed=3,
+                              max_tokens=None, stop=["\n\n"], logit_bias={5: -100.0})
+    kwargs = to_vllm_sampling(sampling, special=True, room=100)
+    assert kwargs["top_k"] == -1 and kwargs["max_tokens"] == 100 and kwargs["repetition_penalty"] == 1.1
+    assert kwargs["skip_special_tokens"] is False and kwargs["stop"] == ["\n\n"] and kwargs["logit_bias"] == {5: -100.0}
+    assert to_vllm_sampling(SamplingParams(top_k=40, max_tokens=500), special=False, room=100)["max_tokens"] == 100
+
+
+@pytest.mark.parametrize(("sampling", "param"), [
+    (SamplingParams(mirostat=2), "mirostat"),
+    (SamplingParams(typical_p=0.5), "typical_p"),
+])
+def test_samplers_vllm_lacks_are_a_400(sampling: SamplingParams, param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        to_vllm_sampling(sampling, special=False, room=10)
+    assert info.value.param == param

@@ -1,0 +1,108 @@
+"""Hugging Face repositories (config.json + safetensors + tokenizer) for the vLLM engine, made without a download.
+
+- `smollm2_repo()`: the embedded SmolLM2-135M-Instruct GGUF loaded by transformers (`gguf_file=`) and saved as a
+  bf16 safetensors repository (~260 MB): a real model that answers "The capital of France is Paris.".
+- `tiny_lfm2_repo()`: a random LFM2 (hybrid: conv, conv, attention, conv; hidden 64, head_dim 32 — vLLM's CPU
+  attention refuses smaller heads) with SmolLM2's tokenizer and LFM2's chat template: plumbing, not wording.
+
+Both are built once per machine under the temporary directory (`lmserve-test-repos/<name>-v<N>`, written to a
+temporary sibling and renamed into place, so concurrent test runs never see half a repository). Run as a script
+(`python -m tests.hf_repos`) to print their paths, building them first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from lmserve.store.embedded import embedded_model_path
+
+VERSION = 1
+"""Bump when a repository's recipe changes, so cached copies are rebuilt."""
+
+LFM2_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def cache_root() -> Path:
+    return Path(tempfile.gettempdir()) / "lmserve-test-repos"
+
+
+def smollm2_repo() -> Path:
+    """The embedded SmolLM2 as a bf16 safetensors repository."""
+    return _cached("smollm2-135m-instruct", _write_smollm2)
+
+
+def tiny_lfm2_repo() -> Path:
+    """A tiny random hybrid LFM2 repository (SmolLM2's tokenizer)."""
+    return _cached("tiny-lfm2", _write_tiny_lfm2)
+
+
+def _cached(name: str, write: Callable[[Path], None]) -> Path:
+    final = cache_root() / f"{name}-v{VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        write(work)
+        os.replace(work, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not a concurrent builder that won the rename
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _write_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="bfloat16")
+    model.hf_quantizer = None  # the weights are dequantized now; the GGUF quantizer config cannot be saved
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _write_tiny_lfm2(out: Path) -> None:
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    smol = smollm2_repo()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / name, out / name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    layer_types = ["conv", "conv", "full_attention", "conv"]
+    config = Lfm2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, layer_types=layer_types, max_position_embeddings=2048, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    # vLLM's LFM2 reads the original config keys, which transformers' Lfm2Config does not write.
+    saved = json.loads((out / "config.json").read_text())
+    saved.update(block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, conv_dim=64, conv_dim_out=64, conv_L_cache=3, conv_bias=False,
+                 norm_eps=1e-5, layer_types=layer_types)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
+
+
+if __name__ == "__main__":
+    print(smollm2_repo())
+    print(tiny_lfm2_repo())
