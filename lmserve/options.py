@@ -126,6 +126,12 @@ MODEL_DEFAULT_KEYS: dict[str, str] = {
 }  # fmt: skip
 """GGUF metadata keys of a model's recommended sampling (as llama.cpp names them) → option name."""
 
+GENERATION_CONFIG_KEYS: dict[str, str] = {
+    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+    "repetition_penalty": "repeat_penalty",
+}  # fmt: skip
+"""generation_config.json keys of a Hugging Face repository's recommended sampling → option name."""
+
 PARAMETERS: dict[str, Option] = {name: o for name, o in TABLE.items() if o.native}
 """Every name a Modelfile PARAMETER and native `options` take (the refused ones are refused with a 400)."""
 
@@ -226,10 +232,11 @@ def from_parameters(parameters: Mapping[str, Any]) -> Layer:
     return layer
 
 
-def model_defaults(metadata: Mapping[str, Any]) -> Layer:
-    """The model's own recommended sampling (GGUF `general.sampling.*`); values that do not check are skipped."""
+def model_defaults(metadata: Mapping[str, Any], keys: Mapping[str, str] = MODEL_DEFAULT_KEYS) -> Layer:
+    """The model's own recommended sampling (GGUF `general.sampling.*`, or with `keys=GENERATION_CONFIG_KEYS` a
+    repository's generation_config.json); values that do not check are skipped."""
     layer: Layer = {}
-    for key, name in MODEL_DEFAULT_KEYS.items():
+    for key, name in keys.items():
         if key not in metadata:
             continue
         option, value = TABLE[name], metadata[key]

@@ -148,7 +148,8 @@ _EDGES = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 
 
 def model_name_for_file(path: str | PurePath) -> str:
-    """The model name (`name:latest`) a .gguf file is served and run under, from its file name.
+    """The model name (`name:latest`) a .gguf file, or a repository directory, is served and run under, from its
+    file name (pass a resolved path: `.` has no name and gives `model`).
 
     Accented letters lose their accents (`modèle` → `modele`); any other character a name may not hold becomes
     `-`; runs of `-` and `.` shrink to one; the name starts and ends with a letter or digit and has at most 128

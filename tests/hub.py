@@ -7,19 +7,25 @@ Served routes (what the installed huggingface_hub asks for):
   with `?blobs=true` each sibling carries `size`, `blobId` and, for LFS files, `lfs: {size, sha256, pointerSize}`.
 - `GET /api/models/{org}/{repo}/tree/{rev}` → one page of `{type: "file", path, size, oid, lfs}` entries.
 - `HEAD|GET /{org}/{repo}/resolve/{rev}/{filename}` → `X-Repo-Commit`, `ETag`, `Content-Length`.
-  LFS files (`*.gguf`) answer like the real hub: `302` to `/cdn/{sha256}` on a second port (another origin, like
-  a CDN) with `X-Linked-Etag` and `X-Linked-Size`; other files are served directly with a git-blob ETag.
+  LFS files (`*.gguf`, `*.safetensors`, `tokenizer.model`) answer like the real hub: `302` to `/cdn/{sha256}` on
+  a second port (another origin, like a CDN) with `X-Linked-Etag` and `X-Linked-Size`; other files are served
+  directly with a git-blob ETag.
 - `GET /cdn/{sha256}` → the bytes, honouring `Range: bytes=N-` with `206` and `Content-Range`.
 - Unknown repo → `404` + `X-Error-Code: RepoNotFound`; unknown file → `404` + `X-Error-Code: EntryNotFound`;
   gated repo → `403` + `X-Error-Code: GatedRepo`.
 
 Every request is recorded in `FakeHub.requests` (method, path, headers) so tests can assert on Range and auth.
+
+`tiny_repository()` is a small safetensors repository to serve (config.json, a safetensors file written by hand,
+tokenizer files, generation_config.json, and files a pull leaves out).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -53,10 +59,12 @@ class FakeHub:
     """False: the CDN ignores `Range` and answers 200 with the whole file, as some servers do."""
     cut_after: int | None = None
     """Send at most this many bytes of a CDN file (a download that stops short, cleanly)."""
+    listed_sizes: dict[str, int] = field(default_factory=dict)
+    """Sizes the file listing reports instead of the real ones, by file name (a listing that disagrees)."""
 
     def is_lfs(self, filename: str) -> bool:
         """LFS files are served through a CDN redirect, like the real hub does for large files."""
-        return filename.lower().endswith(".gguf")
+        return filename.lower().endswith((".gguf", ".safetensors")) or filename == "tokenizer.model"
 
     def blob(self, sha256: str) -> bytes | None:
         """The bytes of any served file by their sha256."""
@@ -148,7 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
         for name, data in files.items():
             sibling: dict[str, object] = {"rfilename": name}
             if with_blobs:
-                sibling |= {"size": len(data), "blobId": git_blob_sha1(data)}
+                sibling |= {"size": self.hub.listed_sizes.get(name, len(data)), "blobId": git_blob_sha1(data)}
                 if self.hub.is_lfs(name):
                     sibling["lfs"] = {"size": len(data), "sha256": sha256_hex(data), "pointerSize": 134}
             siblings.append(sibling)
@@ -226,6 +234,67 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.wfile.write(body)
+
+
+def safetensors_bytes(tensors: Mapping[str, tuple[str, list[int]]], metadata: Mapping[str, str] | None = None) -> bytes:
+    """A safetensors file of zero-filled tensors, {name: (dtype, shape)} with dtype "F32", "BF16", "F16" or "I64":
+    8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes), then the data."""
+    widths = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = widths[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + bytes(offset)
+
+
+TINY_TEMPLATE = (
+    "{%- if tools %}<tools>{{ tools | tojson }}</tools>{% endif -%}"
+    "{%- for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif -%}"
+)
+TINY_PARAMETERS = 32 * 16 + 16 * 16 * 2 + 16
+"""The parameter count of `tiny_repository()`'s weights: embeddings 32 x 16, two 16 x 16 layers, a norm of 16."""
+
+
+def tiny_repository(*, shards: int = 1) -> dict[str, bytes]:
+    """A tiny Llama-shaped safetensors repository, as a hub repo's files (never loaded by an engine).
+
+    With `shards=2` the weights are split over `model-0000N-of-00002.safetensors` plus an index. Files a pull
+    leaves out come along: README.md, .gitattributes, pytorch_model.bin, an image, an `original/` folder.
+    """
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
+              "num_hidden_layers": 2, "vocab_size": 32, "max_position_embeddings": 256, "dtype": "bfloat16"}
+    tensors = {"model.embed_tokens.weight": ("BF16", [32, 16]), "model.layers.0.mlp.weight": ("BF16", [16, 16]),
+               "model.layers.1.mlp.weight": ("BF16", [16, 16]), "model.norm.weight": ("F32", [16])}
+    files = {
+        "README.md": b"# tiny\n",
+        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        "config.json": json.dumps(config, indent=1).encode(),
+        "generation_config.json": json.dumps({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05,
+                                              "max_new_tokens": 64, "do_sample": True}).encode(),
+        "tokenizer.json": json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}}).encode(),
+        "tokenizer_config.json": json.dumps({"chat_template": TINY_TEMPLATE, "eos_token": "</s>"}).encode(),
+        "special_tokens_map.json": json.dumps({"eos_token": "</s>"}).encode(),
+        "pytorch_model.bin": b"not kept",
+        "logo.png": b"\x89PNG not kept",
+        "original/params.json": b"{}",
+    }
+    if shards == 1:
+        files["model.safetensors"] = safetensors_bytes(tensors, {"format": "pt"})
+        return files
+    names = list(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map: dict[str, str] = {}
+    for index, half in enumerate(halves, 1):
+        shard = f"model-{index:05d}-of-00002.safetensors"
+        files[shard] = safetensors_bytes({name: tensors[name] for name in half})
+        weight_map |= dict.fromkeys(half, shard)
+    files["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    return files
 
 
 def _range_start(header: str | None) -> int | None:

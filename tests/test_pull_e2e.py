@@ -1,7 +1,8 @@
 """End to end: `/api/pull` of a hub model through a real server, from a fake hub on 127.0.0.1 (nothing leaves it).
 
-The fake hub (tests/hub.py) serves `test-org/tiny-GGUF` with tiny loadable GGUFs; the server subprocess is pointed
-at it with LMSERVE_HF_ENDPOINT. Pulled with the official `ollama` client and with `lmserve pull`.
+The fake hub (tests/hub.py) serves `test-org/tiny-GGUF` with tiny loadable GGUFs and `test-org/tiny-llama`, a tiny
+safetensors repository (listed and shown here; loading it is the vLLM engine's tests' job); the server subprocess
+is pointed at it with LMSERVE_HF_ENDPOINT. Pulled with the official `ollama` client and with `lmserve pull`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import ollama
 import pytest
 from PIL import Image
 
 from lmserve.api.pulling import PullCancelled, PullFeed
-from tests.hub import FakeHub, serve_hub, sha256_hex
+from tests.hub import TINY_TEMPLATE, FakeHub, serve_hub, sha256_hex, tiny_repository
 from tests.test_server import Server
 from tests.tiny_lfm2 import write_tiny_lfm2
 from tests.tiny_lfm2_vl import LFM2_VL_SPECIALS, write_tiny_lfm2_mmproj
 
 REPO = "test-org/tiny-GGUF"
 MODEL = f"hf.co/{REPO}:Q8_0"
+REPOSITORY = "test-org/tiny-llama"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def hub(files: dict[str, bytes]) -> Iterator[FakeHub]:
-    with serve_hub({REPO: files}) as fake:
+    with serve_hub({REPO: files, REPOSITORY: tiny_repository()}) as fake:
         yield fake
 
 
@@ -155,6 +158,32 @@ def test_cli_pull_prints_progress_and_success(server: Server) -> None:
     listed = subprocess.run([sys.executable, "-m", "lmserve", "list"], env=env, capture_output=True, text=True,
                             timeout=60)
     assert f"hf.co/{REPO}:latest" in listed.stdout
+
+
+@pytest.mark.parametrize("name", [REPOSITORY, f"hf.co/{REPOSITORY}"])
+def test_pull_of_a_safetensors_repository_then_tags_show_and_models_list_it(
+    client: ollama.Client, server: Server, name: str
+) -> None:
+    parts = list(client.pull(name, stream=True))
+
+    statuses = [p.status for p in parts]
+    assert statuses[0] == "pulling manifest"
+    assert {"pulling config.json", "pulling model.safetensors", "pulling tokenizer.json"} <= set(statuses)
+    assert "pulling README.md" not in statuses and "pulling pytorch_model.bin" not in statuses
+    assert statuses[-2:] == ["writing manifest", "success"]
+
+    stored = f"{name}:latest"
+    [listed] = [m for m in client.list().models if m.model == stored]
+    assert listed.details is not None
+    assert (listed.details.format, listed.details.family, listed.details.quantization_level) == (
+        "safetensors", "llama", "BF16")
+    shown = client.show(name)
+    assert shown.details is not None and shown.details.format == "safetensors"
+    assert shown.template == TINY_TEMPLATE
+    assert "tools" in (shown.capabilities or [])
+    assert shown.modelinfo is not None and shown.modelinfo["general.architecture"] == "llama"
+    openai_ids = [m["id"] for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]]
+    assert stored in openai_ids
 
 
 class _SlowPull:

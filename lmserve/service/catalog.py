@@ -1,9 +1,10 @@
 """Catalogs: where model names come from, what they are, and how each is loaded (a LoadPlan for residency).
 
-`StoreCatalog` is the model store: a stored model's weights are opened by `open_engine` (engine/factory.py picks
-the engine), bound with the Modelfile's TEMPLATE (Go) or else the model's own chat template, and its PARAMETERs as
-sampling defaults. Names created FROM the same weights with the same load-time options plan the same WeightsKey,
-so they share one engine instance. `StaticCatalog` serves models already loaded (tests, fixed deployments).
+`StoreCatalog` is the model store: a stored model's weights (a GGUF blob, or a safetensors repository's directory,
+`Store.model_path`) are opened by `open_engine` (engine/factory.py picks the engine), bound with the Modelfile's
+TEMPLATE (Go) or else the model's own chat template, and its PARAMETERs as sampling defaults. Names created FROM
+the same weights with the same load-time options plan the same WeightsKey, so they share one engine instance.
+`StaticCatalog` serves models already loaded (tests, fixed deployments).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.options import Layer
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
+from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
@@ -137,13 +139,19 @@ class StoreCatalog:
     def describe(self, name: str) -> ModelDescription:
         entry = self.store.find(name)
         manifest = entry.manifest
-        metadata = gguf_metadata(self.store.blob_path(manifest.model))
-        template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
-        capabilities = ["completion"]
-        if "tools" in template.lower():
-            capabilities.append("tools")
-        if manifest.projector:
-            capabilities.append("vision")
+        if manifest.files:
+            directory = self.store.model_path(manifest)
+            metadata = repository.model_info(directory)
+            template = manifest.template or repository.chat_template(directory)
+            capabilities = repository.capabilities(directory, template)
+        else:
+            metadata = gguf_metadata(self.store.blob_path(manifest.model))
+            template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
+            capabilities = ["completion"]
+            if "tools" in template.lower():
+                capabilities.append("tools")
+            if manifest.projector:
+                capabilities.append("vision")
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
@@ -156,12 +164,15 @@ class StoreCatalog:
         )
 
     def has_vision(self, name: str) -> bool:
-        return self.store.find(name).manifest.projector is not None
+        manifest = self.store.find(name).manifest
+        if manifest.files:  # a repository: its config.json (the `model` blob) has a vision_config
+            return repository.has_vision(repository.read_json(self.store.blob_path(manifest.model)))
+        return manifest.projector is not None
 
     def modelfile(self, entry: ModelEntry) -> Modelfile:
         m = entry.manifest
         return Modelfile(
-            from_=str(self.store.blob_path(m.model)),
+            from_=str(self.store.model_path(m)),
             projector=str(self.store.blob_path(m.projector)) if m.projector else None,
             parameters=dict(m.parameters),
             template=m.template,
@@ -175,7 +186,16 @@ class StoreCatalog:
         return opts.from_parameters(self.store.find(name).manifest.parameters)
 
     def model_defaults(self, name: str) -> Layer:
-        digest = self.store.find(name).manifest.model
+        manifest = self.store.find(name).manifest
+        if manifest.files:  # a repository recommends sampling in its generation_config.json
+            digest = manifest.files.get(repository.GENERATION_CONFIG)
+            if digest is None:
+                return {}
+            if digest not in self._model_defaults:
+                config = repository.read_json(self.store.blob_path(digest))
+                self._model_defaults[digest] = opts.model_defaults(config, opts.GENERATION_CONFIG_KEYS)
+            return self._model_defaults[digest]
+        digest = manifest.model
         if digest not in self._model_defaults:  # a blob never changes: its header is read once
             try:
                 self._model_defaults[digest] = opts.model_defaults(gguf_metadata(self.store.blob_path(digest)))
@@ -194,7 +214,7 @@ class StoreCatalog:
         manifest = entry.manifest
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
         projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
-        path = self.store.blob_path(manifest.model)
+        path = self.store.model_path(manifest)
         full = replace(options, adapters=adapters, projector=projector)
 
         def open_engine() -> Engine:
@@ -227,9 +247,12 @@ class StoreCatalog:
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
                quantize: Callable[[Path], Path] | None = None) -> None:
-        """Build and save model `name` from a parsed Modelfile (FROM a stored model or a .gguf file)."""
+        """Build and save model `name` from a parsed Modelfile (FROM a stored model, a .gguf file or a Hugging Face
+        repository directory)."""
         target = parse_name(name)
         manifest = self._base_manifest(modelfile.from_, base_dir)
+        if manifest.files:
+            _check_repository_modelfile(modelfile, quantize is not None)
         if quantize is not None:
             quantized = quantize(self.store.blob_path(manifest.model))
             try:
@@ -271,6 +294,9 @@ class StoreCatalog:
         if source.startswith(("@sha256:", "sha256:")):
             digest = self._blob(source, base_dir)
             return Manifest(model=digest, details=gguf_details(gguf_metadata(self.store.blob_path(digest))))
+        directory = _repository_dir(source, base_dir)
+        if directory is not None:
+            return self._import_repository(directory)
         if is_gguf_path(source) or Path(source).is_absolute():
             path = _local_path(source, base_dir)
             check_gguf(path)
@@ -283,11 +309,47 @@ class StoreCatalog:
         manifest.details = {**base.manifest.details, "parent_model": str(base.name)}
         return manifest
 
+    def _import_repository(self, directory: Path) -> Manifest:
+        """A manifest of the repository in `directory`, its files imported into the store (hard links if possible)."""
+        try:
+            files = repository.local_files(directory)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {directory}: {exc.strerror}", param="from") from None
+        digests = {name: self.store.import_file(path) for name, path in files.items()}
+        return Manifest(model=digests[repository.CONFIG], files=digests, details=repository.details(directory))
+
     def _listing(self, entry: ModelEntry) -> ModelListing:
         return ModelListing(
             name=str(entry.name), created=int(entry.manifest.modified_at), size=entry.size, digest=entry.digest,
             details=dict(entry.manifest.details),
         )
+
+
+def _repository_dir(text: str, base_dir: Path | None) -> Path | None:
+    """The repository directory a FROM names: an absolute path (or `~/…`), or one relative to the Modelfile's
+    folder; None when `text` names no directory (a file, or a model name). A directory without config.json is
+    refused."""
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        if base_dir is None:
+            return None
+        path = base_dir / path
+    if not path.is_dir():
+        return None
+    if not repository.is_repository(path):
+        raise InvalidRequest(f"{text} is a directory without a config.json: FROM takes a .gguf file, a Hugging Face "
+                             "repository directory (config.json and *.safetensors) or a model name", param="from")
+    return path
+
+
+def _check_repository_modelfile(modelfile: Modelfile, quantize: bool) -> None:
+    """A repository is served by the vLLM engine, which takes no LoRA GGUF, mmproj projector or GGUF quantization."""
+    refused = [what for what, asked in (("ADAPTER", modelfile.adapters), ("a projector (mmproj)", modelfile.projector),
+                                        ("quantize", quantize)) if asked]
+    if refused:
+        raise InvalidRequest(f"{' and '.join(refused)} over a safetensors repository is not supported: the vLLM "
+                             "engine serves repositories as they are (GGUF adapters, projectors and quantization "
+                             "are llama.cpp's)", param="modelfile")
 
 
 def _local_path(text: str, base_dir: Path | None) -> Path:

@@ -90,7 +90,9 @@ class ModelService:
     # ---- pull -----------------------------------------------------------------------------------
 
     def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
-        """Download `hf.co/<org>/<repo>[:QUANT]` (and its mmproj projector) and register it as that model.
+        """Download `[hf.co/]<org>/<repo>[:QUANT]` and register it under that name: the repo's GGUF for the quant
+        (and its mmproj projector), or, for a repo without GGUFs, its safetensors repository (config.json, weights,
+        tokenizer: served by the vLLM engine).
 
         Blocking: run it in a worker thread. Files go to `<store>/hf-cache` (so a second pull downloads nothing and
         an interrupted one resumes) and are hard-linked into the store. `progress` gets the local runner's
@@ -102,7 +104,7 @@ class ModelService:
         from lmserve.store.embedded import is_embedded
         from lmserve.store.embedded import restore as restore_embedded
         from lmserve.store.names import parse_name
-        from lmserve.store.pull import PullProgress
+        from lmserve.store.pull import PulledRepository, PullProgress
         from lmserve.store.pull import pull as pull_files
 
         parsed = parse_name(name)
@@ -112,10 +114,10 @@ class ModelService:
 
             restore_embedded(self.store, lambda path: gguf_details(gguf_metadata(path)), progress)
             return
-        if not parsed.is_hub:
+        if parsed.namespace is None:
             raise InvalidRequest(
-                f"cannot pull '{name}': only hf.co/<org>/<repo>[:QUANT] names can be pulled (there is no other "
-                "registry); create local models with `create`",
+                f"cannot pull '{name}': only Hugging Face names, <org>/<repo> or hf.co/<org>/<repo>[:QUANT], can be "
+                "pulled (there is no other registry); create local models with `create`",
                 param="model",
             )
         cache_dir = self.store.root / "hf-cache"
@@ -133,6 +135,9 @@ class ModelService:
             progress=report,
         )
         progress({"status": "writing manifest"})
-        projector = str(files.projector.resolve()) if files.projector is not None else None
-        self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
+        if isinstance(files, PulledRepository):
+            self.create(str(parsed), Modelfile(from_=str(files.directory.resolve())))
+        else:
+            projector = str(files.projector.resolve()) if files.projector is not None else None
+            self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
         progress({"status": "success"})

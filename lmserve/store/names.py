@@ -9,7 +9,8 @@ A name is untrusted input (it becomes a path in the store), so `parse_name` is s
 - a text ending in `.gguf` is a path, not a name: callers check `is_gguf_path` first.
 
 The tag defaults to `latest`. For hub names the tag is the quantization (`Q4_K_M`), upper-cased, or `latest`;
-`huggingface.co/` is accepted as a spelling of `hf.co/`. Case is otherwise kept as written.
+`huggingface.co/` is accepted as a spelling of `hf.co/`. Case is otherwise kept as written. `pull` fetches both
+`hf.co/<org>/<repo>` and two-part `<org>/<repo>` names from the hub, and stores each under the name as written.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Pull a GGUF model (and its vision projector) from the Hugging Face hub, with progress, resume and sha256 checks.
+"""Pull a model from the Hugging Face hub, with progress, resume and sha256 checks: a GGUF (and its vision
+projector), or a safetensors repository.
 
-`pull(hf.co/<org>/<repo>[:QUANT])` lists the repo's files (`model_info(files_metadata=True)`: sizes and LFS
-sha256), picks the GGUF for the quant (`choose_files`, pure), downloads it into the huggingface_hub cache
-(`<cache>/models--org--repo/blobs/<etag>`, with `snapshots/<commit>/<filename>` pointing at it) and verifies its
-sha256. Registering the files in the lmserve store is the caller's job.
+`pull([hf.co/]<org>/<repo>[:QUANT])` lists the repo's files (`model_info(files_metadata=True)`: sizes and LFS
+sha256). A repo with GGUF files gives the GGUF for the quant (`choose_files`, pure); one without GGUFs but with
+config.json and safetensors weights gives its repository files (`repository.repository_files`, pure: weights,
+configs, tokenizer, chat template). Each file is downloaded into the huggingface_hub cache
+(`<cache>/models--org--repo/blobs/<etag>`, with `snapshots/<commit>/<filename>` pointing at it) and verified: LFS
+files by sha256, small files (the hub lists no sha256 for them) by size. Registering the files in the lmserve
+store is the caller's job.
 
 Resume: huggingface_hub 2.x no longer resumes an interrupted `hf_hub_download` (each attempt writes to a
 process-unique temporary file that is deleted on failure), so plain-HTTP downloads go through our own stable
@@ -49,6 +53,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound, Unreachable
 from lmserve.store.names import DEFAULT_TAG, ModelName
+from lmserve.store.repository import CONFIG, check_relative_path, repository_files
 
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "F16")
 """Preference order when the name carries no quant tag (`hf.co/org/repo` or `:latest`)."""
@@ -79,6 +84,15 @@ class PulledFiles:
     projector: Path | None
     model_sha256: str
     projector_sha256: str | None
+
+
+@dataclass(slots=True)
+class PulledRepository:
+    """What a pull of a safetensors repository leaves on disk: the snapshot folder holding its files (symlinks in
+    the huggingface_hub cache) and each file's verified sha256 hex."""
+
+    directory: Path
+    sha256: dict[str, str]
 
 
 ProgressFn = Callable[[PullProgress], None]
@@ -129,31 +143,55 @@ def pull(
     token: str | None = None,
     cache_dir: Path | None = None,
     progress: ProgressFn = lambda p: None,
-) -> PulledFiles:
-    """Download the GGUF for `hf.co/<org>/<repo>[:QUANT]` (and its mmproj projector) and verify their sha256.
+) -> PulledFiles | PulledRepository:
+    """Download `[hf.co/]<org>/<repo>[:QUANT]`: its GGUF for the quant (and its mmproj projector), or, for a repo
+    without GGUFs, its safetensors repository; verify every file.
 
     Blocking; call it from a worker thread. `endpoint` defaults to HF_ENDPOINT / huggingface.co, `token` to the
     stored huggingface token, `cache_dir` to the huggingface_hub cache. A file already in the cache is not
     downloaded again (its digest is still checked); an interrupted plain-HTTP download resumes where it stopped.
-    Raises ModelNotFound for a missing (or private without access) repo, InvalidRequest for a non-hub name, a
-    gated repo or a repo without a matching GGUF, LmserveError (500, code `pull_failed` or `digest_mismatch`)
-    for network failures and digest mismatches.
+    Raises ModelNotFound for a missing (or private without access) repo, InvalidRequest for a name without an
+    org, a gated repo, a repo without a matching GGUF or repository files, or a quant tag on a repository,
+    LmserveError (500, code `pull_failed` or `digest_mismatch`) for network failures and digest mismatches.
     """
-    if not name.is_hub or name.namespace is None:
-        raise InvalidRequest(f"only hf.co/<org>/<repo>[:QUANT] names can be pulled, not '{name}'", param="model")
+    if name.namespace is None:
+        raise InvalidRequest(f"only <org>/<repo> and hf.co/<org>/<repo>[:QUANT] names can be pulled, not '{name}'",
+                             param="model")
     repo_id = f"{name.namespace}/{name.name}"
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     progress(PullProgress("pulling manifest"))
     with _hub_errors(str(name), endpoint):
         info = HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True, token=token)
     siblings = {s.rfilename: s for s in info.siblings or []}
-    model_file, projector_file = choose_files(list(siblings), name.tag)
     source = _Source(repo_id, info.sha or "main", endpoint, token, cache)
+    if not any(f.lower().endswith(".gguf") for f in siblings):
+        return _pull_repository(source, siblings, name, progress)
+    model_file, projector_file = choose_files(list(siblings), name.tag)
     model, model_sha = _pull_file(source, siblings[model_file], str(name), progress)
     if projector_file is None:
         return PulledFiles(model, None, model_sha, None)
     projector, projector_sha = _pull_file(source, siblings[projector_file], str(name), progress)
     return PulledFiles(model, projector, model_sha, projector_sha)
+
+
+def _pull_repository(
+    source: _Source, siblings: dict[str, RepoSibling], name: ModelName, progress: ProgressFn
+) -> PulledRepository:
+    """Fetch and verify the files lmserve keeps of a safetensors repository, config.json first."""
+    try:
+        filenames = repository_files(siblings)
+    except InvalidRequest:
+        raise InvalidRequest(f"'{source.repo_id}' has no GGUF file and no config.json with *.safetensors weights: "
+                             "nothing lmserve can serve", param="model", code="no_weights") from None
+    if name.tag.lower() != DEFAULT_TAG:
+        raise InvalidRequest(f"'{source.repo_id}' is a safetensors repository, which has no quant tags: pull it "
+                             f"without ':{name.tag}'", param="model", code="quant_not_found")
+    paths: dict[str, Path] = {}
+    digests: dict[str, str] = {}
+    for filename in filenames:
+        check_relative_path(filename)
+        paths[filename], digests[filename] = _pull_file(source, siblings[filename], str(name), progress)
+    return PulledRepository(paths[CONFIG].parent, digests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +226,12 @@ def _pull_file(source: _Source, sibling: RepoSibling, model: str, progress: Prog
         _discard(path)
         raise LmserveError(
             f"digest mismatch for {filename}: expected sha256:{expected}, got sha256:{actual}; pull again",
+            code="digest_mismatch",
+        )
+    if sibling.size is not None and size != sibling.size:  # small files: the hub lists their size, not a sha256
+        _discard(path)
+        raise LmserveError(
+            f"size mismatch for {filename}: the hub lists {sibling.size} bytes, the download has {size}; pull again",
             code="digest_mismatch",
         )
     return path, actual

@@ -2,15 +2,21 @@
 
 Layout (root from `LMSERVE_MODELS`, default `~/.lmserve/models`):
 
-    blobs/sha256-<hex>                                         GGUF weights, projectors, adapters
+    blobs/sha256-<hex>                                         GGUF weights, projectors, adapters, repository files
     manifests/<host or "local">/<namespace or "library">/<name>/<tag>      one JSON `Manifest`
-    .lock                                                      flock'd around save, delete and gc
+    repos/<16 hex digits>/                                     a repository's files as symlinks to their blobs
+    .lock                                                      flock'd around save, delete, gc and repos/ changes
 
 Every write goes to a `.tmp-*` file in the target directory and is renamed into place, so a crash or a
 concurrent `rm` never leaves a half-written blob or model listed. Blobs are written first, without the lock;
 a manifest is written under the lock after checking that its blobs exist. Delete+gc, get, list and copy hold the
 same lock, so gc never removes a blob a model being saved refers to, and a reader never sees a manifest whose
 blobs went meanwhile. Blobs no manifest mentions are removed when the last model using them goes.
+
+A Hugging Face repository (config.json + safetensors + tokenizer files) is stored file by file as blobs; its
+manifest's `files` maps each relative path to a digest. `model_path` lays it out as a directory of relative
+symlinks under `repos/` (named by a hash of that map, so models with the same files share it), made in a temp
+directory and renamed into place on first use; gc removes the directories no manifest refers to.
 Known limit (as in the local runner): a blob uploaded for a model that is not yet saved can be collected by a
 concurrent delete; `save` then fails with 400 code `blob_missing` and the blob must be uploaded again.
 """
@@ -27,6 +33,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -37,6 +44,7 @@ from typing import Any, BinaryIO
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
 from lmserve.store.embedded import removed_hint
 from lmserve.store.names import ModelName, parse_name
+from lmserve.store.repository import check_relative_path
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +81,7 @@ class Manifest:
     """One model: which blobs it is made of, and what its Modelfile added on top of the GGUF."""
 
     model: str
-    """Blob digest of the GGUF weights."""
+    """Blob digest of the GGUF weights; for a repository, of its config.json."""
     projector: str | None = None
     """Blob digest of an mmproj GGUF (vision projector)."""
     adapters: list[str] = field(default_factory=list)
@@ -90,11 +98,14 @@ class Manifest:
     """format, family, families, parameter_size, quantization_level."""
     modified_at: float = 0.0
     """Unix seconds; set by `Store.save`."""
+    files: dict[str, str] = field(default_factory=dict)
+    """A repository's files: relative path → blob digest (config.json's is `model`); empty for a GGUF model."""
 
     @property
     def digests(self) -> list[str]:
-        """Every blob digest this manifest refers to: model, projector, adapters."""
-        return [self.model, *([] if self.projector is None else [self.projector]), *self.adapters]
+        """Every blob digest this manifest refers to, once each: model, projector, adapters, repository files."""
+        projector = [] if self.projector is None else [self.projector]
+        return list(dict.fromkeys([self.model, *projector, *self.adapters, *self.files.values()]))
 
 
 @dataclass(slots=True)
@@ -117,6 +128,7 @@ class Store:
         self.root = root
         self._blobs = root / "blobs"
         self._manifests = root / "manifests"
+        self._repos = root / "repos"
         self._blobs.mkdir(parents=True, exist_ok=True)
         self._manifests.mkdir(parents=True, exist_ok=True)
 
@@ -173,6 +185,7 @@ class Store:
         """
         if not path.is_file():
             raise InvalidRequest(f"{path} is not a file", param="from")
+        path = path.resolve()  # link the file a symlink points to (a hub cache snapshot), not the symlink
         tmp = self._blobs / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
             os.link(path, tmp)
@@ -186,6 +199,32 @@ class Store:
             tmp.unlink(missing_ok=True)
             raise
         return digest
+
+    def model_path(self, manifest: Manifest) -> Path:
+        """What the engine opens: the GGUF blob, or for a repository its directory under `repos/` (symlinks to the
+        blobs), laid out on first use and checked (and repaired) on each call."""
+        if not manifest.files:
+            return self.blob_path(manifest.model)
+        directory = self._repos / repository_key(manifest.files)
+        links = {name: self._link_target(directory, name, digest) for name, digest in manifest.files.items()}
+        with self._lock():
+            if not _has_links(directory, links):
+                if os.path.lexists(directory):
+                    _remove_tree(directory)
+                self._repos.mkdir(exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(dir=self._repos, prefix=TEMP_PREFIX))
+                try:
+                    _make_links(tmp, links)
+                    os.rename(tmp, directory)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+        return directory
+
+    def _link_target(self, directory: Path, name: str, digest: str) -> str:
+        """The relative symlink target from `directory/name` to the blob of `digest`."""
+        link = directory / check_relative_path(name)
+        return os.path.relpath(self.blob_path(digest), link.parent)
 
     def _install(self, tmp: Path, digest: str) -> None:
         final = self.blob_path(digest)
@@ -354,23 +393,40 @@ class Store:
 
     def _gc_locked(self) -> int:
         referenced: set[str] = set()
+        repos: set[str] | None = set()
+        """The repos/ directories manifests refer to; None when a manifest could not be read or decoded."""
         num_removed = 0
         is_complete = True
         for path in self._manifest_files():
             if path.name.startswith(TEMP_PREFIX):
                 num_removed += _remove_if_stale(path)
-            else:
-                try:  # any digest-looking text counts, so even a corrupt manifest keeps its blobs
-                    referenced.update(_DIGEST_IN_TEXT.findall(path.read_text(errors="replace")))
-                except OSError as error:
-                    logger.warning("not collecting blobs: cannot read %s (%s)", path, error)
-                    is_complete = False
+                continue
+            try:  # any digest-looking text counts, so even a corrupt manifest keeps its blobs
+                text = path.read_text(errors="replace")
+            except OSError as error:
+                logger.warning("not collecting blobs: cannot read %s (%s)", path, error)
+                is_complete, repos = False, None
+                continue
+            referenced.update(_DIGEST_IN_TEXT.findall(text))
+            repos = _add_repository(repos, text)
         for blob in self._blobs.iterdir():
             if blob.name.startswith(TEMP_PREFIX):
                 num_removed += _remove_if_stale(blob)
             elif is_complete and _BLOB_NAME.fullmatch(blob.name) and blob.name[7:] not in referenced:
                 blob.unlink(missing_ok=True)
                 num_removed += 1
+        return num_removed + self._gc_repos_locked(repos)
+
+    def _gc_repos_locked(self, referenced: set[str] | None) -> int:
+        """Remove repos/ directories no manifest refers to (none when `referenced` is unknown) and stale temps."""
+        num_removed = 0
+        with contextlib.suppress(FileNotFoundError):
+            for directory in self._repos.iterdir():
+                if directory.name.startswith(TEMP_PREFIX):
+                    num_removed += _remove_if_stale(directory)
+                elif referenced is not None and directory.name not in referenced:
+                    _remove_tree(directory)
+                    num_removed += 1
         return num_removed
 
     @contextlib.contextmanager
@@ -409,14 +465,62 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _remove_if_stale(path: Path) -> int:
-    """Remove a temp file whose inode changed over an hour ago (ctime: a fresh hard link counts as new)."""
+    """Remove a temp file (or directory) whose inode changed over an hour ago (ctime: a fresh hard link counts as
+    new)."""
     try:
-        if time.time() - path.stat().st_ctime < STALE_TEMP_SECONDS:
+        if time.time() - path.lstat().st_ctime < STALE_TEMP_SECONDS:
             return 0
-        path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     except OSError:
         return 0
     return 1
+
+
+def repository_key(files: Mapping[str, str]) -> str:
+    """The name of a repository's directory under repos/: 16 hex digits of the hash of its files map."""
+    text = json.dumps(sorted(files.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _add_repository(repos: set[str] | None, manifest_text: str) -> set[str] | None:
+    """`repos` plus the directory of the repository a manifest's text describes; None when it does not decode."""
+    if repos is None:
+        return None
+    try:
+        files = _decode(manifest_text.encode()).files
+    except (ValueError, InvalidRequest, RecursionError):
+        return None  # a corrupt manifest: its directory cannot be told apart, so keep every directory
+    if files:
+        repos.add(repository_key(files))
+    return repos
+
+
+def _has_links(directory: Path, links: Mapping[str, str]) -> bool:
+    """True when `directory` holds exactly these symlinks (relative path → target)."""
+    try:
+        return all(os.readlink(directory / name) == target for name, target in links.items())
+    except OSError:
+        return False
+
+
+def _make_links(directory: Path, links: Mapping[str, str]) -> None:
+    for name, target in links.items():
+        link = directory / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link)
+
+
+def _remove_tree(directory: Path) -> None:
+    """Remove a repos/ directory: first renamed to a temp name, so nobody sees it half removed."""
+    doomed = directory.with_name(f"{TEMP_PREFIX}{secrets.token_hex(8)}")
+    os.rename(directory, doomed)
+    if doomed.is_dir() and not doomed.is_symlink():
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        doomed.unlink(missing_ok=True)
 
 
 def _decode(raw: bytes) -> Manifest:
@@ -433,6 +537,9 @@ def _decode(raw: bytes) -> Manifest:
 
     projector = typed("projector", (str, type(None)), None)
     adapters = typed("adapters", list, [])
+    files = typed("files", dict, {})
+    if not all(isinstance(digest, str) for digest in files.values()):
+        raise ValueError("'files' must map file names to digests")
     messages = typed("messages", list, [])
     licenses = typed("license", list, [])
     if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m) for m in messages):
@@ -451,4 +558,5 @@ def _decode(raw: bytes) -> Manifest:
         parent=typed("parent", str, ""),
         details=typed("details", dict, {}),
         modified_at=float(typed("modified_at", (int, float), 0.0)),
+        files={check_relative_path(name): check_digest(digest) for name, digest in files.items()},
     )

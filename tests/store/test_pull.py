@@ -12,8 +12,9 @@ from huggingface_hub import HfApi, constants
 
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
 from lmserve.store.names import parse_name
-from lmserve.store.pull import PulledFiles, PullProgress, available_quants, choose_files, pull
-from tests.hub import FakeHub, serve_hub, sha256_hex
+from lmserve.store.pull import PulledFiles, PulledRepository, PullProgress, available_quants, choose_files, pull
+from lmserve.store.repository import repository_files
+from tests.hub import FakeHub, serve_hub, sha256_hex, tiny_repository
 
 REPO = [
     "README.md",
@@ -100,13 +101,33 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once at import; the suite may have set it
-    repos = {"org/tiny-GGUF": FILES, "org/docs": {"README.md": b"no weights here"}, "org/gated": FILES}
+    repos = {"org/tiny-GGUF": FILES, "org/docs": {"README.md": b"no weights here"}, "org/gated": FILES,
+             "org/tiny": REPOSITORY, "org/tiny-sharded": SHARDED, "org/bin-only": {"config.json": b"{}",
+                                                                                  "pytorch_model.bin": b"x"}}
     with serve_hub(repos, gated=frozenset({"org/gated"})) as fake:
         monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
         yield fake
 
 
+REPOSITORY = tiny_repository()
+SHARDED = tiny_repository(shards=2)
+
+
 def pull_from(hub: FakeHub, cache: Path, text: str, events: list[PullProgress] | None = None) -> PulledFiles:
+    pulled = pull_any(hub, cache, text, events)
+    assert isinstance(pulled, PulledFiles)
+    return pulled
+
+
+def pull_repo(hub: FakeHub, cache: Path, text: str, events: list[PullProgress] | None = None) -> PulledRepository:
+    pulled = pull_any(hub, cache, text, events)
+    assert isinstance(pulled, PulledRepository)
+    return pulled
+
+
+def pull_any(
+    hub: FakeHub, cache: Path, text: str, events: list[PullProgress] | None = None
+) -> PulledFiles | PulledRepository:
     sink = events.append if events is not None else (lambda p: None)
     return pull(parse_name(text), endpoint=hub.endpoint, cache_dir=cache, progress=sink)
 
@@ -229,7 +250,10 @@ def test_pull_sends_the_token(hub: FakeHub, tmp_path: Path) -> None:
     ("name", "error", "status", "code"),
     [
         ("hf.co/org/missing", ModelNotFound, 404, "model_not_found"),
-        ("hf.co/org/docs", InvalidRequest, 400, "no_gguf"),
+        ("hf.co/org/docs", InvalidRequest, 400, "no_weights"),
+        ("org/bin-only", InvalidRequest, 400, "no_weights"),
+        ("org/tiny:Q4_K_M", InvalidRequest, 400, "quant_not_found"),
+        ("org/missing", ModelNotFound, 404, "model_not_found"),
         ("hf.co/org/gated", InvalidRequest, 400, "gated_repo"),
         ("hf.co/org/tiny-GGUF:Q2_K", InvalidRequest, 400, "quant_not_found"),
         ("smollm2:135m", InvalidRequest, 400, None),
@@ -243,6 +267,86 @@ def test_pull_errors(
     assert type(info.value) is error
     assert info.value.status == status
     assert info.value.code == code
+
+
+def test_an_org_repo_name_pulls_from_the_hub_too(hub: FakeHub, tmp_path: Path) -> None:
+    pulled = pull_from(hub, tmp_path / "cache", "org/tiny-GGUF:q8_0")
+    assert pulled.model.name == "tiny-Q8_0.gguf"
+
+
+# --- pulling a safetensors repository --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "files"), [("org/tiny", REPOSITORY), ("hf.co/org/tiny", REPOSITORY),
+                                             ("org/tiny-sharded", SHARDED)])
+def test_pull_of_a_repository_downloads_its_files_and_verifies_them(
+    hub: FakeHub, tmp_path: Path, text: str, files: dict[str, bytes]
+) -> None:
+    events: list[PullProgress] = []
+    pulled = pull_repo(hub, tmp_path / "cache", text, events)
+
+    kept = repository_files(files)
+    assert sorted(p.name for p in pulled.directory.iterdir()) == sorted(kept)  # README, *.bin, folders: left out
+    assert pulled.directory.resolve().is_relative_to((tmp_path / "cache").resolve())
+    for name in kept:
+        assert (pulled.directory / name).read_bytes() == files[name]
+        assert pulled.sha256[name] == sha256_hex(files[name])
+    statuses = [e.status for e in events]
+    assert statuses[0] == "pulling manifest"
+    pulled_in_order = dict.fromkeys(s.removeprefix("pulling ") for s in statuses if s.startswith("pulling "))
+    assert list(pulled_in_order)[1:] == kept  # after "manifest": one file after another, config.json first
+    assert statuses.count("verifying sha256 digest") == len(kept)
+    weights = [e for e in events if e.status.endswith(".safetensors")]
+    assert weights[-1].completed == weights[-1].total and weights[-1].digest is not None  # LFS: a sha256
+    config = [e for e in events if e.status == "pulling config.json"]
+    assert config[-1].completed == len(files["config.json"]) and config[-1].digest is None  # not LFS: no sha256
+    assert not [r for r in hub.requests if r.path.endswith(("README.md", ".bin", ".png", "params.json"))]
+
+
+def test_second_pull_of_a_repository_downloads_nothing(hub: FakeHub, tmp_path: Path) -> None:
+    first = pull_repo(hub, tmp_path / "cache", "org/tiny")
+    before = len(hub.requests)
+    second = pull_repo(hub, tmp_path / "cache", "org/tiny")
+    assert second == first
+    assert [r for r in hub.requests[before:] if r.method == "GET" and "/api/" not in r.path] == []
+
+
+def test_a_repository_download_that_stops_short_resumes(hub: FakeHub, tmp_path: Path) -> None:
+    data = REPOSITORY["model.safetensors"]
+    hub.cut_after = 100
+    with pytest.raises(LmserveError, match=f"stopped at 100 of {len(data)} bytes; pull again to resume"):
+        pull_repo(hub, tmp_path / "cache", "org/tiny")
+    hub.cut_after = None
+
+    pulled = pull_repo(hub, tmp_path / "cache", "org/tiny")
+
+    assert (pulled.directory / "model.safetensors").read_bytes() == data
+    assert hub.requests_for(f"/cdn/{sha256_hex(data)}")[-1].headers["range"] == "bytes=100-"
+
+
+def test_a_repository_file_with_the_wrong_sha256_fails_then_pulls_again(hub: FakeHub, tmp_path: Path) -> None:
+    data = REPOSITORY["model.safetensors"]
+    blobs = tmp_path / "cache" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{sha256_hex(data)}.partial").write_bytes(b"X" * 100)
+
+    with pytest.raises(LmserveError) as info:
+        pull_repo(hub, tmp_path / "cache", "org/tiny")
+    assert (info.value.code, info.value.status) == ("digest_mismatch", 500)
+    assert "model.safetensors" in info.value.message
+
+    pulled = pull_repo(hub, tmp_path / "cache", "org/tiny")
+    assert (pulled.directory / "model.safetensors").read_bytes() == data
+
+
+def test_a_small_file_of_the_wrong_size_fails(hub: FakeHub, tmp_path: Path) -> None:
+    hub.listed_sizes["tokenizer.json"] = 3
+    with pytest.raises(LmserveError, match=r"size mismatch for tokenizer\.json") as info:
+        pull_repo(hub, tmp_path / "cache", "org/tiny")
+    assert info.value.code == "digest_mismatch"
+    hub.listed_sizes.clear()
+    pulled = pull_repo(hub, tmp_path / "cache", "org/tiny")
+    assert (pulled.directory / "tokenizer.json").read_bytes() == REPOSITORY["tokenizer.json"]
 
 
 @pytest.mark.parametrize(

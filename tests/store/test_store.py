@@ -123,6 +123,16 @@ def test_add_blob_checks_expected_before_reading(store: Store) -> None:
     assert list((store.root / "blobs").iterdir()) == []
 
 
+def test_import_file_through_a_relative_symlink_stores_the_target(store: Store, tmp_path: Path) -> None:
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "etag").write_bytes(b"bytes")
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "config.json").symlink_to("../blobs/etag")  # as in the hub cache
+    digest = store.import_file(tmp_path / "snapshot" / "config.json")
+    assert store.blob_path(digest).read_bytes() == b"bytes"
+    assert not store.blob_path(digest).is_symlink()
+
+
 def test_import_file_rejects_a_missing_file(store: Store, tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="not a file"):
         store.import_file(tmp_path / "missing.gguf")
@@ -144,6 +154,7 @@ def test_save_get_round_trips_every_field(store: Store) -> None:
         license=["MIT"],
         parent="base:latest",
         details={"format": "gguf", "family": "llama", "families": ["llama"]},
+        files={"config.json": weights, "tokenizer/vocab.txt": add(store, b"v")},
     )
     name = parse_name("me/custom:v1")
     store.save(name, manifest)
@@ -151,7 +162,7 @@ def test_save_get_round_trips_every_field(store: Store) -> None:
     entry = store.get(name)
     assert entry.name == name
     assert entry.manifest == manifest
-    assert entry.size == 3
+    assert entry.size == 4  # each blob once
     assert len(entry.digest) == 64
     assert entry.digest == hashlib.sha256(store._manifest_path(name).read_bytes()).hexdigest()
 
@@ -369,6 +380,132 @@ def test_gc_removes_unreferenced_blobs_and_only_stale_temps(store: Store, monkey
     assert store.gc() == 2
     assert not temp_files(store.root)
     assert foreign.exists()
+
+
+# repositories (config.json + safetensors + tokenizer files, one blob each)
+
+
+REPO_FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"weights",
+              "tokenizer.json": b"{}"}  # fmt: skip
+
+
+def repo_model(store: Store, text: str, files: dict[str, bytes] = REPO_FILES, **fields: object) -> ModelName:
+    digests = {name: add(store, data) for name, data in files.items()}
+    name = parse_name(text)
+    store.save(name, Manifest(model=digests["config.json"], files=digests, **fields))  # type: ignore[arg-type]
+    return name
+
+
+def repo_dirs(store: Store) -> list[Path]:
+    repos = store.root / "repos"
+    return sorted(repos.iterdir()) if repos.exists() else []
+
+
+def test_a_repository_lists_its_files_once_and_its_size(store: Store) -> None:
+    entry = store.get(repo_model(store, "org/tiny"))
+    assert entry.manifest.digests == [digest_of(data) for data in REPO_FILES.values()]
+    assert entry.size == sum(len(data) for data in REPO_FILES.values())
+
+
+def test_model_path_of_a_gguf_is_its_blob(store: Store) -> None:
+    manifest = store.get(model(store, "g", b"gguf")).manifest
+    assert store.model_path(manifest) == store.blob_path(digest_of(b"gguf"))
+    assert repo_dirs(store) == []
+
+
+def test_model_path_lays_out_a_repository_as_links_to_its_blobs(store: Store) -> None:
+    files = {**REPO_FILES, "sub/extra.json": b"[]"}
+    manifest = store.get(repo_model(store, "org/tiny", files)).manifest
+
+    directory = store.model_path(manifest)
+
+    assert directory.parent == store.root / "repos"
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()) == sorted(files)
+    for name, data in files.items():
+        link = directory / name
+        assert link.is_symlink() and not Path(os.readlink(link)).is_absolute()
+        assert link.resolve() == store.blob_path(digest_of(data)).resolve()
+        assert link.read_bytes() == data
+    assert not temp_files(store.root)
+
+
+def test_model_path_is_made_once_and_repaired_when_broken(store: Store) -> None:
+    manifest = store.get(repo_model(store, "org/tiny")).manifest
+    directory = store.model_path(manifest)
+    inode = directory.stat().st_ino
+    assert store.model_path(manifest) == directory
+    assert directory.stat().st_ino == inode  # reused, not made again
+    (directory / "tokenizer.json").unlink()
+    assert store.model_path(manifest) == directory
+    assert (directory / "tokenizer.json").read_bytes() == b"{}"
+
+
+def test_models_with_the_same_files_share_a_directory(store: Store) -> None:
+    first = store.get(repo_model(store, "org/tiny", system="one")).manifest
+    second = store.get(repo_model(store, "other", system="two")).manifest
+    assert store.model_path(first) == store.model_path(second)
+    third = store.get(repo_model(store, "org/more", {**REPO_FILES, "vocab.txt": b"a"})).manifest
+    assert store.model_path(third) != store.model_path(first)
+
+
+def test_copy_keeps_and_delete_of_the_last_drops_a_repositorys_blobs_and_directory(store: Store) -> None:
+    source = repo_model(store, "org/tiny")
+    store.copy(source, parse_name("mine"))
+    directory = store.model_path(store.get(source).manifest)
+
+    store.delete(source)
+    assert directory.is_dir()
+    assert all(store.has_blob(digest_of(data)) for data in REPO_FILES.values())
+    assert store.model_path(store.get(parse_name("mine")).manifest) == directory
+
+    store.delete(parse_name("mine"))
+    assert repo_dirs(store) == []
+    assert list((store.root / "blobs").iterdir()) == []
+
+
+def test_gc_removes_directories_no_manifest_refers_to(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = store.model_path(store.get(repo_model(store, "kept")).manifest)
+    orphan = store.root / "repos" / ("0" * 16)
+    orphan.mkdir()
+    (orphan / "config.json").symlink_to("../../blobs/nothing")
+    fresh_temp = store.root / "repos" / ".tmp-half"
+    fresh_temp.mkdir()
+    assert store.gc() == 1
+    assert repo_dirs(store) == [fresh_temp, kept]
+    monkeypatch.setattr(store_module, "STALE_TEMP_SECONDS", -1.0)
+    assert store.gc() == 1
+    assert repo_dirs(store) == [kept]
+
+
+def test_gc_keeps_every_directory_while_a_manifest_is_corrupt(store: Store) -> None:
+    directory = store.model_path(store.get(repo_model(store, "kept")).manifest)
+    bad = store._manifest_path(parse_name("bad"))
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"model": "sha256:' + HEX + '", trunc')
+    store._manifest_path(parse_name("kept")).unlink()
+    store.gc()
+    assert repo_dirs(store) == [directory]
+
+
+def test_an_old_manifest_without_files_loads(store: Store) -> None:
+    digest = add(store, b"w")
+    path = store._manifest_path(parse_name("old"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema_version": 1, "model": digest, "details": {"format": "gguf"},
+                                "modified_at": 1.0}))
+    manifest = store.find("old").manifest
+    assert manifest.files == {}
+    assert store.model_path(manifest) == store.blob_path(digest)
+
+
+@pytest.mark.parametrize("files", [{"../escape": "sha256:" + HEX}, {"/abs": "sha256:" + HEX},
+                                   {"config.json": "sha256:nope"}, {"config.json": 7}])
+def test_a_manifest_with_bad_files_is_corrupt(store: Store, files: dict[str, object]) -> None:
+    path = store._manifest_path(parse_name("bad"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"model": add(store, b"w"), "files": files}))
+    with pytest.raises(LmserveError, match="corrupt manifest"):
+        store.get(parse_name("bad"))
 
 
 # environment and the embedded model
