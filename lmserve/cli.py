@@ -20,10 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lmserve import __version__
 from lmserve.config import ConfigError, ServerConfig, add_arguments, environment_help, resolve
-from lmserve.lifeline import hold_on_to_parent
 from lmserve.parsing import model_name_for_file
-
-hold_on_to_parent()  # in an engine process vLLM spawned from the server: end with the server (lmserve/lifeline.py)
 
 if TYPE_CHECKING:
     from lmserve.client import Client

@@ -59,8 +59,8 @@ class Option:
 
     @property
     def name(self) -> str:
-        """What an error message calls the option: its long flag, else its variable."""
-        return self.flags[-1] if self.flags else self.env_name
+        """What an error message calls the option: its first long flag, else its variable."""
+        return next((flag for flag in self.flags if flag.startswith("--")), self.env_name)
 
     def describe_default(self, default: object) -> str:
         if self.shown is not None:

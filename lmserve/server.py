@@ -102,10 +102,25 @@ class GracefulServer(uvicorn.Server):
     """On SIGTERM/SIGINT uvicorn stops accepting and waits for open requests; after `grace` seconds those still
     running end with an error line/event, so every client learns why its answer stopped, and the process exits 0."""
 
-    def __init__(self, config: uvicorn.Config, service: Service, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, grace: float, preload: list[str]) -> None:
         super().__init__(config)
         self._service = service
         self._grace = grace
+        self._preload = preload
+        self.failure: str | None = None
+        """Why the server stopped before serving (the model it was started with failed to load)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Load the models named at start (kept loaded), then start serving; a model that fails to load ends the
+        server before it serves, with its reason in `failure` (one line, not a traceback)."""
+        try:
+            for name in self._preload:
+                await self._service.models.load(name, keep_alive=-1)
+        except LmserveError as exc:
+            self.failure = " ".join(exc.message.split())
+            self.should_exit = True
+            return
+        await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         deadline = asyncio.get_running_loop().call_later(
@@ -144,7 +159,7 @@ def run(config: ServerConfig) -> int:
         sock.close()
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
-    app = create_app(service, config, preload=[name])
+    app = create_app(service, config)
     print(
         f"lmserve listening on http://{Address(config.host).url_host}:{config.port}\n"
         f"  model    {name} ({served_file})\n"
@@ -155,10 +170,14 @@ def run(config: ServerConfig) -> int:
     )
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                timeout_graceful_shutdown=config.shutdown_grace + 5)
+    server = GracefulServer(uv_config, service, config.shutdown_grace, preload=[name])
     try:
-        GracefulServer(uv_config, service, config.shutdown_grace).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         service.close()
+    if server.failure is not None:
+        print(f"lmserve: {server.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -2,6 +2,9 @@
 
 - `smollm2_repo()`: the embedded SmolLM2-135M-Instruct GGUF loaded by transformers (`gguf_file=`) and saved as a
   bf16 safetensors repository (~260 MB): a real model that answers "The capital of France is Paris.".
+- `tiny_llama_repo()`: a random Llama (hidden 128, 4 heads of 32, 2 KV heads, fp32) with SmolLM2's tokenizer:
+  small enough to compare token for token with transformers, and its heads split over tensor-parallel ranks
+  (SmolLM2's 9 heads do not split in 2).
 - `tiny_lfm2_repo()`: a random LFM2 (hybrid: conv, conv, attention, conv; hidden 64, head_dim 32 — vLLM's CPU
   attention refuses smaller heads) with SmolLM2's tokenizer and LFM2's chat template: plumbing, not wording.
 
@@ -42,6 +45,11 @@ def smollm2_repo() -> Path:
     return _cached("smollm2-135m-instruct", _write_smollm2)
 
 
+def tiny_llama_repo() -> Path:
+    """A tiny random fp32 Llama repository (SmolLM2's tokenizer and chat template)."""
+    return _cached("tiny-llama", _write_tiny_llama)
+
+
 def tiny_lfm2_repo() -> Path:
     """A tiny random hybrid LFM2 repository (SmolLM2's tokenizer)."""
     return _cached("tiny-lfm2", _write_tiny_lfm2)
@@ -77,6 +85,21 @@ def _write_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _write_tiny_llama(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    smol = smollm2_repo()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smol / name, out / name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+
+
 def _write_tiny_lfm2(out: Path) -> None:
     import torch
     from transformers import Lfm2Config, Lfm2ForCausalLM
@@ -105,4 +128,5 @@ def _write_tiny_lfm2(out: Path) -> None:
 
 if __name__ == "__main__":
     print(smollm2_repo())
+    print(tiny_llama_repo())
     print(tiny_lfm2_repo())

@@ -70,6 +70,31 @@ def test_defaults() -> None:
         (["--image-allow-host", "a", "--image-allow-host", "b,c"], {}, "image_allow_hosts", ("a", "b", "c")),
         ([], {"LMSERVE_IMAGE_ALLOW_HOSTS": "a, b"}, "image_allow_hosts", ("a", "b")),
         ([], {"LMSERVE_MODELS": "/store"}, "models_dir", "/store"),
+        # the GPU servers' launch options: their own flags and variables, or aliases of ours that mean the same
+        (["--max-model-len", "8192"], {}, "ctx_size", 8192),
+        ([], {"LMSERVE_MAX_MODEL_LEN": "2048"}, "ctx_size", 2048),
+        ([], {"LMSERVE_CTX_SIZE": "1024", "LMSERVE_MAX_MODEL_LEN": "2048"}, "ctx_size", 1024),
+        (["--max-num-seqs", "64"], {}, "parallel", 64),
+        ([], {"LMSERVE_MAX_NUM_SEQS": "16"}, "parallel", 16),
+        (["--served-model-name", "lfm"], {}, "alias", "lfm"),
+        ([], {"LMSERVE_SERVED_MODEL_NAME": "lfm"}, "alias", "lfm"),
+        (["--chunked-prefill-size", "-1"], {}, "prefill_chunk", -1),
+        ([], {"LMSERVE_CHUNKED_PREFILL_SIZE": "1024"}, "prefill_chunk", 1024),
+        (["--model-path", "LiquidAI/LFM2-1.2B"], {}, "model", "LiquidAI/LFM2-1.2B"),
+        (["--engine", "vllm"], {}, "engine", "vllm"),
+        ([], {"LMSERVE_ENGINE": "llamacpp"}, "engine", "llamacpp"),
+        (["--dtype", "float16"], {}, "dtype", "float16"),
+        ([], {"LMSERVE_DTYPE": "bfloat16"}, "dtype", "bfloat16"),
+        (["--gpu-memory-utilization", "0.85"], {}, "gpu_memory_utilization", 0.85),
+        ([], {"LMSERVE_GPU_MEMORY_UTILIZATION": "0.5"}, "gpu_memory_utilization", 0.5),
+        (["-tp", "2"], {}, "tensor_parallel_size", 2),
+        ([], {"LMSERVE_TENSOR_PARALLEL_SIZE": "8"}, "tensor_parallel_size", 8),
+        (["--pipeline-parallel-size", "2"], {}, "pipeline_parallel_size", 2),
+        ([], {"LMSERVE_DATA_PARALLEL_SIZE": "2"}, "data_parallel_size", 2),
+        (["--enable-torch-compile"], {}, "enable_torch_compile", True),
+        ([], {"LMSERVE_ENABLE_TORCH_COMPILE": "true"}, "enable_torch_compile", True),
+        ([], {"LMSERVE_ENABLE_TORCH_COMPILE": "0"}, "enable_torch_compile", False),
+        ([], {"LMSERVE_TOOL_CALL_PARSER": "lfm2"}, "tool_call_parser", "lfm2"),
     ],
 )
 def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str], field: str, expected: object) -> None:
@@ -88,6 +113,13 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
         (["-n", "0"], {}, "--n-predict must be at least 1 (or -1), got 0"),
         ([], {"LMSERVE_KEEP_ALIVE": "soon"}, "LMSERVE_KEEP_ALIVE: expected a duration"),
         (["--image-min-tokens", "64", "--image-max-tokens", "32"], {}, "image-max-tokens (32) is below"),
+        (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization must be at most 1.0, got 1.5"),
+        ([], {"LMSERVE_GPU_MEMORY_UTILIZATION": "most"}, "LMSERVE_GPU_MEMORY_UTILIZATION must be a number"),
+        (["--dtype", "int4"], {}, "--dtype must be one of auto, float16, bfloat16, float32, got 'int4'"),
+        (["--engine", "ollama"], {}, "--engine must be one of auto, llamacpp, vllm, got 'ollama'"),
+        ([], {"LMSERVE_ENABLE_TORCH_COMPILE": "maybe"}, "LMSERVE_ENABLE_TORCH_COMPILE must be one of 1, true"),
+        (["--chunked-prefill-size", "0"], {}, "--prefill-chunk must be at least 1 (or -1), got 0"),
+        (["-tp", "0"], {}, "--tensor-parallel-size must be at least 1, got 0"),
     ],
 )
 def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -97,8 +129,29 @@ def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: d
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(("argv", "env", "engine", "message"), [
+    (["--dtype", "float16"], {}, "llamacpp", "--dtype is a vLLM option, but"),
+    ([], {"LMSERVE_TENSOR_PARALLEL_SIZE": "2"}, "llamacpp", "--tensor-parallel-size is a vLLM option"),
+    (["--enable-torch-compile"], {}, "llamacpp", "--enable-torch-compile is a vLLM option"),
+    (["-ngl", "99"], {}, "vllm", "--n-gpu-layers is a llama.cpp option, but"),
+    (["--mmproj", "/p.gguf"], {}, "vllm", "--mmproj is a llama.cpp option"),
+    (["-b", "64"], {}, "vllm", "--batch-size is a llama.cpp option"),
+])
+def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str], env: dict[str, str], engine: str,
+                                                               message: str) -> None:
+    config = resolve(flags("m", *argv), env=env)
+    refusal = config.refused_by(engine)  # type: ignore[arg-type]
+    assert refusal is not None and refusal.startswith(message) and "drop it" in refusal
+
+
+@pytest.mark.parametrize("argv", [["-c", "2048", "-np", "8", "--chunked-prefill-size", "-1", "-a", "x"], []])
+def test_options_both_engines_understand_are_accepted_by_each(argv: list[str]) -> None:
+    config = resolve(flags(*argv), env={})
+    assert config.refused_by("vllm") is None and config.refused_by("llamacpp") is None
+
+
 def test_every_field_is_one_entry_with_its_own_variable() -> None:
-    assert list(OPTIONS) == [f.name for f in fields(ServerConfig)]
+    assert list(OPTIONS) == [f.name for f in fields(ServerConfig) if f.name != "given"]
     variables = [env_name(name) for name in OPTIONS]
     assert len(set(variables)) == len(variables)
     assert all(v.startswith("LMSERVE_") for v in variables)
@@ -108,10 +161,12 @@ def test_every_field_is_one_entry_with_its_own_variable() -> None:
     ("text", "where"),
     [
         ("PER SEQUENCE", "serve"),
-        ("(default 4096; LMSERVE_CTX_SIZE)", "serve"),
         ("(default -1, unlimited; LMSERVE_N_PREDICT)", "serve"),
         ("(default all cores; LMSERVE_THREADS)", "serve"),
         ("-n N, --n-predict N", "serve"),
+        ("(default auto; vLLM only; LMSERVE_DTYPE)", "serve"),
+        ("(default 4096; LMSERVE_CTX_SIZE, LMSERVE_MAX_MODEL_LEN)", "serve"),
+        ("HF_TOKEN", "serve"),
         ("LMSERVE_KEEP_ALIVE", "environment"),
         ("(default 5m)", "environment"),
         ("(default ~/.lmserve/models)", "environment"),
@@ -125,7 +180,7 @@ def test_help_fills_in_each_default_from_its_value(text: str, where: str) -> Non
 def test_flags_and_environment_only_options_are_all_documented() -> None:
     shown = serve_help()
     for entry in OPTIONS.values():
-        assert entry.env_name in shown
+        assert all(name in shown for name in entry.env_names)
         for flag in entry.flags:
             assert flag in shown
 

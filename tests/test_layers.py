@@ -24,10 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
     "lmserve.service": BASE | SEAM | {"lmserve.store", "lmserve.chat"},
     "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media"},
-    "lmserve.lifeline": set(),
     "lmserve.client": BASE,
     "lmserve.repl": BASE | {"lmserve.client"},
-    "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server", "lmserve.lifeline"},
+    "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},

@@ -12,16 +12,18 @@ vLLM is imported only when a model is opened: the llama.cpp path never pays for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
@@ -153,6 +155,29 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
     return kwargs
 
 
+def cpu_binding(cpus: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers (tensor x pipeline parallel): the cores split evenly,
+    `0,1|2,3`. vLLM's own default binds workers to NUMA nodes, and a one-node machine has too few of them."""
+    if workers > len(cpus):
+        raise InvalidRequest(f"{workers} CPU workers (tensor x pipeline parallel) need as many cores; this process may "
+                             f"use {len(cpus)}")
+    share = len(cpus) // workers
+    return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share]) for i in range(workers))
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Set the variables that are not None and not set already (the user's own settings win) for the block: the
+    engine's processes are spawned inside it and inherit them."""
+    added = {key: value for key, value in values.items() if value is not None and key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def check_grammar(grammar: str) -> None:
     """InvalidRequest unless vLLM's structured-output backend (xgrammar) reads the GBNF `grammar`."""
     import xgrammar
@@ -232,7 +257,14 @@ class VllmEngine:
         config = json.loads((path / "config.json").read_text())
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)))
+        workers = options.tensor_parallel_size * options.pipeline_parallel_size
+        binding = cpu_binding(sorted(os.sched_getaffinity(0)), workers) if options.is_cpu and workers > 1 else None
+        with _environment({"VLLM_CPU_OMP_THREADS_BIND": binding}):
+            try:
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)))
+            except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
+                raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
+        LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL
         self._tokenizer = self.llm.get_tokenizer()
         self._max_queue = options.max_queue
         self._streams: dict[str, VllmStream] = {}
@@ -348,6 +380,14 @@ class VllmEngine:
 
     def forget(self, stream: VllmStream) -> None:
         self._streams.pop(stream.request_id, None)
+
+
+def _config_error(exc: ValueError) -> str:
+    """The reasons in a vLLM configuration error, on one line ("Total number of attention heads (9) must be …")."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+    return " ".join(str(exc).split())
 
 
 def _engine_error(exc: BaseException) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.vllm import VllmOptions, engine_args, kv_cache_bytes, to_vllm_sampling
+from lmserve.engine.vllm import VllmOptions, cpu_binding, engine_args, kv_cache_bytes, to_vllm_sampling
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams
 
@@ -65,3 +65,17 @@ def test_samplers_vllm_lacks_are_a_400(sampling: SamplingParams, param: str) -> 
     with pytest.raises(InvalidRequest) as info:
         to_vllm_sampling(sampling, special=False, room=10)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize(("cpus", "workers", "binding"), [
+    ([0, 1], 2, "0|1"),
+    ([0, 1, 2, 3], 2, "0,1|2,3"),
+    ([4, 5, 6, 7, 8], 2, "4,5|6,7"),
+])
+def test_cpu_workers_get_an_even_share_of_the_cores(cpus: list[int], workers: int, binding: str) -> None:
+    assert cpu_binding(cpus, workers) == binding
+
+
+def test_more_cpu_workers_than_cores_is_a_400() -> None:
+    with pytest.raises(InvalidRequest, match="4 CPU workers"):
+        cpu_binding([0, 1], 4)

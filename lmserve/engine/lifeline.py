@@ -1,0 +1,101 @@
+"""No orphans: the engine processes a server started end when the server does, however the server ended.
+
+vLLM runs its engine core (and that its workers) as child processes. Its workers watch the engine core, but the
+engine core does not watch the server: after a SIGKILL of the server it would run on, holding the model's memory.
+`Lifeline` starts a small guardian process (`python -m lmserve.engine.lifeline`) that the server tells, over a pipe, which
+processes to look after. When the pipe closes — the server exited, or was killed — the guardian sends each of them
+that is still running SIGTERM (vLLM's engine core then stops its workers) and, `grace` seconds later, SIGKILL.
+A process is named by its pid and start time, so a reused pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRACE_SECONDS = 10.0
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, from /proc), or None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Lifeline:
+    """The server's end of the pipe to its guardian process (started on first use)."""
+
+    def __init__(self) -> None:
+        self._guardian: subprocess.Popen[bytes] | None = None
+
+    def watch(self, pids: list[int]) -> None:
+        """Have the guardian end these processes if this one dies first."""
+        if not pids or not Path("/proc").is_dir():
+            return
+        if self._guardian is None:
+            self._guardian = subprocess.Popen(  # its own session: a Ctrl-C or a group kill leaves it to clean up
+                [sys.executable, "-m", "lmserve.engine.lifeline"], stdin=subprocess.PIPE, start_new_session=True)
+        assert self._guardian.stdin is not None
+        lines = "".join(f"{pid} {start_time(pid)}\n" for pid in pids if start_time(pid) is not None)
+        self._guardian.stdin.write(lines.encode())
+        self._guardian.stdin.flush()
+
+    def watch_children(self) -> None:
+        """Watch every process this one has started so far (call it once an engine's processes are up)."""
+        guardian = self._guardian.pid if self._guardian is not None else None
+        self.watch([pid for pid in descendants(os.getpid()) if pid != guardian])
+
+
+LIFELINE = Lifeline()
+"""This process's lifeline (one guardian per server)."""
+
+
+def guard(lines: list[str], grace: float = GRACE_SECONDS) -> None:
+    """The guardian's work once its pipe has closed: end each watched process (`pid start` lines) still running."""
+    watched = [(int(pid), int(start)) for pid, start in (line.split() for line in lines if line.strip())]
+    running = [pid for pid, start in watched if start_time(pid) == start]
+    for pid in running:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(start_time(pid) is not None for pid in running):
+        time.sleep(0.2)
+    for pid, start in watched:
+        if start_time(pid) == start:
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, number: signal.Signals) -> None:
+    try:
+        os.kill(pid, number)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    guard(sys.stdin.read().splitlines())  # read() returns when the server closes the pipe: it exited or was killed

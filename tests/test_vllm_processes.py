@@ -1,0 +1,109 @@
+"""The vLLM engine's processes: tensor parallel 2 on the CPU, and no orphans however the server ends.
+
+vLLM runs its engine core and workers as child processes of the server. A SIGTERM shuts them down with the server;
+after a SIGKILL of the server they notice they were orphaned and exit (lmserve/lifeline.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.hf_repos import smollm2_repo, tiny_llama_repo
+from tests.test_server import Server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive(pids)
+
+
+def answer(server: Server) -> str:
+    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
+                       json={"model": "smollm2-135m-instruct-v1", "messages": QUESTION, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["message"]["content"])
+
+
+def test_sigterm_stops_the_engine_processes_with_the_server() -> None:
+    server = Server(str(smollm2_repo()), "--dtype", "float32")
+    engine_processes = descendants(server.process.pid)
+    assert len(engine_processes) >= 2  # vLLM's engine core and its worker (and multiprocessing's tracker)
+    assert answer(server) == "The capital of France is Paris."
+    server.stop()
+    assert server.process.returncode == 0
+    assert wait_until_gone(engine_processes, 30) == set()
+
+
+def transformers_greedy(repo: Path, prompt: str, count: int) -> list[int]:
+    """The reference: `count` greedy tokens after `prompt` from transformers itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(repo)(prompt, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(repo, dtype=torch.float32)
+    out = model.generate(tokens, max_new_tokens=count, do_sample=False)
+    return [int(t) for t in out[0, tokens.shape[1]:]]
+
+
+def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_no_orphans() -> None:
+    repo = tiny_llama_repo()
+    prompt = "The capital of France is"
+    server = Server(str(repo), "--dtype", "float32", "--tensor-parallel-size", "2")
+    try:
+        engine_processes = descendants(server.process.pid)
+        workers = [pid for pid in engine_processes if "Worker" in Path(f"/proc/{pid}/comm").read_text()]
+        assert len(workers) == 2, "one worker per tensor-parallel rank"
+        reply = httpx.post(server.base_url + "/api/generate", timeout=120, json={
+            "model": "tiny-llama-v1", "prompt": prompt, "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 12}}).json()
+        assert reply["context"][reply["prompt_eval_count"]:] == transformers_greedy(repo, prompt, 12)
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+    assert wait_until_gone(engine_processes, 40) == set()
+    try:
+        server.process.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
