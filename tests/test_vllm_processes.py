@@ -6,6 +6,7 @@ after a SIGKILL of the server they notice they were orphaned and exit (lmserve/l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -103,7 +104,5 @@ def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(timeout=30)
     assert wait_until_gone(engine_processes, 40) == set()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         server.process.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
