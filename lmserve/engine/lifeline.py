@@ -1,10 +1,11 @@
 """No orphans: the engine processes a server started end when the server does, however the server ended.
 
 vLLM runs its engine core (and that its workers) as child processes. Its workers watch the engine core, but
-the engine core does not watch the server: after a SIGKILL of the server it would run on, holding the model's memory.
-`Lifeline` starts a small guardian process (`python -m lmserve.engine.lifeline`) that the server tells, over a
-pipe, which processes to look after. When the pipe closes — the server exited, or was killed — the guardian sends each of them
-that is still running SIGTERM (vLLM's engine core then stops its workers) and, `grace` seconds later, SIGKILL.
+the engine core does not watch the server: after a SIGKILL of the server it would run on, holding the model's
+memory. `Lifeline` starts a small guardian process (`python -m lmserve.engine.lifeline`) that the server tells,
+over a pipe, which processes to look after. When the pipe closes — the server exited, or was killed — the guardian
+sends each of them that is still running SIGTERM (vLLM's engine core then stops its workers) and, `grace` seconds
+later, SIGKILL.
 A process is named by its pid and start time, so a reused pid is never signalled.
 """
 
