@@ -152,6 +152,17 @@ class ServerConfig:
                                          help="stages the layers are split into")
     data_parallel_size: int = option(1, "-dp", "--data-parallel-size", env="DATA_PARALLEL_SIZE", kind="int",
                                      minimum=1, metavar="N", engine="vllm", help="replicas of the model")
+    nnodes: int = option(1, "--nnodes", env="NNODES", kind="int", minimum=1, metavar="N", engine="vllm",
+                         help="machines one model spans (vLLM's multiprocessing multi-node: start the same command "
+                         "on each, with its --node-rank)")
+    node_rank: int = option(0, "--node-rank", env="NODE_RANK", kind="int", minimum=0, metavar="R", engine="vllm",
+                            help="this machine's rank among --nnodes; rank 0 serves HTTP, the others run --headless")
+    master_addr: str = option("127.0.0.1", "--master-addr", env="MASTER_ADDR", metavar="ADDR", engine="vllm",
+                              help="the address of node rank 0, which the other nodes join")
+    master_port: int = option(29501, "--master-port", env="MASTER_PORT", kind="int", minimum=1, maximum=65535,
+                              metavar="PORT", engine="vllm", help="the port node rank 0 is joined on")
+    headless: bool = option(False, "--headless", env="HEADLESS", kind="bool", engine="vllm",
+                            help="run this node's vLLM workers only (no HTTP); it ends when node rank 0 does")
     enable_torch_compile: bool = option(False, "--enable-torch-compile", env="ENABLE_TORCH_COMPILE", kind="bool",
                                         engine="vllm", help="compile the model (and capture CUDA graphs): longer "
                                         "start, faster tokens; off runs eagerly")

@@ -94,7 +94,8 @@ def engine_settings(config: ServerConfig) -> EngineSettings:
         snapshot_bytes=config.snapshot_mb * 2**20, dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=config.data_parallel_size,
-        torch_compile=config.enable_torch_compile,
+        torch_compile=config.enable_torch_compile, nnodes=config.nnodes, node_rank=config.node_rank,
+        master_addr=config.master_addr, master_port=config.master_port,
     )
 
 
@@ -145,6 +146,8 @@ def run(config: ServerConfig) -> int:
     from lmserve.parsing import Address
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if config.headless:
+        return run_headless(config)
     try:
         sock = bind_socket(config.host, config.port)
     except BindError as exc:
@@ -177,6 +180,25 @@ def run(config: ServerConfig) -> int:
         service.close()
     if server.failure is not None:
         print(f"lmserve: {server.failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_headless(config: ServerConfig) -> int:
+    """A worker node of a multi-node vLLM model: no HTTP; it runs until SIGTERM or until node rank 0 is gone."""
+    from lmserve.engine.factory import engine_kind, serve_headless
+
+    try:
+        service, name = build_service(config)
+        store = service.models.store
+        path = store.model_path(store.find(name).manifest)
+        if engine_kind(path) != "vllm":
+            raise InvalidRequest(f"--headless runs a node of a vLLM model; {name} is a GGUF (llama.cpp)")
+        print(f"lmserve: node {config.node_rank} of {config.nnodes} for {name}, joining {config.master_addr}:"
+              f"{config.master_port}", file=sys.stderr, flush=True)
+        serve_headless(path, config.load_options, engine_settings(config))
+    except LmserveError as exc:
+        print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -22,13 +22,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
-from tests.test_server import QUESTION, Server, alone_and_together
+from tests.test_server import QUESTION as QUESTION_DICTS
+from tests.test_server import Server, alone_and_together
 from tests.test_structured_e2e import PERSON, PERSON_FORMAT
 from tests.test_tools_e2e import ASK, TIME, WEATHER, check_call
 
 KEY = "vllm-sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_QUEUE = 2
+QUESTION: Any = QUESTION_DICTS  # the clients' message types, which plain dicts satisfy at run time
+STORY: Any = [{"role": "user", "content": "Tell a long story."}]
 
 
 class KeyedServer(Server):
@@ -48,6 +51,7 @@ class KeyedServer(Server):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[KeyedServer]:
+    # SmolLM2's template names no tool-call format: hermes, as tests/test_tools_e2e.py gives it on llama.cpp
     srv = KeyedServer(str(smollm2_repo()), "--dtype", "float32", "--api-key", KEY, "--tool-call-parser", "hermes",
                       env={"LMSERVE_MAX_QUEUE": str(MAX_QUEUE)})
     yield srv
@@ -88,7 +92,7 @@ def running(server: KeyedServer, model: str) -> float:
 
 
 def test_chat_completion(client: openai.OpenAI, model: str) -> None:
-    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40)
     choice = reply.choices[0]
     assert "Paris" in (choice.message.content or "")
     assert choice.finish_reason == "stop"
@@ -99,28 +103,28 @@ def test_chat_completion(client: openai.OpenAI, model: str) -> None:
 
 
 def test_streamed_chat_equals_the_whole_reply(client: openai.OpenAI, model: str) -> None:
-    whole = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40)  # type: ignore[arg-type]
+    whole = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40)
     chunks = list(client.chat.completions.create(
-        model=model, messages=QUESTION, temperature=0, max_tokens=40, stream=True,  # type: ignore[arg-type]
+        model=model, messages=QUESTION, temperature=0, max_tokens=40, stream=True,
         stream_options={"include_usage": True},
     ))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_stop_string_is_not_in_the_reply(client: openai.OpenAI, model: str) -> None:
     reply = client.chat.completions.create(
-        model=model, messages=QUESTION, temperature=0, max_tokens=40, stop=["Paris"]  # type: ignore[arg-type]
+        model=model, messages=QUESTION, temperature=0, max_tokens=40, stop=["Paris"]
     )
     content = reply.choices[0].message.content or ""
     assert "Paris" not in content and content
     assert reply.choices[0].finish_reason == "stop"
     streamed = client.chat.completions.create(
-        model=model, messages=QUESTION, temperature=0, max_tokens=40, stop=["Paris"], stream=True  # type: ignore[arg-type]
+        model=model, messages=QUESTION, temperature=0, max_tokens=40, stop=["Paris"], stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
 
@@ -235,7 +239,8 @@ def test_native_format_schema_answer_validates(server: KeyedServer, model: str) 
 def test_a_forced_tool_choice_gives_a_valid_call(
     client: openai.OpenAI, model: str, tools: list[Any], tool_choice: Any, called: dict[str, Any]
 ) -> None:
-    reply = client.chat.completions.create(model=model, messages=ASK, tools=tools, tool_choice=tool_choice,  # type: ignore[arg-type]
+    messages: Any = ASK
+    reply = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=tool_choice,
                                            temperature=0, max_tokens=120)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -280,7 +285,7 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(
     """The running count drops within seconds of the socket closing; the aborted generation adds no tokens (a
     finished one would add its 600), and the server goes on answering."""
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell a long story."}], temperature=0.8, max_tokens=600,  # type: ignore[arg-type]
+        model=model, messages=STORY, temperature=0.8, max_tokens=600,
         stream=True, extra_body={"ignore_eos": True},
     )
     generated = gauge(server, "lmserve_generated_tokens_total", model)
@@ -294,12 +299,12 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(
         time.sleep(0.05)
     assert running(server, model) == 0
     assert gauge(server, "lmserve_generated_tokens_total", model) == generated  # aborted, never finished
-    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=20)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=20)
     assert "Paris" in (reply.choices[0].message.content or "")
 
 
 def test_a_full_queue_is_503_with_retry_after(server: KeyedServer, model: str) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 120,
+    body = {"model": model, "messages": STORY, "max_tokens": 120,
             "ignore_eos": True}
 
     async def fire() -> list[httpx.Response]:
@@ -313,26 +318,39 @@ def test_a_full_queue_is_503_with_retry_after(server: KeyedServer, model: str) -
     assert len(served) <= 8 + MAX_QUEUE
     for r in refused:
         assert r.headers["retry-after"]
-        assert r.json()["error"]["type"] == "overloaded_error" and r.json()["error"]["message"]
+        assert openai_error(r.json()) and r.json()["error"]["type"] == "overloaded_error"
     assert all(r.json()["usage"]["completion_tokens"] == 120 for r in served)
 
 
 # ---- what this engine cannot do, auth, metrics ------------------------------------------------------------------
 
 
+def openai_error(body: Any) -> str:
+    """The message of an error in OpenAI's shape ({"error": {"message", "type", "param", "code"}})."""
+    assert set(body) == {"error"} and set(body["error"]) >= {"message", "type", "param", "code"}
+    return str(body["error"]["message"])
+
+
+def native_error(body: Any) -> str:
+    """The message of an error in Ollama's shape ({"error": "..."})."""
+    assert set(body) == {"error"} and isinstance(body["error"], str)
+    return body["error"]
+
+
 @pytest.mark.parametrize(
-    ("path", "body", "error_message"),
+    ("path", "body", "message_of"),
     [
-        ("/v1/embeddings", {"input": "hello"}, lambda body: body["error"]["message"]),
-        ("/api/embed", {"input": "hello"}, lambda body: body["error"]),
+        ("/v1/embeddings", {"input": "hello"}, openai_error),
+        ("/api/embed", {"input": "hello"}, native_error),
+        ("/api/embeddings", {"prompt": "hello"}, native_error),
     ],
 )
 def test_embeddings_are_a_400_in_each_dialect(
-    server: KeyedServer, model: str, path: str, body: dict[str, Any], error_message: Any
+    server: KeyedServer, model: str, path: str, body: dict[str, Any], message_of: Callable[[Any], str]
 ) -> None:
     response = httpx.post(server.base_url + path, json={"model": model, **body}, headers=AUTH, timeout=30)
     assert response.status_code == 400
-    assert "embeddings" in error_message(response.json())
+    assert "embeddings" in message_of(response.json())
 
 
 def test_a_missing_or_wrong_api_key_is_401(server: KeyedServer, model: str) -> None:
@@ -346,7 +364,7 @@ def test_a_missing_or_wrong_api_key_is_401(server: KeyedServer, model: str) -> N
 
 def test_metrics_count_the_requests_and_tokens_of_the_model(client: openai.OpenAI, model: str,
                                                             server: KeyedServer) -> None:
-    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=5)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=5)
     assert reply.usage is not None
     httpx.get(server.base_url + "/v1/models")  # no key: counted as a 401
     parsed = scrape(server)

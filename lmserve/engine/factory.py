@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lmserve.engine.protocol import Engine
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
+
+if TYPE_CHECKING:
+    from lmserve.engine.vllm import VllmOptions
 
 EngineKind = Literal["llamacpp", "vllm"]
 
@@ -37,6 +40,10 @@ class EngineSettings:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     torch_compile: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     """vLLM's: see engine/vllm.py VllmOptions."""
 
 LLAMACPP_PREFILL_CHUNK = 256
@@ -69,8 +76,21 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
 
 
 def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
+    from lmserve.engine.vllm import VllmEngine
+
+    return VllmEngine(path, _vllm_options(path, options, settings))
+
+
+def serve_headless(path: Path, options: LoadOptions, settings: EngineSettings) -> None:
+    """Run this node's share of a multi-node vLLM model (no HTTP) until SIGTERM/SIGINT or node rank 0 is gone."""
+    from lmserve.engine.vllm import serve_headless as run
+
+    run(path, _vllm_options(path, options, settings))
+
+
+def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> VllmOptions:
     try:
-        from lmserve.engine.vllm import VllmEngine, VllmOptions, is_cpu_build
+        from lmserve.engine.vllm import VllmOptions, is_cpu_build
     except ImportError as exc:
         raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
                              f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "
@@ -80,13 +100,14 @@ def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> En
         raise InvalidRequest("--gpu-memory-utilization needs a CUDA GPU, and this machine runs vLLM's CPU build: "
                              "drop it (the CPU KV cache is sized for --parallel x --ctx-size, or set "
                              "VLLM_CPU_KVCACHE_SPACE in GiB), or serve on a GPU host with the `vllm` package")
-    return VllmEngine(path, VllmOptions(
+    return VllmOptions(
         num_ctx=options.num_ctx, num_parallel=options.num_parallel, dtype=settings.dtype,
         gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size, data_parallel_size=settings.data_parallel_size,
         torch_compile=settings.torch_compile, prefill_chunk=settings.max_prefill_tokens,
-        max_queue=settings.max_queue, is_cpu=is_cpu,
-    ))
+        max_queue=settings.max_queue, is_cpu=is_cpu, nnodes=settings.nnodes, node_rank=settings.node_rank,
+        master_addr=settings.master_addr, master_port=settings.master_port,
+    )
 
 
 def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:

@@ -60,6 +60,16 @@ class VllmOptions:
     """Most prompt tokens per step (vLLM's max_num_batched_tokens); -1 turns chunked prefill off; None: vLLM's."""
     max_queue: int = 512
     is_cpu: bool = True
+    nnodes: int = 1
+    """Machines the model spans (vLLM's multiprocessing multi-node); this one is `node_rank`."""
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+
+    @property
+    def local_workers(self) -> int:
+        """Worker processes on this machine: tensor x pipeline parallel ranks over the nodes."""
+        return max(1, self.tensor_parallel_size * self.pipeline_parallel_size // self.nnodes)
 
 
 def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None) -> dict[str, Any]:
@@ -81,6 +91,14 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "enable_prefix_caching": True,
         "disable_log_stats": True,
     }
+    if options.is_cpu and options.pipeline_parallel_size > 1 and not options.torch_compile:
+        # vLLM's CPU build sets up the buffers a later pipeline stage reads only in its warm-up, which eager mode
+        # skips: trace the graph once (no inductor) instead.
+        args["enforce_eager"] = False
+        args["compilation_config"] = {"mode": 2, "backend": "eager"}
+    if options.nnodes > 1:
+        args.update(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
+                    master_port=options.master_port)
     if options.dtype != "auto":
         args["mamba_cache_dtype"] = options.dtype
     if options.gpu_memory_utilization is not None:
@@ -178,6 +196,78 @@ def _environment(values: dict[str, str | None]) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+def _worker_environment(options: VllmOptions) -> dict[str, str | None]:
+    """Variables vLLM's processes need here: on the CPU build with several workers, their cores; over several
+    nodes, the address this node is reached at (vLLM otherwise asks for the route to a public address, which a
+    cluster's private network may not have)."""
+    workers = options.local_workers
+    binding = cpu_binding(sorted(os.sched_getaffinity(0)), workers) if options.is_cpu and workers > 1 else None
+    address = _address_towards(options.master_addr) if options.nnodes > 1 else None
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding, "VLLM_HOST_IP": address}
+
+
+def _address_towards(host: str) -> str | None:
+    """This machine's address on the route to `host` (no packet is sent), or None."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def serve_headless(path: Path, options: VllmOptions) -> None:
+    """Run this node's vLLM workers for a model whose rank-0 node serves HTTP, until SIGTERM/SIGINT, a worker dies,
+    or the rank-0 node is gone (its rendezvous port stops answering). Blocking."""
+    import signal
+    import threading
+
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if options.nnodes < 2 or options.node_rank == 0:
+        raise InvalidRequest("--headless runs a node of rank 1 or more of a model over --nnodes 2 or more")
+    config = json.loads((path / "config.json").read_text())
+    kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu else None
+    vllm_config = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)).create_engine_config(
+        UsageContext.OPENAI_API_SERVER, headless=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    with _environment(_worker_environment(options)):
+        executor = MultiprocExecutor(vllm_config, monitor_workers=False)
+    LIFELINE.watch_children()
+    threading.Thread(target=_watch_head, args=(options.master_addr, options.master_port), daemon=True).start()
+    try:
+        executor.start_worker_monitor(inline=True)
+    finally:
+        executor.shutdown()  # type: ignore[no-untyped-call]
+
+
+def _watch_head(host: str, port: int, every: float = 3.0, misses: int = 3) -> None:
+    """SIGTERM this process once the head node's rendezvous port has refused `misses` probes in a row (vLLM's
+    workers would otherwise wait for it forever)."""
+    import signal
+    import socket
+
+    missed = 0
+    while missed < misses:
+        time.sleep(every)
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            missed = 0
+        except OSError:
+            missed += 1
+    log.warning("node rank 0 at %s:%d is gone; stopping", host, port)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def check_grammar(grammar: str) -> None:
     """InvalidRequest unless vLLM's structured-output backend (xgrammar) reads the GBNF `grammar`."""
     import xgrammar
@@ -257,9 +347,7 @@ class VllmEngine:
         config = json.loads((path / "config.json").read_text())
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
-        workers = options.tensor_parallel_size * options.pipeline_parallel_size
-        binding = cpu_binding(sorted(os.sched_getaffinity(0)), workers) if options.is_cpu and workers > 1 else None
-        with _environment({"VLLM_CPU_OMP_THREADS_BIND": binding}):
+        with _environment(_worker_environment(options)):
             try:
                 self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)))
             except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
