@@ -114,6 +114,14 @@ class _ServiceCollector(Collector):
         decode = CounterMetricFamily("lmserve_engine_decode_seconds",
                                      "Engine thread time in the backend's batch decode and sampling (since load).",
                                      labels=["model"])
+        kv = GaugeMetricFamily("lmserve_kv_cache_usage", "Fraction of the KV cache in use (engines that report it).",
+                               labels=["model"])
+        queries = CounterMetricFamily("lmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=["model"])
+        hits = CounterMetricFamily("lmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=["model"])
+        preemptions = CounterMetricFamily("lmserve_preemptions", "Sequences evicted for room and recomputed.",
+                                          labels=["model"])
         seen: set[int] = set()
         for resident in residents:  # names sharing one engine: its numbers once, under the most recent name
             engine = resident.model.engine
@@ -125,10 +133,12 @@ class _ServiceCollector(Collector):
             running.add_metric([resident.model.name], engine.num_running)
             step.add_metric([resident.model.name], stats.step_ns * _NS)
             decode.add_metric([resident.model.name], stats.decode_ns * _NS)
-        yield queue
-        yield running
-        yield step
-        yield decode
+            if stats.kv_cache_usage is not None:
+                kv.add_metric([resident.model.name], stats.kv_cache_usage)
+            queries.add_metric([resident.model.name], stats.prefix_cache_queries)
+            hits.add_metric([resident.model.name], stats.prefix_cache_hits)
+            preemptions.add_metric([resident.model.name], stats.preemptions)
+        yield from (queue, running, step, decode, kv, queries, hits, preemptions)
         yield GaugeMetricFamily("lmserve_loaded_models", "Engine instances in memory (names sharing weights count "
                                 "once).", value=self._service.residency.num_instances)
 

@@ -76,6 +76,14 @@ class EngineStats:
     """Wall time spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
     decode_ns: int = 0
     """The part of `step_ns` inside the model's forward pass and sampling: the rest is overhead."""
+    kv_cache_usage: float | None = None
+    """The fraction of the KV cache in use (None: the engine does not say)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since load."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found (their prefill was skipped)."""
+    preemptions: int = 0
+    """Sequences evicted to make room and recomputed later, since load."""
 
 
 class GenerationStream(Protocol):

@@ -218,6 +218,29 @@ def _address_towards(host: str) -> str | None:
         return None
 
 
+def _stat_logger(stats: EngineStats) -> Any:
+    """A vLLM stat-logger factory that keeps `stats` current from each engine step's scheduler stats."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Recorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            stats.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            stats.prefix_cache_queries += int(scheduler_stats.prefix_cache_stats.queries)
+            stats.prefix_cache_hits += int(scheduler_stats.prefix_cache_stats.hits)
+            stats.preemptions += int(getattr(scheduler_stats, "num_preemptions", 0))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return Recorder
+
+
 def serve_headless(path: Path, options: VllmOptions) -> None:
     """Run this node's vLLM workers for a model whose rank-0 node serves HTTP, until SIGTERM/SIGINT, a worker dies,
     or the rank-0 node is gone (its rendezvous port stops answering). Blocking."""
@@ -345,11 +368,13 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         config = json.loads((path / "config.json").read_text())
+        self._stats = EngineStats()
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
         with _environment(_worker_environment(options)):
             try:
-                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)))
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)),
+                                                     stat_loggers=[_stat_logger(self._stats)])
             except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
                 raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
         LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL
@@ -447,7 +472,7 @@ class VllmEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats()
+        return self._stats
 
     def close(self) -> None:
         """Stop vLLM's engine core and workers (child processes) and wait for them to exit."""

@@ -74,6 +74,9 @@ async def test_a_repeated_long_prompt_reuses_its_cached_prefix(engine: VllmEngin
     assert first[-1].usage and second[-1].usage
     assert first[-1].usage.cached_tokens < second[-1].usage.cached_tokens <= len(prompt)
     assert second[-1].usage.cached_tokens >= len(prompt) // 2
+    stats = engine.stats  # vLLM's own scheduler stats, for /metrics
+    assert stats.prefix_cache_hits >= second[-1].usage.cached_tokens
+    assert stats.prefix_cache_queries >= 2 * len(prompt) - 2 and stats.kv_cache_usage is not None
 
 
 async def test_temperature_zero_alone_equals_beside_seven_others(engine: VllmEngine) -> None:
