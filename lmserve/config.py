@@ -161,6 +161,10 @@ class ServerConfig:
                               help="the address of node rank 0, which the other nodes join")
     master_port: int = option(29501, "--master-port", env="MASTER_PORT", kind="int", minimum=1, maximum=65535,
                               metavar="PORT", engine="vllm", help="the port node rank 0 is joined on")
+    distributed_executor_backend: str = option("auto", "--distributed-executor-backend", choices=("auto", "mp", "ray"),
+                                               env="DISTRIBUTED_EXECUTOR_BACKEND", engine="vllm",
+                                               help="how vLLM runs its workers: mp (processes, and --nnodes over "
+                                               "machines) or ray (a Ray cluster's GPUs; start Ray first)")
     headless: bool = option(False, "--headless", env="HEADLESS", kind="bool", engine="vllm",
                             help="run this node's vLLM workers only (no HTTP); it ends when node rank 0 does")
     enable_torch_compile: bool = option(False, "--enable-torch-compile", env="ENABLE_TORCH_COMPILE", kind="bool",

@@ -95,7 +95,7 @@ def engine_settings(config: ServerConfig) -> EngineSettings:
         gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=config.data_parallel_size,
         torch_compile=config.enable_torch_compile, nnodes=config.nnodes, node_rank=config.node_rank,
-        master_addr=config.master_addr, master_port=config.master_port,
+        master_addr=config.master_addr, master_port=config.master_port, executor=config.distributed_executor_backend,
     )
 
 

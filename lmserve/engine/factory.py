@@ -44,6 +44,7 @@ class EngineSettings:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    executor: str = "auto"
     """vLLM's: see engine/vllm.py VllmOptions."""
 
 LLAMACPP_PREFILL_CHUNK = 256
@@ -100,13 +101,16 @@ def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) ->
         raise InvalidRequest("--gpu-memory-utilization needs a CUDA GPU, and this machine runs vLLM's CPU build: "
                              "drop it (the CPU KV cache is sized for --parallel x --ctx-size, or set "
                              "VLLM_CPU_KVCACHE_SPACE in GiB), or serve on a GPU host with the `vllm` package")
+    if is_cpu and settings.executor == "ray":
+        raise InvalidRequest("--distributed-executor-backend ray needs GPUs: vLLM's CPU build has no Ray device; "
+                             "span machines with --nnodes and --node-rank (the multiprocessing backend) instead")
     return VllmOptions(
         num_ctx=options.num_ctx, num_parallel=options.num_parallel, dtype=settings.dtype,
         gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size, data_parallel_size=settings.data_parallel_size,
         torch_compile=settings.torch_compile, prefill_chunk=settings.max_prefill_tokens,
         max_queue=settings.max_queue, is_cpu=is_cpu, nnodes=settings.nnodes, node_rank=settings.node_rank,
-        master_addr=settings.master_addr, master_port=settings.master_port,
+        master_addr=settings.master_addr, master_port=settings.master_port, executor=settings.executor,
     )
 
 

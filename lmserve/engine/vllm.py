@@ -65,6 +65,8 @@ class VllmOptions:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    executor: str = "auto"
+    """vLLM's distributed executor: `mp`, `ray`, or `auto` (vLLM's choice: processes on one machine or --nnodes)."""
 
     @property
     def local_workers(self) -> int:
@@ -96,6 +98,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         # skips: trace the graph once (no inductor) instead.
         args["enforce_eager"] = False
         args["compilation_config"] = {"mode": 2, "backend": "eager"}
+    if options.executor != "auto":
+        args["distributed_executor_backend"] = options.executor
     if options.nnodes > 1:
         args.update(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
                     master_port=options.master_port)

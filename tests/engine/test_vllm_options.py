@@ -13,7 +13,8 @@ from lmserve.types import SamplingParams
 
 def test_launch_options_map_to_vllm_engine_arguments() -> None:
     options = VllmOptions(num_ctx=2048, num_parallel=16, dtype="float16", tensor_parallel_size=2,
-                          pipeline_parallel_size=2, data_parallel_size=1, torch_compile=False, prefill_chunk=512)
+                          pipeline_parallel_size=2, data_parallel_size=1, torch_compile=False, prefill_chunk=512,
+                          is_cpu=False)
     args = engine_args(Path("/m"), options, kv_bytes=2**28)
     assert args | {"model": "/m"} == args
     assert (args["max_model_len"], args["max_num_seqs"], args["dtype"]) == (2048, 16, "float16")
@@ -29,6 +30,11 @@ def test_launch_options_map_to_vllm_engine_arguments() -> None:
     (VllmOptions(torch_compile=True), {"enforce_eager": False}),
     (VllmOptions(prefill_chunk=-1, num_ctx=4096), {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}),
     (VllmOptions(gpu_memory_utilization=0.5), {"gpu_memory_utilization": 0.5}),
+    (VllmOptions(executor="ray"), {"distributed_executor_backend": "ray"}),
+    (VllmOptions(nnodes=2, node_rank=1, master_addr="10.0.0.1"),
+     {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29501}),
+    (VllmOptions(pipeline_parallel_size=2), {"enforce_eager": False, "compilation_config": {"mode": 2,
+                                                                                            "backend": "eager"}}),
 ])
 def test_each_option_reaches_vllm_only_when_given(options: VllmOptions, expected: dict[str, object]) -> None:
     args = engine_args(Path("/m"), options, kv_bytes=None)
