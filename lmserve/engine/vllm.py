@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -479,9 +480,19 @@ class VllmEngine:
         return self._stats
 
     def close(self) -> None:
-        """Stop vLLM's engine core and workers (child processes) and wait for them to exit."""
+        """Stop vLLM's engine core and workers (child processes). Called on the event loop (an unload), it returns
+        at once and a thread waits for them (seconds); elsewhere (the server's exit) it waits itself."""
         self.fail_all("the model was unloaded")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._shut_down()
+        else:
+            threading.Thread(target=self._shut_down, name="lmserve-vllm-shutdown").start()
+
+    def _shut_down(self) -> None:
         self.llm.shutdown()
+        del self.llm  # AsyncLLM shuts down again when collected: now, not at interpreter exit (when it would fail)
 
     # ---- for streams ------------------------------------------------------------------------------------------
 
