@@ -1,4 +1,4 @@
-"""bench/vllm.py --quick: both peers start, serve every level, and the side-by-side table has numeric ratios.
+"""bench/vs_vllm.py --quick: both peers start, serve every level, and the side-by-side table has numeric ratios.
 
 Timings are never asserted (the goals are the full benchmark's business, on a quiet machine).
 """
@@ -22,14 +22,14 @@ ROW = re.compile(r"^\s*(?P<streams>\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+(?P<tps>\d+\.\
 
 def run_quick() -> tuple[int, str]:
     """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
-    proc = subprocess.Popen([sys.executable, "bench/vllm.py", "--quick"], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "bench/vs_vllm.py", "--quick"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"bench/vllm.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
+        pytest.fail(f"bench/vs_vllm.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
     return proc.returncode, out
 
 

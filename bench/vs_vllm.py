@@ -7,8 +7,8 @@ dtype, context, sequence count, eager execution and KV cache size; the same stre
 per level, lmserve's ratio to vLLM's server, and PASS/FAIL against the goals (tokens/s >= 0.95x, TTFT <= 1.05x).
 Runs on vLLM's CPU build and, unchanged, on a GPU host. See bench/README.md.
 
-    .venv/bin/python bench/vllm.py [--model DIR] [--levels 1,8,32] [--max-tokens 128] [--rounds 2]
-    .venv/bin/python bench/vllm.py --quick      # levels 1,2; 16 tokens; 4 requests per level
+    .venv/bin/python bench/vs_vllm.py [--model DIR] [--levels 1,8,32] [--max-tokens 128] [--rounds 2]
+    .venv/bin/python bench/vs_vllm.py --quick      # levels 1,2; 16 tokens; 4 requests per level
 """
 
 from __future__ import annotations
