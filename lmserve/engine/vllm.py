@@ -492,7 +492,6 @@ class VllmEngine:
 
     def _shut_down(self) -> None:
         self.llm.shutdown()
-        del self.llm  # AsyncLLM shuts down again when collected: now, not at interpreter exit (when it would fail)
 
     # ---- for streams ------------------------------------------------------------------------------------------
 
