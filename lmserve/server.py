@@ -49,7 +49,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     name = config.model
     path = Path(name).expanduser()
     if is_gguf_path(name) or path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
-        name = model_name_for_file(path.resolve())  # the name `lmserve run FILE` gives it too
+        name = model_name_for_file(path.absolute())  # as `lmserve run FILE` names it (a link by its own name)
         projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
         catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
     elif config.mmproj:
