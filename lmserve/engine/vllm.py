@@ -75,13 +75,15 @@ class VllmOptions:
         return max(1, self.tensor_parallel_size * self.pipeline_parallel_size // self.nnodes)
 
 
-def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None) -> dict[str, Any]:
+def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None,
+                config: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs` keywords for serving the repository at `path` with `options`.
 
     On the CPU build the KV cache is sized explicitly (`kv_bytes`), since vLLM's default memory fraction asks for
     nearly all of the machine's RAM. A hybrid model's convolution state follows an explicit dtype (vLLM keeps it
-    in the weights' dtype otherwise, and a float16 model with a bfloat16 state fails).
+    in the weights' dtype otherwise, and a float16 model with a bfloat16 state fails). `config` is config.json.
     """
+    config = config or {}
     args: dict[str, Any] = {
         "model": str(path),
         "dtype": options.dtype,
@@ -94,11 +96,19 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "enable_prefix_caching": True,
         "disable_log_stats": True,
     }
+    compilation: dict[str, Any] = {}
+    if options.is_cpu and is_hybrid(config):
+        # vLLM's CPU rotary kernel misplaces positions in a (tokens, heads, head_dim) query/key, which LFM2 passes
+        # (its RoPE follows per-head norms): every head but the first attends wrongly, and a reply depends on what
+        # else is in the batch. The op's PyTorch form is exact.
+        compilation["custom_ops"] = ["-rotary_embedding"]
     if options.is_cpu and options.pipeline_parallel_size > 1 and not options.torch_compile:
         # vLLM's CPU build sets up the buffers a later pipeline stage reads only in its warm-up, which eager mode
         # skips: trace the graph once (no inductor) instead.
         args["enforce_eager"] = False
-        args["compilation_config"] = {"mode": 2, "backend": "eager"}
+        compilation.update(mode=2, backend="eager")
+    if compilation:
+        args["compilation_config"] = compilation
     if options.executor != "auto":
         args["distributed_executor_backend"] = options.executor
     if options.nnodes > 1:
@@ -112,11 +122,20 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["kv_cache_memory_bytes"] = kv_bytes
     if options.prefill_chunk == -1:
         args["enable_chunked_prefill"] = False
+        if is_hybrid(config):  # vLLM keeps a hybrid model's prefix states only while it chunks prefills
+            args["enable_prefix_caching"] = False
         args["max_num_batched_tokens"] = max(options.num_ctx, 2048)
     elif options.prefill_chunk is not None:
         args["enable_chunked_prefill"] = True
         args["max_num_batched_tokens"] = max(options.prefill_chunk, options.num_parallel)
     return args
+
+
+def is_hybrid(config: dict[str, Any]) -> bool:
+    """Whether config.json describes a hybrid model: some layers are not attention (LFM2's convolutions)."""
+    text = config.get("text_config") or config
+    kinds = text.get("layer_types")
+    return isinstance(kinds, list) and any("attention" not in str(kind) for kind in kinds)
 
 
 def kv_cache_bytes(config: dict[str, Any], options: VllmOptions, available: int | None) -> int:
@@ -260,8 +279,8 @@ def serve_headless(path: Path, options: VllmOptions) -> None:
         raise InvalidRequest("--headless runs a node of rank 1 or more of a model over --nnodes 2 or more")
     config = json.loads((path / "config.json").read_text())
     kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu else None
-    vllm_config = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)).create_engine_config(
-        UsageContext.OPENAI_API_SERVER, headless=True)
+    arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
+    vllm_config = arguments.create_engine_config(UsageContext.OPENAI_API_SERVER, headless=True)
 
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -378,8 +397,8 @@ class VllmEngine:
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
         with _environment(_worker_environment(options)):
             try:
-                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes)),
-                                                     stat_loggers=[_stat_logger(self._stats)])
+                arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
+                self.llm = AsyncLLM.from_engine_args(arguments, stat_loggers=[_stat_logger(self._stats)])
             except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
                 raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
         LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL

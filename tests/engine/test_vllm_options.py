@@ -35,6 +35,7 @@ def test_launch_options_map_to_vllm_engine_arguments() -> None:
      {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29501}),
     (VllmOptions(pipeline_parallel_size=2), {"enforce_eager": False, "compilation_config": {"mode": 2,
                                                                                             "backend": "eager"}}),
+    (VllmOptions(pipeline_parallel_size=2, is_cpu=False), {"enforce_eager": True}),
 ])
 def test_each_option_reaches_vllm_only_when_given(options: VllmOptions, expected: dict[str, object]) -> None:
     args = engine_args(Path("/m"), options, kv_bytes=None)
@@ -85,3 +86,19 @@ def test_cpu_workers_get_an_even_share_of_the_cores(cpus: list[int], workers: in
 def test_more_cpu_workers_than_cores_is_a_400() -> None:
     with pytest.raises(InvalidRequest, match="4 CPU workers"):
         cpu_binding([0, 1], 4)
+
+
+HYBRID = {"model_type": "lfm2", "layer_types": ["conv", "full_attention"], "num_attention_heads": 2}
+
+
+def test_a_hybrid_model_on_the_cpu_takes_the_exact_rotary_embedding() -> None:
+    assert engine_args(Path("/m"), VllmOptions(), config=HYBRID)["compilation_config"] == {
+        "custom_ops": ["-rotary_embedding"]}
+    assert "compilation_config" not in engine_args(Path("/m"), VllmOptions(is_cpu=False), config=HYBRID)
+    assert "compilation_config" not in engine_args(Path("/m"), VllmOptions(), config={"model_type": "llama"})
+
+
+def test_whole_prompt_prefill_turns_off_prefix_caching_for_a_hybrid_model_only() -> None:
+    whole = VllmOptions(prefill_chunk=-1)
+    assert engine_args(Path("/m"), whole, config=HYBRID)["enable_prefix_caching"] is False
+    assert engine_args(Path("/m"), whole, config={"model_type": "llama"})["enable_prefix_caching"] is True
