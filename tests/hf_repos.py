@@ -7,6 +7,9 @@
   (SmolLM2's 9 heads do not split in 2).
 - `tiny_lfm2_repo()`: a random LFM2 (hybrid: conv, conv, attention, conv; hidden 64, head_dim 32 — vLLM's CPU
   attention refuses smaller heads) with SmolLM2's tokenizer and LFM2's chat template: plumbing, not wording.
+- `tiny_lfm2_vl_repo()`: a random LFM2-VL (that LFM2 plus a 3-layer SigLIP2 encoder, hidden 64, and the projector)
+  with SmolLM2's tokenizer and LFM2-VL's image tokens added (`<image>` first, 49152) and its image processor's
+  settings: vLLM serves it where torchvision works (its LFM2-VL image processor needs it).
 
 Both are built once per machine under the temporary directory (`lmserve-test-repos/<name>-v<N>`, written to a
 temporary sibling and renamed into place, so concurrent test runs never see half a repository). Run as a script
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from lmserve.store.embedded import embedded_model_path
 
-VERSION = 1
+VERSION = 2
 """Bump when a repository's recipe changes, so cached copies are rebuilt."""
 
 LFM2_TEMPLATE = (
@@ -53,6 +56,11 @@ def tiny_llama_repo() -> Path:
 def tiny_lfm2_repo() -> Path:
     """A tiny random hybrid LFM2 repository (SmolLM2's tokenizer)."""
     return _cached("tiny-lfm2", _write_tiny_lfm2)
+
+
+def tiny_lfm2_vl_repo() -> Path:
+    """A tiny random LFM2-VL repository (SmolLM2's tokenizer with LFM2-VL's image tokens)."""
+    return _cached("tiny-lfm2-vl", _write_tiny_lfm2_vl)
 
 
 def _cached(name: str, write: Callable[[Path], None]) -> Path:
@@ -113,6 +121,7 @@ def _write_tiny_lfm2(out: Path) -> None:
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, layer_types=layer_types, max_position_embeddings=2048, bos_token_id=1,
         eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        initializer_range=0.2,  # loud enough that a reply depends on its prompt (the default gives one newline)
     )
     torch.manual_seed(0)
     model = Lfm2ForCausalLM(config).to(torch.bfloat16)
@@ -126,7 +135,57 @@ def _write_tiny_lfm2(out: Path) -> None:
     (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
 
 
+LFM2_VL_SPECIALS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
+    f"<|img_row_{row}_col_{col}|>" for row in range(1, 11) for col in range(1, 11)]
+"""LFM2-VL's image tokens, in its order: the placeholder, an image's bounds, the thumbnail and the tile markers."""
+
+LFM2_VL_PREPROCESSOR = {
+    "image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor", "downsample_factor": 2,
+    "encoder_patch_size": 16, "tile_size": 512, "min_image_tokens": 64, "max_image_tokens": 256, "min_tiles": 2,
+    "max_tiles": 10, "do_image_splitting": True, "use_thumbnail": True, "max_pixels_tolerance": 2.0,
+    "do_resize": True, "size": {"height": 512, "width": 512}, "resample": 2, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "do_pad": True,
+}
+"""LFM2-VL's image processor settings (its released defaults), written as JSON: making the processor object would
+import torchvision."""
+
+
+def _write_tiny_lfm2_vl(out: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, Lfm2VlConfig, Lfm2VlForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_repo())
+    tokenizer.add_tokens(LFM2_VL_SPECIALS, special_tokens=True)
+    tokenizer.save_pretrained(out)
+    layer_types = ["conv", "conv", "full_attention", "conv"]
+    text = dict(model_type="lfm2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, layer_types=layer_types,
+                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                initializer_range=0.2)  # layers louder than the (tied) embeddings: the reply follows the context
+    vision = dict(model_type="siglip2_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=2, patch_size=16, num_patches=256, vision_use_head=False)
+    config = Lfm2VlConfig(text_config=text, vision_config=vision, projector_hidden_size=64, downsample_factor=2,
+                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    Lfm2VlForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    # Released LFM2-VL checkpoints (and vLLM) name the encoder's weights one level deeper than transformers saves.
+    weights = load_file(out / "model.safetensors")
+    save_file({name.replace("model.vision_tower.", "model.vision_tower.vision_model.", 1): tensor
+               for name, tensor in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((out / "config.json").read_text())
+    saved["text_config"].update(block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                                block_auto_adjust_ff_dim=False, conv_dim=64, conv_dim_out=64, conv_L_cache=3,
+                                conv_bias=False, norm_eps=1e-5, layer_types=layer_types)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(LFM2_VL_PREPROCESSOR, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}, indent=2))
+    (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
+
+
 if __name__ == "__main__":
     print(smollm2_repo())
     print(tiny_llama_repo())
     print(tiny_lfm2_repo())
+    print(tiny_lfm2_vl_repo())
