@@ -120,6 +120,10 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     """False: at most one call per reply (later ones are dropped)."""
     add_generation_prompt: bool = True
+    think: bool | str | None = None
+    """Reasoning: None (the model's default), False (off), True or an effort "low" | "medium" | "high" (on)."""
+    reasoning_budget: int | None = None
+    """Most thinking tokens before the thinking is closed and the answer follows (None: the server's setting)."""
     options: LoadOptions | None = None
     """Load-time options the request asks for (None: the server's)."""
     keep_alive: float | None = None
@@ -169,6 +173,8 @@ class Chunk:
     """A piece of generated output. The last chunk of a request has `finish_reason` set and `usage`."""
 
     text: str = ""
+    reasoning: str = ""
+    """Thinking text (a reasoning model's, kept apart from the answer in `text`)."""
     finish_reason: FinishReason | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
