@@ -89,14 +89,17 @@ def _print_progress(event: dict[str, object]) -> None:
 
 def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
-    return EngineSettings(
-        engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-        snapshot_bytes=config.snapshot_mb * 2**20, dtype=config.dtype,
-        gpu_memory_utilization=config.gpu_memory_utilization, tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=config.data_parallel_size,
-        torch_compile=config.enable_torch_compile, nnodes=config.nnodes, node_rank=config.node_rank,
-        master_addr=config.master_addr, master_port=config.master_port, executor=config.distributed_executor_backend,
+    from lmserve.engine.vllm import VllmOptions
+
+    launch = VllmOptions(
+        dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
+        data_parallel_size=config.data_parallel_size, torch_compile=config.enable_torch_compile,
+        nnodes=config.nnodes, node_rank=config.node_rank, master_addr=config.master_addr,
+        master_port=config.master_port, executor=config.distributed_executor_backend,
     )
+    return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
+                          snapshot_bytes=config.snapshot_mb * 2**20, vllm=launch)
 
 
 class GracefulServer(uvicorn.Server):

