@@ -69,7 +69,7 @@ def test_tensor_parallel_over_two_nodes_answers_as_transformers_and_ends_with_no
 ) -> None:
     repo = tiny_llama_repo()
     prompt = "The capital of France is"
-    body = {"model": "tiny-llama-v1", "prompt": prompt, "raw": True, "stream": False,
+    body = {"model": repo.name, "prompt": prompt, "raw": True, "stream": False,
             "options": {"temperature": 0, "num_predict": 12}}
     with (tmp_path / "node1.log").open("wb") as log1, (tmp_path / "node0.log").open("wb") as log0:
         worker = start_node(1, repo, log1)

@@ -43,7 +43,7 @@ def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
 
 def answer(server: Server) -> str:
     reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
-                       json={"model": "smollm2-135m-instruct-v1", "messages": QUESTION, "temperature": 0})
+                       json={"model": smollm2_repo().name, "messages": QUESTION, "temperature": 0})
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
 
@@ -78,7 +78,7 @@ def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_
         workers = [pid for pid in engine_processes if "Worker" in Path(f"/proc/{pid}/comm").read_text()]
         assert len(workers) == 2, "one worker per tensor-parallel rank"
         reply = httpx.post(server.base_url + "/api/generate", timeout=120, json={
-            "model": "tiny-llama-v1", "prompt": prompt, "raw": True, "stream": False,
+            "model": repo.name, "prompt": prompt, "raw": True, "stream": False,
             "options": {"temperature": 0, "num_predict": 12}}).json()
         assert reply["context"][reply["prompt_eval_count"]:] == transformers_greedy(repo, prompt, 12)
     finally:

