@@ -178,6 +178,14 @@ class ServerConfig:
     tool_call_parser: str | None = option(None, "--tool-call-parser", env="TOOL_CALL_PARSER", metavar="NAME",
                                           shown="detect from the chat template",
                                           help="tool-call format: lfm2, hermes, llama3_json, pythonic")
+    reasoning_parser: str | None = option(None, "--reasoning-parser", env="REASONING_PARSER", metavar="NAME",
+                                          shown="detect from the chat template",
+                                          choices=("qwen3", "deepseek_r1", "mistral", "kimi", "command", "seed_oss"),
+                                          help="how the model marks its thinking, kept apart from the answer")
+    reasoning_budget: int | None = option(None, "--reasoning-budget", env="REASONING_BUDGET", kind="int", minimum=0,
+                                          metavar="N", shown="unlimited",
+                                          help="most thinking tokens of a reply; then the thinking is closed and "
+                                          "the answer follows (a request's reasoning_budget overrides it)")
     max_queue: int = option(512, env="MAX_QUEUE", kind="int", minimum=0,
                             help="requests that may wait for a slot, per model; beyond it 503 with Retry-After")
     shutdown_grace: int = option(10, env="SHUTDOWN_GRACE", kind="int", minimum=0,
@@ -208,6 +216,10 @@ class ServerConfig:
                                                 "is private or loopback; repeatable, or comma-separated")
     image_max_bytes: int = option(20 * 1024 * 1024, env="IMAGE_MAX_BYTES", kind="int", minimum=1,
                                   help="largest image accepted, in bytes (data URI, base64 or download)")
+    responses_max: int = option(1000, env="RESPONSES_MAX", kind="int", minimum=1,
+                                help="most stored /v1/responses kept on disk (the oldest go first)")
+    responses_ttl: float | None = option(30 * 86400.0, env="RESPONSES_TTL", kind="duration",
+                                         help="how long a stored /v1/responses response is kept (negative: forever)")
     given: frozenset[str] = field(default=frozenset())
     """The options set by a flag or a variable (not defaulted): those one engine does not understand are refused."""
 

@@ -58,7 +58,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
-                      max_images=config.max_images, n_predict=config.n_predict)
+                      max_images=config.max_images, n_predict=config.n_predict,
+                      reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget)
     try:
         name = catalog.resolve(name)
     except ModelNotFound:

@@ -1,7 +1,8 @@
 """The HTTP application: the whole route table, authentication, and the one mapping of errors to HTTP.
 
-Every error becomes a body in the dialect of its route (wire_errors.error_body): the OpenAI body for
-/v1 and everything else, the native body for /api/. Nothing here matches on message text.
+Every error becomes a body in the dialect of its route (wire_errors.error_body): the Anthropic body for
+/v1/messages, the OpenAI body for the rest of /v1 and everything else, the native body for /api/. Nothing here
+matches on message text.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.api.access_log import install as install_access_log
+from lmserve.api.anthropic import anthropic_router
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.openapi import install as install_openapi
+from lmserve.api.responses import responses_router, responses_store
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
@@ -59,6 +62,8 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     app.include_router(openai_router(service, media))
     app.include_router(native_router(service, media))
+    app.include_router(anthropic_router(service, media))
+    app.include_router(responses_router(service, responses_store(config), media))
     install_openapi(app)  # /openapi.json: with the request bodies the routes parse by hand
 
     @app.get("/health")
@@ -141,7 +146,8 @@ async def send_error(send: Send, path: str, err: LmserveError, headers: dict[str
 
 
 class AuthMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Key <key>` or `Authorization: Bearer <key>`."""
+    """Every route but OPEN_PATHS needs `Authorization: Key <key>`, `Authorization: Bearer <key>` or
+    `x-api-key: <key>` (Anthropic's header)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -151,11 +157,15 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._is_authorized(scope):
             await self.app(scope, receive, send)
             return
-        err = AuthenticationFailed("Invalid or missing API key. Send 'Authorization: Bearer <key>' or 'Key <key>'.")
+        err = AuthenticationFailed("Invalid or missing API key. Send 'Authorization: Bearer <key>' or 'Key <key>' "
+                                   "(or 'x-api-key: <key>').")
         err.code = "invalid_api_key"
         await send_error(send, scope["path"], err, {"WWW-Authenticate": "Bearer"})
 
     def _is_authorized(self, scope: Scope) -> bool:
+        api_key = _header(scope, b"x-api-key").strip()
+        if api_key and hmac.compare_digest(api_key, self._key):
+            return True
         header = _header(scope, b"authorization")
         scheme, _, key = header.strip().partition(b" ")
         if scheme.lower() not in (b"bearer", b"key"):

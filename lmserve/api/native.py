@@ -72,6 +72,30 @@ def format_grammar(format: str | dict[str, Any] | None) -> str | None:
     raise InvalidRequest(f"format {format!r} is not supported: use \"json\" or a JSON schema", param="format")
 
 
+def to_think(think: bool | str | None) -> bool | str | None:
+    """`think`: true/false, or an effort "low" | "medium" | "high" (on); None leaves it to the model."""
+    if think is None or isinstance(think, bool):
+        return think
+    level = think.strip().lower()
+    if level in ("true", "false"):
+        return level == "true"
+    if level not in ("low", "medium", "high"):
+        raise InvalidRequest(f"think {think!r} is not true, false, \"low\", \"medium\" or \"high\"", param="think")
+    return level
+
+
+def split_reasoning_budget(options: wire.Options | None) -> tuple[wire.Options | None, int | None]:
+    """The request's `options` without `reasoning_budget` (most thinking tokens, lmserve's own), and that budget."""
+    if not options:
+        return options, None
+    rest = {name: value for name, value in options.items() if name != "reasoning_budget"}
+    budget = options.get("reasoning_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise InvalidRequest("option 'reasoning_budget' must be a whole number of tokens, 0 or more",
+                             param="reasoning_budget")
+    return rest, budget
+
+
 def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
     """The load-time options a request asks for over `defaults`; None when it asks for none (the model's apply)."""
     layer = opts.from_native(options)
@@ -135,7 +159,7 @@ async def ndjson_lines(
         if chunk.finish_reason is not None and _failed(chunk):
             yield line({"error": chunk.error or "the generation failed"})
             return
-        if chunk.text or chunk.tool_calls:
+        if chunk.text or chunk.reasoning or chunk.tool_calls:
             yield line(piece(chunk))
         if chunk.finish_reason is not None:
             yield line(last(chunk))
@@ -143,8 +167,11 @@ async def ndjson_lines(
 
 
 def assistant_message(text: str, chunk: Chunk) -> dict[str, Any]:
-    """The native assistant message; tool calls carry `arguments` as an object, whole, in one chunk."""
+    """The native assistant message (its `thinking` apart); tool calls carry `arguments` as an object, whole, in
+    one chunk."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if chunk.reasoning:
+        message["thinking"] = chunk.reasoning
     if chunk.tool_calls:
         message["content"] = text.strip()
         message["tool_calls"] = [
@@ -197,8 +224,9 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
+        body.options, budget = split_reasoning_budget(body.options)
         load = to_load_options(body.options, service.load_defaults(body.model))
-        _refuse_thinking(body.model, body.think)
+        think = to_think(body.think)
         if body.suffix:
             raise InvalidRequest(f"model '{body.model}' does not support insert (suffix): its template has no "
                                  "fill-in-the-middle form", param="suffix")
@@ -212,7 +240,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
                                    context=list(body.context or ()), images=images, options=load,
                                    keep_alive=keep_alive)
-        generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw)
+        generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
+                                                       think=think, reasoning_budget=budget)
 
         def head() -> dict[str, Any]:
             return {"model": body.model, "created_at": now_iso()}
@@ -223,19 +252,25 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
                 return done
             return {**done, "context": generation.prompt_tokens + generation.output_tokens}
 
+        def piece(chunk: Chunk) -> dict[str, Any]:
+            thinking = {"thinking": chunk.reasoning} if chunk.reasoning else {}
+            return {**head(), "response": chunk.text, **thinking, "done": False}
+
         if body.stream:
-            frames = ndjson_lines(generation, lambda chunk: {**head(), "response": chunk.text, "done": False}, last)
+            frames = ndjson_lines(generation, piece, last)
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
         text, final = await until_disconnect(generation.collect(), request.receive)
-        return JSONResponse({**last(final), "response": text})
+        thought = {"thinking": final.reasoning} if final.reasoning else {}
+        return JSONResponse({**last(final), "response": text, **thought})
 
     @router.post("/api/chat", response_model=None)
     async def chat(request: Request) -> Response:
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
+        body.options, budget = split_reasoning_budget(body.options)
         load = to_load_options(body.options, service.load_defaults(body.model))
-        _refuse_thinking(body.model, body.think)
+        think = to_think(body.think)
         if not body.messages:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
@@ -244,7 +279,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
-                             tools=list(body.tools or ()), options=load, keep_alive=keep_alive)
+                             tools=list(body.tools or ()), options=load, keep_alive=keep_alive, think=think,
+                             reasoning_budget=budget)
         generation = await service.generation.chat(record)
 
         def head() -> dict[str, Any]:
@@ -438,13 +474,6 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
     if body.license is not None:
         modelfile.license = [body.license] if isinstance(body.license, str) else list(body.license)
     return modelfile
-
-
-def _refuse_thinking(model: str, think: bool | str | None) -> None:
-    """`think` asks for reasoning output, which lmserve does not separate yet: refused, never ignored."""
-    if think not in (None, False, "", "false"):
-        raise InvalidRequest(f"model '{model}' does not support thinking: reasoning output is not separated yet",
-                             param="think")
 
 
 def _parameters_text(parameters: dict[str, Any]) -> str:

@@ -89,7 +89,26 @@ def to_chat_request(
     forced = _forced_tool(req.tool_choice, tools)
     sampling.grammar = response_grammar(req.response_format)
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
-                       parallel_tool_calls=req.parallel_tool_calls is not False)
+                       parallel_tool_calls=req.parallel_tool_calls is not False, think=to_think(req),
+                       reasoning_budget=req.reasoning_budget)
+
+
+_EFFORTS: dict[str, bool | str] = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                                   "xhigh": "high", "max": "high"}
+
+
+def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
+    """`reasoning_effort` as lmserve's `think` ("none" is off; "minimal" reads as "low", "xhigh" and "max" as
+    "high"), else `chat_template_kwargs.enable_thinking`; None leaves it to the model."""
+    if req.reasoning_effort is not None:
+        return _EFFORTS[req.reasoning_effort]
+    enable = (req.chat_template_kwargs or {}).get("enable_thinking")
+    if enable is None:
+        return None
+    if not isinstance(enable, bool):
+        raise InvalidRequest("chat_template_kwargs.enable_thinking must be true or false",
+                             param="chat_template_kwargs")
+    return enable
 
 
 def response_grammar(response_format: schemas.ResponseFormat | None) -> str | None:
@@ -243,6 +262,8 @@ def tool_call_body(call: ToolCall) -> dict[str, Any]:
 
 def chat_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if final.reasoning:
+        message["reasoning_content"] = final.reasoning
     if final.tool_calls:
         message["tool_calls"] = [tool_call_body(call) for call in final.tool_calls]
         message["content"] = text.strip() or None
@@ -281,11 +302,15 @@ def _text(text: str, finish_reason: str | None = None) -> dict[str, Any]:
 
 
 async def chat_frames(generation: Generation, head: Head, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE frames of a chat completion: role, content deltas, finish, optional usage, [DONE]."""
+    """SSE frames of a chat completion: role, thinking (`reasoning_content`) and content deltas, finish, optional
+    usage, [DONE]."""
     content = TextFrame(_frame(head, _delta({"content": HOLE}), include_usage))
+    reasoning = TextFrame(_frame(head, _delta({"reasoning_content": HOLE}), include_usage))
     yield sse_json(_frame(head, _delta({"role": "assistant", "content": ""}), include_usage))
     num_calls = 0
     async for chunk in generation:
+        if chunk.reasoning:
+            yield reasoning(chunk.reasoning)
         if chunk.text:
             yield content(chunk.text)
         for call in chunk.tool_calls:

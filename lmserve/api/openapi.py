@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from lmserve.api import anthropic_schemas, responses_schemas, schemas
 from lmserve.api import native_schemas as wire
-from lmserve.api import schemas
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 
@@ -35,8 +35,14 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("delete", "/api/delete"): wire.ModelBody,
     ("post", "/api/embed"): wire.EmbedBody,
     ("post", "/api/embeddings"): wire.EmbeddingsBody,
+    ("post", "/v1/messages"): anthropic_schemas.MessagesRequest,
+    ("post", "/v1/messages/count_tokens"): anthropic_schemas.CountTokensRequest,
+    ("post", "/v1/responses"): responses_schemas.ResponseRequest,
 }
 """(method, path) → the model its route parses the JSON body with."""
+
+BODILESS: frozenset[tuple[str, str]] = frozenset({("delete", "/v1/responses/{response_id}")})
+"""Routes of a body-taking method that take no body (the id is in the path)."""
 
 RAW_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/api/blobs/{digest}"): {

@@ -189,6 +189,12 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """A thinking model's effort; "none" switches thinking off (a model that cannot think ignores it)."""
+    reasoning_budget: int | None = Field(default=None, ge=0)
+    """Non-standard: most thinking tokens before the thinking is closed and the answer follows."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Non-standard (as vLLM): variables for the chat template; `enable_thinking` switches thinking."""
 
 
 class CompletionRequest(SamplingFields):

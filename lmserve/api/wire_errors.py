@@ -1,7 +1,8 @@
 """Errors on the wire: the OpenAI body, the native body, and request-validation errors as InvalidRequest.
 
-OpenAI dialect (every path but /api/…): {"error": {"message", "type", "param", "code"}}
+OpenAI dialect (every other path):      {"error": {"message", "type", "param", "code"}}
 native dialect (/api/…):                {"error": "message"}
+Anthropic dialect (/v1/messages…):      {"type": "error", "error": {"type", "message"}}
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from lmserve.errors import InvalidRequest, LmserveError
 
 NATIVE_PREFIX = "/api/"
+ANTHROPIC_PATH = "/v1/messages"
 INTERNAL_ERROR = "The server had an error while processing your request."
 
 # pydantic adds the union member it tried to a location; these are not field names
@@ -32,8 +34,25 @@ def native_error(err: LmserveError) -> dict[str, Any]:
     return {"error": err.message}
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error(err: LmserveError) -> dict[str, Any]:
+    """The Anthropic error body; its type follows the HTTP status (e.g. 404 not_found_error, 500 api_error)."""
+    kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
 def error_body(path: str, err: LmserveError) -> dict[str, Any]:
     """The error body in the dialect of the route at `path`."""
+    if is_anthropic_path(path):
+        return anthropic_error(err)
     return native_error(err) if is_native_path(path) else openai_error(err)
 
 

@@ -135,10 +135,13 @@ class ChatTemplate:
         return self._is_fallback
 
     def render(
-        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> str:
-        """Render the prompt. An empty `tools` list is passed as `None` (templates test `tools is not none`)."""
+        """Render the prompt. An empty `tools` list is passed as `None` (templates test `tools is not none`).
+        `variables` are more template variables (e.g. `enable_thinking`), under the standard ones."""
         context = {
+            **(variables or {}),
             "messages": [self._message_dict(m) for m in messages],
             "tools": tools or None,
             "add_generation_prompt": add_generation_prompt,

@@ -37,6 +37,8 @@ class Service:
         max_messages: int = 1024,
         max_images: int = 16,
         n_predict: int = -1,
+        reasoning_parser: str | None = None,
+        reasoning_budget: int | None = None,
     ) -> None:
         self.catalog = catalog
         self.residency = residency
@@ -44,7 +46,8 @@ class Service:
         self.defaults = Defaults(catalog, load_options, n_predict)
         self.generation = GenerationService(catalog, residency, self.defaults, self.observers,
                                             tool_call_parser=tool_call_parser, max_messages=max_messages,
-                                            max_images=max_images)
+                                            max_images=max_images, reasoning_parser=reasoning_parser,
+                                            reasoning_budget=reasoning_budget)
         self.models = ModelService(catalog, residency, self.defaults, hf_endpoint=hf_endpoint)
 
     def load_defaults(self, name: str) -> LoadOptions:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.reasoning import detect_reasoning
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.factory import engine_kind
 from lmserve.engine.protocol import Engine
@@ -152,6 +153,8 @@ class StoreCatalog:
                 capabilities.append("tools")
             if manifest.projector:
                 capabilities.append("vision")
+        if detect_reasoning(template):
+            capabilities.append("thinking")
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
@@ -392,7 +395,8 @@ class StaticCatalog:
             template=info.chat_template or "",
             system=model.system or "",
             model_info=dict(info.metadata),
-            capabilities=["completion", "vision"] if info.image_marker is not None else ["completion"],
+            capabilities=(["completion", "vision"] if info.image_marker is not None else ["completion"])
+            + (["thinking"] if detect_reasoning(model.template_source or info.chat_template) else []),
         )
 
     def has_vision(self, name: str) -> bool:

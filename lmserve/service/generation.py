@@ -2,7 +2,13 @@
 
 Both HTTP dialects call this with engine-neutral records (lmserve.types) and translate its chunks back to their own
 wire format. A request resolves its model, leases it from residency, renders and tokenizes its prompt
-(service/prompts.py), submits it to the model's engine and streams the pieces through the tool-call parser.
+(service/prompts.py), submits it to the model's engine and streams the pieces through the reasoning parser (the
+thinking goes to `Chunk.reasoning`), then the tool-call parser (over the answer only).
+
+A thinking budget, or a grammar (structured output, a forced tool call) on a model that thinks, runs in two
+phases (`ThinkingFirst`): the thinking, unconstrained, until the close tag or the budget; then the answer, from the
+prompt plus the thinking plus the close tag, under the request's grammar. Both engines take token prompts, so
+neither needs to know.
 """
 
 from __future__ import annotations
@@ -12,24 +18,43 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from lmserve.chat.gotemplate import GoChatTemplate
+from lmserve.chat.reasoning import (
+    ReasoningFormat,
+    StreamingReasoningParser,
+    detect_reasoning,
+    get_reasoning_format,
+    thinking_state,
+)
 from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
-from lmserve.engine.protocol import GenerationStream, PromptImage, unit_vector
-from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, unit_vector
+from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import prompts
 from lmserve.service.catalog import Catalog
 from lmserve.service.defaults import Defaults
 from lmserve.service.observers import Observers
 from lmserve.service.residency import LoadedModel, Residency, Resident
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import (
+    ChatRequest,
+    Chunk,
+    CompletionRequest,
+    LoadOptions,
+    Message,
+    SamplingParams,
+    Timings,
+    ToolCall,
+    Usage,
+)
 
 
 @dataclass(slots=True)
 class Generation:
     """A submitted request: its prompt size, its stream of chunks, and the model lease it holds.
 
-    With a tool parser, text is filtered through it: call markup never reaches `Chunk.text`, parsed calls
-    arrive in `Chunk.tool_calls`, and a reply that made calls finishes with "tool_calls".
+    With a reasoning format, the thinking is split off first into `Chunk.reasoning` (`thinking` says where the
+    output starts: inside the thinking (True), in the answer (False), or undecided (None)). With a tool parser, the
+    answer text is filtered through it: call markup never reaches `Chunk.text`, parsed calls arrive in
+    `Chunk.tool_calls`, and a reply that made calls finishes with "tool_calls".
     """
 
     model: str
@@ -40,13 +65,18 @@ class Generation:
     tool_parser: ToolCallParser | None = None
     max_tool_calls: int | None = None
     observers: Observers | None = None
+    reasoning: ReasoningFormat | None = None
+    thinking: bool | None = None
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         parsing = StreamingToolParser(self.tool_parser) if self.tool_parser is not None else None
+        splitting = StreamingReasoningParser(self.reasoning, inside=self.thinking) if self.reasoning else None
         num_calls = 0
         try:
             async for chunk in self.stream:
+                if splitting is not None:
+                    chunk = _split_reasoning(splitting, chunk)
                 if parsing is not None:
                     chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
                     num_calls += added
@@ -57,17 +87,20 @@ class Generation:
             self._release()
 
     async def collect(self) -> tuple[str, Chunk]:
-        """The whole answer: all its text, and the final chunk carrying every tool call; aborts if this stops early."""
+        """The whole answer: all its text, and the final chunk carrying every tool call and all the thinking (in
+        `reasoning`); aborts if this stops early."""
         parts: list[str] = []
+        thoughts: list[str] = []
         calls: list[ToolCall] = []
         try:
             async for chunk in self:
                 parts.append(chunk.text)
+                thoughts.append(chunk.reasoning)
                 calls += chunk.tool_calls
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason in ("error", "abort"):
                         raise EngineFailure(chunk.error or "the generation failed")
-                    return "".join(parts), replace(chunk, tool_calls=calls)
+                    return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts))
         finally:
             self.abort()
         raise EngineFailure("the generation ended without a result")
@@ -88,6 +121,119 @@ class Generation:
         if not self._is_released:
             self._is_released = True
             self.on_done()
+
+
+def _split_reasoning(splitting: StreamingReasoningParser, chunk: Chunk) -> Chunk:
+    thinking, text = splitting.push(chunk.text)
+    if chunk.finish_reason is not None:
+        more_thinking, more_text = splitting.finish()
+        thinking, text = thinking + more_thinking, text + more_text
+    return replace(chunk, text=text, reasoning=chunk.reasoning + thinking)
+
+
+class ThinkingFirst:
+    """A generation stream in two phases: the thinking, then the answer.
+
+    The thinking is generated without the request's grammar and stops (user stops aside), until the close tag or
+    `budget` tokens; then the answer continues from the prompt, the thinking and the close tag (shown in the
+    stream as text, so the reasoning parser sees the thinking end), under the request's own sampling. The
+    request's `max_tokens` bounds both phases together. The prompt must end inside the thinking.
+    """
+
+    def __init__(
+        self, engine: Engine, prompt: list[int], sampling: SamplingParams, fmt: ReasoningFormat, budget: int | None,
+        *, special: bool, images: list[PromptImage] | None, checkpoints: list[int] | None,
+    ) -> None:
+        self._engine = engine
+        self._prompt = prompt
+        self._sampling = sampling
+        self._fmt = fmt
+        self._special = special
+        self._images = images
+        limit = sampling.max_tokens
+        self._at_budget = budget is not None and (limit is None or budget < limit)
+        thinking = replace(sampling, grammar=None, stop=[fmt.end], logit_bias=dict(sampling.logit_bias),
+                           max_tokens=budget if self._at_budget else limit)
+        self._current = engine.submit(prompt, thinking, special=special, images=images, checkpoints=checkpoints)
+        self._before: list[int] = []
+        """Output tokens of the thinking phase, close tag included, once the answer phase runs."""
+        self._is_aborted = False
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self._prompt
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self._before + self._current.output_tokens
+
+    def abort(self) -> None:
+        self._is_aborted = True
+        self._current.abort()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        first = self._current
+        parts: list[str] = []
+        final: Chunk | None = None
+        async for chunk in first:
+            if chunk.finish_reason is not None:
+                final = chunk
+                break
+            parts.append(chunk.text)
+            yield chunk
+        if final is None:
+            return
+        parts.append(final.text)
+        ended = final.finish_reason == "stop" or (final.finish_reason == "length" and self._at_budget)
+        if self._is_aborted or not ended:
+            yield final
+            return
+        if final.text:
+            yield replace(final, finish_reason=None, usage=None, timings=None)
+        thought = "".join(parts)
+        close = ("" if thought.endswith("\n") else "\n") + self._fmt.end + "\n\n"
+        yield Chunk(text=close)
+        before = self._tokens(thought + close)
+        rest = None if self._sampling.max_tokens is None else self._sampling.max_tokens - len(before)
+        first_usage = final.usage or Usage(prompt_tokens=len(self._prompt))
+        cut_short = Chunk(finish_reason="length", usage=_usage(first_usage, len(before), None), timings=final.timings)
+        if rest is not None and rest <= 0:
+            yield cut_short
+            return
+        try:
+            second = self._engine.submit(self._prompt + before, replace(self._sampling, max_tokens=rest),
+                                         special=self._special, images=self._images)
+        except ContextOverflow:
+            yield cut_short
+            return
+        except LmserveError as exc:
+            yield Chunk(finish_reason="error", error=exc.message, usage=_usage(first_usage, len(before), None))
+            return
+        self._before, self._current = before, second
+        if self._is_aborted:
+            second.abort()
+        async for chunk in second:
+            if chunk.finish_reason is not None:
+                chunk = replace(chunk, usage=_usage(first_usage, len(before), chunk.usage),
+                                timings=_add_timings(final.timings, chunk.timings))
+            yield chunk
+
+    def _tokens(self, text: str) -> list[int]:
+        return self._engine.tokenize(text, add_special=False, parse_special=True)
+
+
+def _usage(first: Usage, num_thought: int, second: Usage | None) -> Usage:
+    """The prompt as the first phase counted it; thinking (with its close tag) and answer as the completion."""
+    answer = second.completion_tokens if second is not None else 0
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=num_thought + answer,
+                 cached_tokens=first.cached_tokens)
+
+
+def _add_timings(first: Timings | None, second: Timings | None) -> Timings | None:
+    if first is None or second is None:
+        return second or first
+    return Timings(load_ns=first.load_ns, prompt_eval_ns=first.prompt_eval_ns + second.prompt_eval_ns,
+                   eval_ns=first.eval_ns + second.eval_ns, total_ns=first.total_ns + second.total_ns)
 
 
 def _parse_tools(
@@ -112,6 +258,7 @@ class GenerationService:
     def __init__(
         self, catalog: Catalog, residency: Residency, defaults: Defaults, observers: Observers, *,
         tool_call_parser: str | None = None, max_messages: int = 1024, max_images: int = 16,
+        reasoning_parser: str | None = None, reasoning_budget: int | None = None,
     ) -> None:
         self.catalog = catalog
         self.residency = residency
@@ -120,6 +267,9 @@ class GenerationService:
         self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
         self.max_messages = max_messages
         self.max_images = max_images
+        self.reasoning_parser = get_reasoning_format(reasoning_parser).name if reasoning_parser else None
+        self.reasoning_budget = reasoning_budget
+        """Most thinking tokens of a reply when the request says nothing (None: no limit)."""
 
     async def acquire(self, name: str, options: LoadOptions | None = None,
                       keep_alive: float | None = None) -> Resident:
@@ -143,21 +293,29 @@ class GenerationService:
         name = self.tool_call_parser or detect_parser(model.template_source or model.engine.info.chat_template)
         return get_parser(name) if name else None
 
+    def reasoning_format(self, model: LoadedModel) -> ReasoningFormat | None:
+        """The server's --reasoning-parser, else the thinking format the model's template implies; None when the
+        model does not think."""
+        name = self.reasoning_parser or detect_reasoning(model.template_source or model.engine.info.chat_template)
+        return get_reasoning_format(name) if name else None
+
     def render_chat(self, model: LoadedModel, request: ChatRequest) -> str:
-        return prompts.render_chat(model, request, self.max_messages)
+        return prompts.render_chat(model, request, self.max_messages, self.reasoning_format(model))
 
     async def chat(self, request: ChatRequest) -> Generation:
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
-            prompt = self.render_chat(model, request)
+            fmt = self.reasoning_format(model)
+            prompt = prompts.render_chat(model, request, self.max_messages, fmt)
             parser = self.tool_parser(model) if request.tools else None
             sampling = self._forcing(model, request, parser)
+            plan = self._plan_thinking(fmt, prompt, request.think, request.reasoning_budget, sampling)
             images = [image for message in request.messages for image in message.images]
-            tokens, places = await prompts.tokenize_prompt(model, prompt, images)
+            tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
             checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
-            generation = self._submit(resident, tokens, sampling, parser, places, checkpoints)
+            generation = self._submit_planned(resident, plan, tokens, sampling, parser, places, checkpoints)
             generation.max_tool_calls = None if request.parallel_tool_calls else 1
             generation.load_ns = time.perf_counter_ns() - started
             return generation
@@ -188,9 +346,13 @@ class GenerationService:
             raise
 
     async def generate(
-        self, request: CompletionRequest, *, system: str | None = None, template: str | None = None, raw: bool = False
+        self, request: CompletionRequest, *, system: str | None = None, template: str | None = None, raw: bool = False,
+        think: bool | str | None = None, reasoning_budget: int | None = None,
     ) -> Generation:
-        """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens."""
+        """The native generate: `prompt` rendered as one user turn (unless `raw`), after any `context` tokens.
+
+        Rendered with the model's template, a thinking model's thinking (`think` switches it, `reasoning_budget`
+        bounds it) goes to `Chunk.reasoning`."""
         if raw and not request.images:
             return await self.complete(request)
         started = time.perf_counter_ns()
@@ -206,12 +368,14 @@ class GenerationService:
             elif template is not None:
                 prompt = GoChatTemplate(template, system=model.system).render(messages)
             else:
-                prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling))
-            tokens, places = await prompts.tokenize_prompt(model, prompt, request.images)
+                prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling, think=think))
+            fmt = self.reasoning_format(model) if not raw and template is None else None
+            plan = self._plan_thinking(fmt, prompt, think, reasoning_budget, request.sampling)
+            tokens, places = await prompts.tokenize_prompt(model, plan.prompt, request.images)
             if request.context:
                 tokens = list(request.context) + tokens
                 places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
-            generation = self._submit(resident, tokens, request.sampling, images=places)
+            generation = self._submit_planned(resident, plan, tokens, request.sampling, images=places)
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:
@@ -259,19 +423,91 @@ class GenerationService:
 
     def _submit(
         self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
-        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None, *, reasoning: bool = False,
     ) -> Generation:
+        self._check_grammar(resident, sampling)
+        # With a tool or reasoning parser, special tokens are kept in the text: call markers and thinking tags
+        # often are special tokens.
+        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None or reasoning,
+                                              images=images, checkpoints=checkpoints)
+        return self._generation(resident, stream, parser)
+
+    def _plan_thinking(
+        self, fmt: ReasoningFormat | None, prompt: str, think: bool | str | None, budget: int | None,
+        sampling: SamplingParams,
+    ) -> ThinkingPlan:
+        """How the reply's thinking is run: split off only, or first in a phase of its own (a budget, or a grammar
+        that must constrain the answer alone), the prompt then made to end inside the thinking."""
+        if fmt is None:
+            return ThinkingPlan(prompt)
+        state = thinking_state(fmt, prompt)
+        budget = budget if budget is not None else self.reasoning_budget
+        thinks = state is True or (state is None and think is not False)
+        if not thinks or (budget is None and sampling.grammar is None):
+            return ThinkingPlan(prompt, fmt, state)
+        prompt, state = _open_thinking(fmt, prompt, state, budget)
+        return ThinkingPlan(prompt, fmt, state, first=state is True, budget=budget)
+
+    def _submit_planned(
+        self, resident: Resident, plan: ThinkingPlan, tokens: list[int], sampling: SamplingParams,
+        parser: ToolCallParser | None = None, images: list[PromptImage] | None = None,
+        checkpoints: list[int] | None = None,
+    ) -> Generation:
+        if plan.format is not None and plan.first:
+            generation = self._submit_thinking_first(resident, tokens, sampling, plan.format, plan.budget, parser,
+                                                      images, checkpoints)
+        else:
+            generation = self._submit(resident, tokens, sampling, parser, images, checkpoints,
+                                      reasoning=plan.format is not None)
+        generation.reasoning, generation.thinking = plan.format, plan.state
+        return generation
+
+    def _submit_thinking_first(
+        self, resident: Resident, tokens: list[int], sampling: SamplingParams, fmt: ReasoningFormat,
+        budget: int | None, parser: ToolCallParser | None, images: list[PromptImage] | None,
+        checkpoints: list[int] | None,
+    ) -> Generation:
+        self._check_grammar(resident, sampling)
+        stream = ThinkingFirst(resident.model.engine, tokens, sampling, fmt, budget, special=True, images=images,
+                               checkpoints=checkpoints)
+        return self._generation(resident, stream, parser)
+
+    def _check_grammar(self, resident: Resident, sampling: SamplingParams) -> None:
         if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
             raise InvalidRequest(f"model '{resident.model.name}' cannot constrain its output (structured output and "
                                  "forced tool calls need it)", param="response_format")
-        # With a tool parser, special tokens are kept in the text: call markers are often special tokens.
-        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None, images=images,
-                                              checkpoints=checkpoints)
+
+    def _generation(self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None) -> Generation:
         return Generation(
             model=resident.model.name,
-            num_prompt_tokens=len(tokens),
+            num_prompt_tokens=len(stream.prompt_tokens),
             stream=stream,
             on_done=lambda: self.residency.release(resident),
             tool_parser=parser,
             observers=self.observers,
         )
+
+
+@dataclass(slots=True)
+class ThinkingPlan:
+    """A reply's thinking: the prompt to submit, the model's format (None: it does not think), where the output
+    starts (see `thinking_state`), and whether the thinking runs first in a phase of its own, up to `budget`."""
+
+    prompt: str
+    format: ReasoningFormat | None = None
+    state: bool | None = None
+    first: bool = False
+    budget: int | None = None
+
+
+def _open_thinking(
+    fmt: ReasoningFormat, prompt: str, state: bool | None, budget: int | None
+) -> tuple[str, bool | None]:
+    """`prompt` made to end inside the thinking (so the first phase is thinking, whatever the model would open
+    with); with a budget of 0, made to end after an empty, closed thinking. Returns the prompt and its state."""
+    if budget == 0:
+        closing = ("\n" if state is True else fmt.start + "\n\n") + fmt.end + "\n\n"
+        return prompt + closing, False
+    if state is True:
+        return prompt, True
+    return prompt + fmt.start + "\n", True

@@ -7,6 +7,8 @@ from dataclasses import replace
 from typing import Any
 
 from lmserve.chat.media import to_bitmap
+from lmserve.chat.reasoning import ReasoningFormat, drop_thinking
+from lmserve.chat.template import ChatTemplate
 from lmserve.engine.protocol import PromptImage
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service.residency import LoadedModel
@@ -23,15 +25,45 @@ def conversation(model: LoadedModel, request: ChatRequest) -> list[Message]:
     return messages
 
 
-def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int) -> str:
-    """The prompt text of a chat request; 400 for no messages or more than `max_messages`."""
+def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int,
+                reasoning: ReasoningFormat | None = None) -> str:
+    """The prompt text of a chat request; 400 for no messages or more than `max_messages`.
+
+    With the model's `reasoning` format, earlier assistant turns lose their thinking unless the template handles
+    thinking itself (it names the close tag: it keeps or drops it as the model was trained).
+    """
     if not request.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
     if len(request.messages) > max_messages:
         raise InvalidRequest(f"{len(request.messages)} messages is more than this server accepts ({max_messages})",
                              param="messages")
-    return model.template.render(conversation(model, request), tools=request.tools or None,
-                                 add_generation_prompt=request.add_generation_prompt)
+    messages = conversation(model, request)
+    source = model.template_source or model.engine.info.chat_template or ""
+    if reasoning is not None and reasoning.end not in source:
+        messages = [replace(m, content=drop_thinking(reasoning, m.content)) if m.role == "assistant" else m
+                    for m in messages]
+    return _render(model, messages, request, add_generation_prompt=request.add_generation_prompt)
+
+
+def thinking_variables(think: bool | str | None) -> dict[str, Any]:
+    """The chat-template variables that switch thinking on or off: `enable_thinking` (Qwen3), `think`, and
+    `reasoning_effort` for an effort level; none when the request leaves it to the model (`think` None)."""
+    if think is None:
+        return {}
+    if think is False:
+        return {"enable_thinking": False, "think": False}
+    variables: dict[str, Any] = {"enable_thinking": True, "think": True}
+    if isinstance(think, str):
+        variables["reasoning_effort"] = think
+    return variables
+
+
+def _render(model: LoadedModel, messages: list[Message], request: ChatRequest, *, add_generation_prompt: bool) -> str:
+    tools: list[dict[str, Any]] | None = request.tools or None
+    if isinstance(model.template, ChatTemplate):
+        return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     variables=thinking_variables(request.think))
+    return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
 
 def system_checkpoint(model: LoadedModel, request: ChatRequest, tokens: list[int]) -> list[int]:
@@ -43,9 +75,8 @@ def system_checkpoint(model: LoadedModel, request: ChatRequest, tokens: list[int
     count = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
     if count == 0 or count == len(messages):
         return []
-    tools: list[dict[str, Any]] | None = request.tools or None
     try:  # some templates refuse a conversation without a user turn: then there is no checkpoint
-        head = model.template.render(messages[:count], tools=tools, add_generation_prompt=False)
+        head = _render(model, messages[:count], request, add_generation_prompt=False)
     except LmserveError:
         return []
     prefix = tokenize(model, head)
