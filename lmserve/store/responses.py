@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.errors import LmserveError
+from lmserve.store.store import TEMP_PREFIX, write_atomic
 
 log = logging.getLogger(__name__)
 
 ID_PREFIX = "resp_"
-TEMP_PREFIX = ".tmp-"
 STALE_TEMP_SECONDS = 3600.0
 _ID = re.compile(r"resp_([0-9a-f]{16})[0-9a-f]{16}\Z")
 
@@ -96,7 +95,7 @@ class ResponseStore:
         if path is None:
             raise ValueError(f"not a response id this store makes: {record.id!r}")
         self.root.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(asdict(record), ensure_ascii=False).encode())
+        write_atomic(path, json.dumps(asdict(record), ensure_ascii=False).encode())
         self.prune()
 
     def get(self, response_id: str) -> StoredResponse:
@@ -162,17 +161,3 @@ class ResponseStore:
                     path.unlink(missing_ok=True)
             except FileNotFoundError:
                 pass
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -254,7 +254,7 @@ class Store:
                 )
         manifest.modified_at = time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps({"schema_version": SCHEMA_VERSION, **asdict(manifest)}, indent=1).encode())
+        write_atomic(path, json.dumps({"schema_version": SCHEMA_VERSION, **asdict(manifest)}, indent=1).encode())
 
     def get(self, name: ModelName) -> ModelEntry:
         """The stored model `name`; ModelNotFound (404) if absent, LmserveError (500) if its files are broken."""
@@ -450,7 +450,8 @@ def _hash(source: BinaryIO, out: BinaryIO | None) -> str:
     return "sha256:" + hasher.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary sibling, flushed to disk, renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
     try:
         with os.fdopen(fd, "wb") as out:
