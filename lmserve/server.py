@@ -65,7 +65,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     except ModelNotFound:
         if "/" not in name:
             raise
-        service.models.pull(name, _print_progress)  # a hub repository, as vLLM's `serve <org>/<repo>` fetches it
+        service.models.pull(name, ProgressLines())  # a hub repository, as vLLM's `serve <org>/<repo>` fetches it
         name = catalog.resolve(name)
     refusal = config.refused_by(engine_kind(store.model_path(store.find(name).manifest)))
     if refusal:
@@ -76,16 +76,20 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     return service, name
 
 
-def _print_progress(event: dict[str, object]) -> None:
-    """One line on stderr per pull step (a file's percentage every tenth)."""
-    total, completed = event.get("total"), event.get("completed")
-    if isinstance(total, int) and isinstance(completed, int) and total > 0:
-        percent = completed * 100 // total
-        if percent % 10 and completed != total:
+class ProgressLines:
+    """Pull progress as lines on stderr: each step once, a file's download at every tenth."""
+
+    def __init__(self) -> None:
+        self._last: tuple[object, int] | None = None
+
+    def __call__(self, event: dict[str, object]) -> None:
+        total, completed = event.get("total"), event.get("completed")
+        tenth = completed * 10 // total if isinstance(total, int) and isinstance(completed, int) and total else -1
+        if (event.get("status"), tenth) == self._last:
             return
-        print(f"lmserve: {event.get('status')} {percent}%", file=sys.stderr, flush=True)
-    else:
-        print(f"lmserve: {event.get('status')}", file=sys.stderr, flush=True)
+        self._last = (event.get("status"), tenth)
+        done = f" {tenth * 10}%" if tenth >= 0 else ""
+        print(f"lmserve: {event.get('status')}{done}", file=sys.stderr, flush=True)
 
 
 def engine_settings(config: ServerConfig) -> EngineSettings:

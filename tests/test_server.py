@@ -393,3 +393,18 @@ def test_embeddings_in_both_dialects(server: Server, client: openai.OpenAI) -> N
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="placeholder", max_retries=0) as plain:
         packed = plain.embeddings.create(model=MODEL, input=["a", "b"])
     assert packed.data[0].embedding == pytest.approx(list(pair.embeddings[0]), abs=1e-6)
+
+
+def test_pull_progress_at_serve_is_one_line_per_step_and_tenth(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmserve.server import ProgressLines
+
+    lines = ProgressLines()
+    for completed in (0, 5, 10, 15, 50, 99, 100):
+        lines({"status": "pulling model.safetensors", "total": 100, "completed": completed})
+    for status in ("verifying sha256 digest", "verifying sha256 digest", "success"):
+        lines({"status": status})
+    assert capsys.readouterr().err.splitlines() == [
+        "lmserve: pulling model.safetensors 0%", "lmserve: pulling model.safetensors 10%",
+        "lmserve: pulling model.safetensors 50%", "lmserve: pulling model.safetensors 90%",
+        "lmserve: pulling model.safetensors 100%", "lmserve: verifying sha256 digest", "lmserve: success",
+    ]
