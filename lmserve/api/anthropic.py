@@ -15,7 +15,6 @@ finish "stop"; which stop sequence ended a reply is found after the answer in th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -31,7 +30,7 @@ from lmserve.api import anthropic_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
-from lmserve.chat.media import MediaPolicy, decode_base64, fetch_image
+from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
 from lmserve.chat.structured import schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, Service, prompts
@@ -230,24 +229,17 @@ async def load_images(req: wire.CountTokensRequest, policy: MediaPolicy) -> list
     """The request's images as checked bytes: base64 decoded, URLs fetched (concurrently) under `policy`; a
     refusal is a 400 naming the block (see chat/media.py)."""
 
-    async def one(where: str, source: ImageSource) -> bytes:
-        try:
-            if isinstance(source, wire.Base64Source):
-                if not source.media_type.lower().startswith("image/"):
-                    raise InvalidRequest(f"media_type {source.media_type!r} is not an image")
-                return decode_base64(source.data, policy).data
-            if source.url[:7].lower() == "http://" or source.url[:8].lower() == "https://":
-                return (await fetch_image(source.url, policy)).data
-            raise InvalidRequest("an image url must be http(s)")
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc.message}", param="messages") from None
+    async def one(source: ImageSource) -> bytes:
+        if isinstance(source, wire.Base64Source):
+            if not source.media_type.lower().startswith("image/"):
+                raise InvalidRequest(f"media_type {source.media_type!r} is not an image")
+            return decode_base64(source.data, policy).data
+        if source.url[:7].lower() == "http://" or source.url[:8].lower() == "https://":
+            return await load_url(source.url, policy)
+        raise InvalidRequest("an image url must be http(s)")
 
-    try:
-        async with asyncio.TaskGroup() as group:  # the first refusal cancels the other fetches
-            tasks = [group.create_task(one(where, source)) for where, source in image_sources(req)]
-    except* InvalidRequest as refused:
-        raise refused.exceptions[0] from None
-    return [task.result() for task in tasks]
+    loaded = await load_all([[(where, one(source)) for where, source in image_sources(req)]], param="messages")
+    return loaded[0]
 
 
 # ---- the service: prompt size, and which stop sequence ended a reply --------------------------------

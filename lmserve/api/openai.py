@@ -9,7 +9,6 @@ streamed answer is sent, so they are ordinary HTTP errors.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import logging
@@ -36,7 +35,7 @@ from lmserve.api.streaming import (
     until_disconnect,
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
-from lmserve.chat.media import MediaPolicy, decode_data_uri, fetch_image
+from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
@@ -188,23 +187,8 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
 
     Any refusal is a 400 naming the part and saying why (see chat/media.py).
     """
-
-    async def one(where: str, url: str) -> bytes:
-        try:
-            if url[:5].lower() == "data:":
-                return decode_data_uri(url, policy).data
-            if url[:7].lower() == "http://" or url[:8].lower() == "https://":
-                return (await fetch_image(url, policy)).data
-            raise InvalidRequest("an image must be an http(s) URL or a data: URI (other schemes are refused)")
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc.message}", param="messages") from None
-
-    try:
-        async with asyncio.TaskGroup() as group:  # the first refusal cancels the other fetches
-            tasks = [[group.create_task(one(where, url)) for where, url in parts] for parts in _image_urls(req)]
-    except* InvalidRequest as refused:
-        raise refused.exceptions[0] from None
-    return [[task.result() for task in parts] for parts in tasks]
+    return await load_all([[(where, load_url(url, policy)) for where, url in parts] for parts in _image_urls(req)],
+                          param="messages")
 
 
 def to_completion_request(

@@ -26,7 +26,7 @@ from lmserve.api import responses_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation
-from lmserve.chat.media import MediaPolicy, decode_data_uri, fetch_image
+from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.config import ServerConfig
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
@@ -165,23 +165,8 @@ def _content(content: str | list[wire.ContentPart], where: str) -> tuple[str, li
 
 async def load_images(refs: list[list[ImageRef]], policy: MediaPolicy) -> list[list[bytes]]:
     """Each message's images as checked bytes (data URIs decoded, http(s) URLs fetched under `policy`)."""
-
-    async def one(where: str, url: str) -> bytes:
-        try:
-            if url[:5].lower() == "data:":
-                return decode_data_uri(url, policy).data
-            if url[:7].lower() == "http://" or url[:8].lower() == "https://":
-                return (await fetch_image(url, policy)).data
-            raise InvalidRequest("an image must be an http(s) URL or a data: URI (other schemes are refused)")
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc.message}", param="input") from None
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [[group.create_task(one(where, url)) for where, url in message] for message in refs]
-    except* InvalidRequest as refused:
-        raise refused.exceptions[0] from None
-    return [[task.result() for task in message] for message in tasks]
+    return await load_all([[(where, load_url(url, policy)) for where, url in message] for message in refs],
+                          param="input")
 
 
 def to_sampling(body: wire.ResponseRequest, defaults: SamplingParams | None = None) -> SamplingParams:

@@ -19,7 +19,9 @@ import io
 import ipaddress
 import socket
 import warnings
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from PIL import Image as PILImage
@@ -236,3 +238,30 @@ async def fetch_image(url: str, policy: MediaPolicy) -> Image:
     except httpx.HTTPError as e:
         raise _refuse(f"fetching the image failed: {type(e).__name__}: {e}") from None
     raise _refuse(f"image URL redirected more than {policy.max_redirects} times")
+
+
+async def load_url(url: str, policy: MediaPolicy) -> bytes:
+    """An image given by URL, as checked bytes: a data: URI decoded, an http(s) URL fetched; other schemes refused."""
+    if url[:5].lower() == "data:":
+        return decode_data_uri(url, policy).data
+    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+        return (await fetch_image(url, policy)).data
+    raise InvalidRequest("an image must be an http(s) URL or a data: URI (other schemes are refused)")
+
+
+async def load_all(groups: list[list[tuple[str, Coroutine[Any, Any, bytes]]]], param: str) -> list[list[bytes]]:
+    """Each group's images (where it is, the coroutine that loads it), loaded concurrently. The first refusal is a
+    400 (`param`) naming where it is, and cancels the other loads."""
+
+    async def one(where: str, load: Coroutine[Any, Any, bytes]) -> bytes:
+        try:
+            return await load
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc.message}", param=param) from None
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [[group.create_task(one(where, load)) for where, load in loads] for loads in groups]
+    except* InvalidRequest as refused:
+        raise refused.exceptions[0] from None
+    return [[task.result() for task in loads] for loads in tasks]
