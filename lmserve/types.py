@@ -152,6 +152,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    """Of the completion tokens, those of the thinking (the thinking text tokenized again)."""
 
     @property
     def total_tokens(self) -> int:
@@ -180,3 +182,5 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    stop_string: str | None = None
+    """On the last chunk of a reply that a stop string ended: which one."""

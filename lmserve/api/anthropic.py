@@ -10,7 +10,7 @@ blocks from `Chunk.tool_calls`.
 Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens that were not read from the cache, and
 `cache_read_input_tokens` those that were (their sum is the prompt). The service reports a stop string only as
 finish "stop"; which stop sequence ended a reply is found after the answer in the generated tokens
-(`stop_sequence_hit`).
+(`Generation.stop_string`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,9 +30,10 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
 from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
+from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
-from lmserve.service import Generation, Service, prompts
+from lmserve.service import Generation, Service
 from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 Head = dict[str, Any]
 ImageSource = wire.Base64Source | wire.UrlSource
 
-EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
-"""output_config.effort as ChatRequest.think's effort levels."""
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 """The service's finish reasons as Anthropic stop reasons (a stop string's "stop" is "stop_sequence")."""
 
@@ -201,7 +199,7 @@ def _thinking(
     config: wire.ThinkingConfig | None, output: wire.OutputConfig | None
 ) -> tuple[bool | str | None, int | None]:
     """`thinking` as (ChatRequest.think, ChatRequest.reasoning_budget); with thinking on, `output_config.effort`
-    is its effort ("xhigh" and "max" are "high")."""
+    is its effort (chat/reasoning.py's EFFORTS)."""
     if config is None or isinstance(config, wire.ThinkingDisabled):
         return (None if config is None else False), None
     effort = output.effort if output is not None else None
@@ -242,56 +240,6 @@ async def load_images(req: wire.CountTokensRequest, policy: MediaPolicy) -> list
     return loaded[0]
 
 
-# ---- the service: prompt size, and which stop sequence ended a reply --------------------------------
-
-
-async def count_tokens(service: Service, request: ChatRequest) -> int:
-    """How many tokens the rendered prompt of `request` has (with its images, tools and system prompt)."""
-    generation = service.generation
-    resident = await generation.acquire(request.model, request.options, request.keep_alive)
-    try:
-        prompt = generation.render_chat(resident.model, request)
-        images = [image for message in request.messages for image in message.images]
-        tokens, _ = await prompts.tokenize_prompt(resident.model, prompt, images)
-        return len(tokens)
-    finally:
-        service.residency.release(resident)
-
-
-def stop_sequence_hit(service: Service, generation: Generation, answer: str, stops: list[str]) -> str | None:
-    """The stop sequence that ended a reply whose finish is "stop" and whose answer text is `answer`, or None when
-    the model ended its turn.
-
-    The engines cut a stop string from the text but keep the tokens that made it, so the generated tokens, read
-    back, end with the answer, the stop string and at most the rest of its last token when a stop string ended the
-    reply, and with the answer when the end-of-turn token did (`stop_after`). Call it while the generation runs or
-    has just finished, so its model is still resident.
-    """
-    stops = [stop for stop in stops if stop]
-    if not stops:
-        return None
-    resident = next((r for r in service.residency.running() if r.model.name == generation.model), None)
-    if resident is None:
-        return None
-    return stop_after(resident.model.engine.detokenize(generation.output_tokens), answer, stops)
-
-
-STOP_SLACK = 32
-"""Most characters of the stop's last token that may follow the stop string in the generated text."""
-
-
-def stop_after(generated: str, answer: str, stops: list[str]) -> str | None:
-    """The stop string that follows `answer`'s end near the end of `generated` (None: none does). Of several that
-    start there the shortest wins: it was complete first (thinking before the answer is never searched)."""
-    tail = answer[-STOP_SLACK:]
-    found: list[tuple[int, str]] = []
-    for stop in stops:
-        at = generated.rfind(tail + stop)
-        if at >= 0 and at + len(tail) + len(stop) >= len(generated) - STOP_SLACK:
-            found.append((len(stop), stop))
-    return min(found)[1] if found else None
-
-
 # ---- records → responses --------------------------------------------------------------------------
 
 
@@ -310,10 +258,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def stop_reason(final: Chunk, usage: Usage, max_tokens: int | None, stop_sequence: str | None) -> str:
+def stop_reason(final: Chunk, usage: Usage, max_tokens: int | None) -> str:
     """end_turn, max_tokens, stop_sequence or tool_use; a "length" finish short of max_tokens is the context
     filling up: model_context_window_exceeded."""
-    if stop_sequence is not None:
+    if final.stop_string is not None:
         return "stop_sequence"
     if final.finish_reason == "length" and max_tokens is not None and usage.completion_tokens < max_tokens:
         return "model_context_window_exceeded"
@@ -362,30 +310,6 @@ def message_body(head: Head, blocks: list[dict[str, Any]], reason: str, stop_seq
                  usage: Usage) -> dict[str, Any]:
     return {**head, "content": blocks, "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": usage_body(usage)}
-
-
-async def collect(
-    service: Service, generation: Generation, request: ChatRequest
-) -> tuple[str, str, Chunk, str | None]:
-    """The whole reply: (thinking, text, the final chunk carrying every tool call, the stop sequence that ended it);
-    aborts if this stops early."""
-    reasoning: list[str] = []
-    text: list[str] = []
-    calls: list[ToolCall] = []
-    try:
-        async for chunk in generation:
-            reasoning.append(chunk.reasoning)
-            text.append(chunk.text)
-            calls += chunk.tool_calls
-            if chunk.finish_reason is not None:
-                if chunk.finish_reason in ("error", "abort"):
-                    raise EngineFailure(chunk.error or "the generation failed")
-                final = replace(chunk, tool_calls=calls)
-                answer = "".join(text)
-                return "".join(reasoning), answer, final, _stop_sequence(service, generation, final, request, answer)
-    finally:
-        generation.abort()
-    raise EngineFailure("the generation ended without a result")
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
@@ -462,9 +386,7 @@ class Blocks:
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})
 
 
-async def message_events(
-    service: Service, generation: Generation, head: Head, request: ChatRequest
-) -> AsyncIterator[bytes]:
+async def message_events(generation: Generation, head: Head, request: ChatRequest) -> AsyncIterator[bytes]:
     """The Messages stream: message_start, ping, each block's start / deltas / stop, message_delta (stop reason and
     usage), message_stop; an `error` event if the generation fails."""
     start_usage = {**usage_body(Usage(prompt_tokens=generation.num_prompt_tokens)), "output_tokens": 0}
@@ -472,9 +394,7 @@ async def message_events(
     yield sse("message_start", {"type": "message_start", "message": message})
     yield PING
     blocks = Blocks()
-    answer: list[str] = []
     async for chunk in generation:
-        answer.append(chunk.text)
         if chunk.reasoning:
             for frame in blocks.thinking(chunk.reasoning):
                 yield frame
@@ -492,20 +412,11 @@ async def message_events(
         for frame in blocks.finish():
             yield frame
         usage = chunk.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        stop_sequence = _stop_sequence(service, generation, chunk, request, "".join(answer))
-        delta = {"stop_reason": stop_reason(chunk, usage, request.sampling.max_tokens, stop_sequence),
-                 "stop_sequence": stop_sequence}
+        delta = {"stop_reason": stop_reason(chunk, usage, request.sampling.max_tokens),
+                 "stop_sequence": chunk.stop_string}
         yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_body(usage)})
         yield sse("message_stop", {"type": "message_stop"})
         return
-
-
-def _stop_sequence(
-    service: Service, generation: Generation, final: Chunk, request: ChatRequest, answer: str
-) -> str | None:
-    if final.finish_reason != "stop" or request.forced_tool is not None:
-        return None
-    return stop_sequence_hit(service, generation, answer, request.sampling.stop)
 
 
 # ---- routes ---------------------------------------------------------------------------------------
@@ -531,18 +442,17 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
         generation = await service.generation.chat(chat)
         head = make_head(generation.model)
         if body.stream:
-            frames = message_events(service, generation, head, chat)
+            frames = message_events(generation, head, chat)
             return GenerationResponse(generation, guarded_errors(frames, error_event))
-        work = collect(service, generation, chat)
-        reasoning, text, final, stop_sequence = await until_disconnect(work, request.receive)
+        text, final = await until_disconnect(generation.collect(), request.receive)
         usage = final.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        reason = stop_reason(final, usage, chat.sampling.max_tokens, stop_sequence)
-        blocks = content_blocks(reasoning, text, final.tool_calls)
-        return JSONResponse(message_body(head, blocks, reason, stop_sequence, usage))
+        reason = stop_reason(final, usage, chat.sampling.max_tokens)
+        blocks = content_blocks(final.reasoning, text, final.tool_calls)
+        return JSONResponse(message_body(head, blocks, reason, final.stop_string, usage))
 
     @router.post("/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> dict[str, int]:
         body = await parse_body(request, wire.CountTokensRequest)
-        return {"input_tokens": await count_tokens(service, await chat_request(body))}
+        return {"input_tokens": await service.generation.count_tokens(await chat_request(body))}
 
     return router

@@ -36,6 +36,7 @@ from lmserve.api.streaming import (
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
 from lmserve.chat.media import MediaPolicy, load_all, load_url
+from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
@@ -92,15 +93,11 @@ def to_chat_request(
                        reasoning_budget=req.reasoning_budget)
 
 
-_EFFORTS: dict[str, bool | str] = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
-                                   "xhigh": "high", "max": "high"}
-
-
 def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
-    """`reasoning_effort` as lmserve's `think` ("none" is off; "minimal" reads as "low", "xhigh" and "max" as
-    "high"), else `chat_template_kwargs.enable_thinking`; None leaves it to the model."""
+    """`reasoning_effort` as lmserve's `think` (chat/reasoning.py's EFFORTS), else
+    `chat_template_kwargs.enable_thinking`; None leaves it to the model."""
     if req.reasoning_effort is not None:
-        return _EFFORTS[req.reasoning_effort]
+        return EFFORTS[req.reasoning_effort]
     enable = (req.chat_template_kwargs or {}).get("enable_thinking")
     if enable is None:
         return None
@@ -237,6 +234,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 

@@ -27,6 +27,7 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation
 from lmserve.chat.media import MediaPolicy, load_all, load_url
+from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.config import ServerConfig
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
@@ -209,15 +210,11 @@ def chat_tools(body: wire.ResponseRequest) -> tuple[list[dict[str, Any]], str | 
     return tools, choice.name
 
 
-_EFFORTS: dict[str, bool | str] = {"none": False, "minimal": "low", "low": "low", "medium": "medium",
-                                   "high": "high", "xhigh": "high", "max": "high"}
-
-
 def think(reasoning: wire.ReasoningConfig | None) -> bool | str | None:
-    """`reasoning.effort` as ChatRequest.think: none → off, minimal/low → "low", medium, high (and above) → "high"."""
+    """`reasoning.effort` as ChatRequest.think (chat/reasoning.py's EFFORTS); None leaves it to the model."""
     if reasoning is None or reasoning.effort is None:
         return None
-    return _EFFORTS[reasoning.effort]
+    return EFFORTS[reasoning.effort]
 
 
 def to_chat_request(body: wire.ResponseRequest, messages: list[Message],
@@ -269,12 +266,12 @@ def response_head(body: wire.ResponseRequest, model: str, sampling: SamplingPara
     }
 
 
-def usage_body(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
 
@@ -290,8 +287,6 @@ class OutputBuilder:
 
     def __init__(self) -> None:
         self.items: list[Item] = []
-        self.reasoning_pieces = 0
-        """Chunks that carried thinking: the count of reasoning tokens (one token per chunk, as engines stream)."""
         self._open: Item | None = None
         self._pieces: list[str] = []
         self._pending = ""
@@ -303,7 +298,6 @@ class OutputBuilder:
     def push(self, chunk: Chunk) -> list[Event]:
         events: list[Event] = []
         if chunk.reasoning:
-            self.reasoning_pieces += 1
             events += self._reasoning(chunk.reasoning)
         if chunk.text:
             events += self._text(chunk.text)
@@ -416,7 +410,7 @@ def finished_response(head: dict[str, Any], builder: OutputBuilder, final: Chunk
         "completed_at": int(time.time()),
         "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
         "output": builder.items,
-        "usage": usage_body(usage, builder.reasoning_pieces),
+        "usage": usage_body(usage),
     }
 
 

@@ -22,7 +22,8 @@ from lmserve.chat.reasoning import (
 )
 from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
-from lmserve.engine.protocol import GenerationStream, PromptImage, unit_vector
+from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, unit_vector
+from lmserve.engine.stops import stop_after
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service import prompts
 from lmserve.service.catalog import Catalog
@@ -62,21 +63,33 @@ class Generation:
     observers: Observers | None = None
     reasoning: ReasoningFormat | None = None
     thinking: bool | None = None
+    engine: Engine | None = None
+    """The model's engine, to read the output tokens back (thinking counted, stop strings found)."""
+    stops: list[str] = field(default_factory=list)
+    """The request's stop strings: the last chunk of a reply one of them ended names it (`Chunk.stop_string`)."""
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         parsing = StreamingToolParser(self.tool_parser) if self.tool_parser is not None else None
         splitting = StreamingReasoningParser(self.reasoning, inside=self.thinking) if self.reasoning else None
         num_calls = 0
+        thoughts: list[str] = []
+        answer: list[str] = []
         try:
             async for chunk in self.stream:
                 if splitting is not None:
                     chunk = _split_reasoning(splitting, chunk)
+                    thoughts.append(chunk.reasoning)
                 if parsing is not None:
                     chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
                     num_calls += added
-                if chunk.finish_reason is not None and self.observers is not None:
-                    self.observers.finished(self.model, chunk)
+                answer.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    chunk = self._count_thinking(chunk, "".join(thoughts))
+                    if chunk.finish_reason == "stop" and self.stops:
+                        chunk = replace(chunk, stop_string=self._stop_string("".join(answer)))
+                    if self.observers is not None:
+                        self.observers.finished(self.model, chunk)
                 yield chunk
         finally:
             self._release()
@@ -99,6 +112,21 @@ class Generation:
         finally:
             self.abort()
         raise EngineFailure("the generation ended without a result")
+
+    def _stop_string(self, answer: str) -> str | None:
+        """Which of `stops` ended this reply (finished "stop", answer text `answer`); None when the model ended its
+        turn."""
+        if self.engine is None:
+            return None
+        return stop_after(self.engine.detokenize(self.output_tokens), answer, self.stops)
+
+    def _count_thinking(self, final: Chunk, thinking: str) -> Chunk:
+        """`final` with its usage's reasoning tokens: the thinking's text tokenized again (within the completion)."""
+        if not thinking or final.usage is None or self.engine is None:
+            return final
+        count = len(self.engine.tokenize(thinking, add_special=False, parse_special=True))
+        usage = replace(final.usage, reasoning_tokens=min(count, final.usage.completion_tokens))
+        return replace(final, usage=usage)
 
     @property
     def output_tokens(self) -> list[int]:
@@ -191,6 +219,17 @@ class GenerationService:
 
     def render_chat(self, model: LoadedModel, request: ChatRequest) -> str:
         return prompts.render_chat(model, request, self.max_messages, self.reasoning_format(model))
+
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """How many tokens the rendered prompt of `request` has (with its images, tools and system prompt)."""
+        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        try:
+            prompt = self.render_chat(resident.model, request)
+            images = [image for message in request.messages for image in message.images]
+            tokens, _ = await prompts.tokenize_prompt(resident.model, prompt, images)
+            return len(tokens)
+        finally:
+            self.residency.release(resident)
 
     async def chat(self, request: ChatRequest) -> Generation:
         started = time.perf_counter_ns()
@@ -320,7 +359,7 @@ class GenerationService:
         # often are special tokens.
         stream = resident.model.engine.submit(tokens, sampling, special=parser is not None or reasoning,
                                               images=images, checkpoints=checkpoints)
-        return self._generation(resident, stream, parser)
+        return self._generation(resident, stream, parser, sampling.stop)
 
     def _budget(self, requested: int | None) -> int | None:
         return requested if requested is not None else self.reasoning_budget
@@ -347,15 +386,19 @@ class GenerationService:
         self._check_grammar(resident, sampling)
         stream = ThinkingFirst(resident.model.engine, tokens, sampling, fmt, budget, special=True, images=images,
                                checkpoints=checkpoints)
-        return self._generation(resident, stream, parser)
+        return self._generation(resident, stream, parser, sampling.stop)
 
     def _check_grammar(self, resident: Resident, sampling: SamplingParams) -> None:
         if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
             raise InvalidRequest(f"model '{resident.model.name}' cannot constrain its output (structured output and "
                                  "forced tool calls need it)", param="response_format")
 
-    def _generation(self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None) -> Generation:
+    def _generation(
+        self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None, stops: list[str]
+    ) -> Generation:
         return Generation(
+            engine=resident.model.engine,
+            stops=[stop for stop in stops if stop],
             model=resident.model.name,
             num_prompt_tokens=len(stream.prompt_tokens),
             stream=stream,

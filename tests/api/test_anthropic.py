@@ -27,7 +27,7 @@ from schemathesis.checks import not_a_server_error
 from test_schemathesis import fuzzed_app  # noqa: F401  (the fixture: a fresh app over the fake engine)
 
 from lmserve.api import anthropic_schemas as wire
-from lmserve.api.anthropic import Blocks, message_events, stop_after, to_chat_request
+from lmserve.api.anthropic import Blocks, message_events, to_chat_request
 from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
@@ -174,14 +174,6 @@ async def test_a_stop_sequence_is_reported(client: httpx.AsyncClient, stops: lis
     assert payload["content"][0]["text"] == full[: full.index(hit)]
 
 
-def test_the_stop_that_follows_the_answer_is_the_one_that_ended_it() -> None:
-    assert stop_after("a lazy fox", "a ", ["fox", "lazy"]) == "lazy"
-    assert stop_after("a lazy fox", "a ", ["lazy", "la"]) == "la"  # both start there: the shorter was complete first
-    assert stop_after("a lazy fox", "a lazy fox", ["lazy", "fox"]) is None  # the turn ended: nothing follows
-    assert stop_after("<think>so lazy</think>ok", "ok", ["lazy"]) is None  # a stop in the thinking is no stop
-    assert stop_after("<think>hm</think>Go", "", ["Go"]) == "Go"  # a stop at the start of the answer
-
-
 async def test_system_as_a_string_or_blocks_is_the_same_prompt(client: httpx.AsyncClient) -> None:
     async def count(**fields: Any) -> int:
         response = await client.post(COUNT, json={"model": "fake", "messages": USER, **fields})
@@ -300,8 +292,8 @@ class StubGeneration:
 
 async def stream_of(chunks: list[Chunk], service: Service) -> list[tuple[str, dict[str, Any]]]:
     request = to_chat_request(wire.MessagesRequest.model_validate(body()))
-    frames = message_events(service, StubGeneration(chunks), {"id": "msg_1", "type": "message",  # type: ignore[arg-type]
-                                                              "role": "assistant", "model": "fake"}, request)
+    frames = message_events(StubGeneration(chunks), {"id": "msg_1", "type": "message",  # type: ignore[arg-type]
+                                                     "role": "assistant", "model": "fake"}, request)
     return sse_events(b"".join([frame async for frame in frames]).decode())
 
 

@@ -408,7 +408,6 @@ def test_reasoning_comes_first_as_its_own_item() -> None:
                                                                           "text": "Let me think."}]
     assert message["content"][0]["text"] == "\n\nYes."
     assert call["call_id"] == "call_1" and [e["output_index"] for e in events[-4:]] == [2, 2, 2, 2]
-    assert builder.reasoning_pieces == 2
     OpenAIResponse.model_validate({"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
                                    "output": builder.items, "parallel_tool_calls": True, "tool_choice": "auto",
                                    "tools": []})

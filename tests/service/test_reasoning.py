@@ -82,6 +82,19 @@ async def test_the_stream_carries_thinking_apart_from_text(engine: BatchingEngin
 
 
 @pytest.mark.asyncio
+async def test_usage_counts_the_thinking_tokens_within_the_completion(engine: BatchingEngine) -> None:
+    service = service_with(engine, OPENS_THINKING)
+    generation = await service.generation.chat(ask(max_tokens=20, reasoning_budget=5))
+    _, final = await generation.collect()
+    assert final.usage is not None
+    assert final.usage.reasoning_tokens == len(final.reasoning.encode())  # the fake's tokens are bytes
+    assert 0 < final.usage.reasoning_tokens < final.usage.completion_tokens
+    plain = await service.generation.chat(ask(max_tokens=10, think=False))
+    _, answer = await plain.collect()
+    assert answer.usage is not None and answer.usage.reasoning_tokens == 0
+
+
+@pytest.mark.asyncio
 async def test_a_budget_closes_the_thinking_and_the_answer_follows(
     engine: BatchingEngine, backend: RecordingBackend
 ) -> None:
