@@ -37,6 +37,9 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    thinking: str = ""
+    """An assistant turn's thinking, sent back by the client: a template that keeps earlier thinking reads it (as
+    `reasoning_content`, or `.Thinking` in a Go template); any other template never sees it."""
 
 
 @dataclass(frozen=True, slots=True)

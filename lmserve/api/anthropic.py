@@ -3,9 +3,9 @@
 A body is parsed into a wire model (anthropic_schemas.py) and translated once into a `ChatRequest`
 (`to_chat_request`): `system` becomes the system message, content blocks become text with image placeholders,
 `tool_use` blocks become the assistant's tool calls, `tool_result` blocks become tool messages, and earlier
-thinking is dropped. The service's chunks are translated back into a message (`message_body`) or the Messages
-stream (`message_events`): thinking blocks from `Chunk.reasoning`, text blocks from `Chunk.text`, `tool_use`
-blocks from `Chunk.tool_calls`.
+thinking blocks the assistant turn's thinking (`Message.thinking`). The service's chunks are translated back into a
+message (`message_body`) or the Messages stream (`message_events`): thinking blocks from `Chunk.reasoning`, text
+blocks from `Chunk.text`, `tool_use` blocks from `Chunk.tool_calls`.
 
 Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens that were not read from the cache, and
 `cache_read_input_tokens` those that were (their sum is the prompt). The service reports a stop string only as
@@ -103,17 +103,21 @@ def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[M
 def _assistant(index: int, blocks: list[wire.ContentBlock], images: Iterator[bytes]) -> Message:
     parts: list[wire.TextBlock | wire.ImageBlock] = []
     calls: list[ToolCall] = []
+    thoughts: list[str] = []
     for j, block in enumerate(blocks):
-        if isinstance(block, wire.ToolUseBlock):
+        if isinstance(block, wire.ThinkingBlock):
+            thoughts.append(block.thinking)
+        elif isinstance(block, wire.ToolUseBlock):
             calls.append(ToolCall(block.name, dumps(block.input), block.id))
         elif isinstance(block, wire.ToolResultBlock):
             raise InvalidRequest(f"messages[{index}].content[{j}]: a tool_result block belongs in a user message",
                                  param="messages")
         elif isinstance(block, wire.TextBlock | wire.ImageBlock):
             parts.append(block)
-        # thinking and redacted_thinking: earlier thinking is dropped from the prompt
+        # redacted_thinking: nothing of it can be shown to the model
     text, message_images = _content(parts, images)
-    return Message(role="assistant", content=text, images=message_images, tool_calls=calls)
+    return Message(role="assistant", content=text, images=message_images, tool_calls=calls,
+                   thinking="\n\n".join(t for t in thoughts if t))
 
 
 def _user(index: int, blocks: list[wire.ContentBlock], images: Iterator[bytes],

@@ -72,7 +72,8 @@ class ToolResultBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """Earlier thinking sent back in the history: dropped from the prompt."""
+    """Earlier thinking sent back in the history: the assistant turn's thinking (a template that keeps earlier
+    thinking shows it; others drop it)."""
 
     model_config = _WIRE
     type: Literal["thinking"]

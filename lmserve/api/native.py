@@ -110,7 +110,8 @@ def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = No
         calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
         images = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
         role = chat_role(m.role)
-        out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name))
+        out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name,
+                           thinking=m.thinking or ""))
     return out
 
 

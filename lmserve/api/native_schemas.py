@@ -32,6 +32,7 @@ class ChatMessage(Wire):
     images: list[str] | None = None
     tool_calls: list[ToolCallWire] | None = None
     tool_name: str | None = None
+    thinking: str | None = None
 
 
 KeepAlive = StrictStr | StrictInt | StrictFloat | None

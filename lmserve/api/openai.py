@@ -138,7 +138,8 @@ def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes]) -> Mess
     text = _content(m.content)
     calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
     role = chat_role(m.role)
-    return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
+    return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name,
+                   thinking=m.reasoning_content or "")
 
 
 def _arguments(arguments: str | dict[str, Any]) -> str:

@@ -112,27 +112,34 @@ def to_messages(instructions: str | None, items: list[wire.InputItem],
                 first_own: int = 0) -> tuple[list[Message], list[list[ImageRef]]]:
     """Chat messages for `instructions` (a system message) and the conversation's items, and each message's images
     (where, URL). Consecutive function calls join the assistant message before them; a call's output is a `tool`
-    message; reasoning items are dropped. `first_own` is the index of the request's first own item (for messages)."""
+    message; a reasoning item's text is the thinking of the assistant turn that follows it. `first_own` is the index
+    of the request's first own item (for messages)."""
     messages: list[Message] = []
     images: list[list[ImageRef]] = []
     if instructions:
         messages.append(Message("system", instructions))
         images.append([])
     names: dict[str, str] = {}
+    thinking = ""
     for index, item in enumerate(items):
         where = f"input[{index - first_own}]" if index >= first_own else f"previous_response_id's item {index}"
-        if isinstance(item, wire.MessageItem):
+        if isinstance(item, wire.ReasoningItem):
+            thinking += "".join(part.text for part in item.content or ())
+        elif isinstance(item, wire.MessageItem):
             text, refs = _content(item.content, where)
-            messages.append(Message(chat_role(item.role), text))
+            role = chat_role(item.role)
+            messages.append(Message(role, text, thinking=thinking if role == "assistant" else ""))
             images.append(refs)
+            thinking = ""
         elif isinstance(item, wire.FunctionCallItem):
             names[item.call_id] = item.name
             call = ToolCall(item.name, item.arguments, item.call_id)
-            if messages and messages[-1].role == "assistant":
+            if messages and messages[-1].role == "assistant" and not thinking:
                 messages[-1].tool_calls.append(call)
             else:
-                messages.append(Message("assistant", "", tool_calls=[call]))
+                messages.append(Message("assistant", "", tool_calls=[call], thinking=thinking))
                 images.append([])
+            thinking = ""
         elif isinstance(item, wire.FunctionCallOutputItem):
             text, refs = _content(item.output, where)
             if refs:

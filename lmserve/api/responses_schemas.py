@@ -102,7 +102,8 @@ class FunctionCallOutputItem(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """An earlier response's reasoning, sent back: kept in the record, dropped from the prompt."""
+    """An earlier response's reasoning, sent back: its text is the next assistant turn's thinking (a template that
+    keeps earlier thinking shows it; others drop it)."""
 
     model_config = _WIRE
     type: Literal["reasoning"]

@@ -71,6 +71,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    """An assistant turn's thinking, sent back (as lmserve and vLLM return it)."""
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:

@@ -814,7 +814,8 @@ def _collate(messages: list[Message]) -> tuple[str, list[dict[str, Any]]]:
             turns[-1]["Content"] += "\n\n" + m.content
             turns[-1]["ToolCalls"].extend(calls)
         else:
-            turn = {"Role": role, "Content": m.content, "ToolCalls": calls, "ToolName": m.name or ""}
+            turn = {"Role": role, "Content": m.content, "Thinking": m.thinking, "ToolCalls": calls,
+                    "ToolName": m.name or ""}
             turns.append({**turn, "ToolCallID": m.tool_call_id or ""})
     return "\n\n".join(systems), turns
 
@@ -840,14 +841,16 @@ def render_chat(
     system: str | None,
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
+    think: bool | str | None = None,
 ) -> str:
     """Render chat messages through a Modelfile TEMPLATE with Ollama's data model.
 
     `system` (the Modelfile SYSTEM) is used only when no message is a system message. A template that reads
     `.Messages` is executed once with `.System` (all system texts), `.Prompt` (last user text), `.Response`/`.Suffix`
-    (""), `.Messages` (`Role`, `Content`, `ToolCalls` [{`Function`: {`Name`, `Arguments` map}}], `ToolName`,
-    `ToolCallID`), `.Tools` (the request's tools; `.Function.Name` and `.function.name` both work; a tool prints as
-    JSON) and `.AddGenerationPrompt`. Any other template is executed per exchange as Ollama does (`.System`,
+    (""), `.Messages` (`Role`, `Content`, `Thinking`, `ToolCalls` [{`Function`: {`Name`, `Arguments` map}}],
+    `ToolName`, `ToolCallID`), `.Tools` (the request's tools; `.Function.Name` and `.function.name` both work; a tool
+    prints as JSON), `.AddGenerationPrompt`, and the request's `think` as `.Think` (on), `.ThinkLevel` (its effort,
+    or "") and `.IsThinkSet`. Any other template is executed per exchange as Ollama does (`.System`,
     `.Prompt`, and the assistant's reply as `.Response`), the last time only up to `.Response`, so it always ends
     ready for the assistant: `add_generation_prompt` cannot change that.
     """
@@ -860,6 +863,8 @@ def render_chat(
     return template.execute({
         "System": system_text, "Prompt": prompt, "Response": "", "Suffix": "", "Messages": turns,
         "Tools": _wrap(list(tools or [])), "AddGenerationPrompt": add_generation_prompt,
+        "Think": think is not None and think is not False, "ThinkLevel": think if isinstance(think, str) else "",
+        "IsThinkSet": think is not None,
     })  # fmt: skip
 
 
@@ -871,8 +876,8 @@ class GoChatTemplate:
         self.system = system
 
     def render(
-        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+        think: bool | str | None = None,
     ) -> str:
-        return render_chat(
-            self.template, messages, system=self.system, tools=tools, add_generation_prompt=add_generation_prompt
-        )
+        return render_chat(self.template, messages, system=self.system, tools=tools,
+                           add_generation_prompt=add_generation_prompt, think=think)

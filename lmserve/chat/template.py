@@ -101,6 +101,19 @@ def _lfm2_tool_calls_text(calls: list[ToolCall]) -> str:
     return "<|tool_call_start|>[" + ", ".join(parts) + "]<|tool_call_end|>"
 
 
+def thinking_variables(think: bool | str | None) -> dict[str, Any]:
+    """The chat-template variables that switch thinking on or off: `enable_thinking` (Qwen3), `think`, and
+    `reasoning_effort` for an effort level; none when the request leaves it to the model (`think` None)."""
+    if think is None:
+        return {}
+    if think is False:
+        return {"enable_thinking": False, "think": False}
+    variables: dict[str, Any] = {"enable_thinking": True, "think": True}
+    if isinstance(think, str):
+        variables["reasoning_effort"] = think
+    return variables
+
+
 class ChatTemplate:
     """A compiled chat template; `render()` turns messages (and tools) into the prompt text.
 
@@ -136,12 +149,12 @@ class ChatTemplate:
 
     def render(
         self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-        variables: dict[str, Any] | None = None,
+        think: bool | str | None = None,
     ) -> str:
         """Render the prompt. An empty `tools` list is passed as `None` (templates test `tools is not none`).
-        `variables` are more template variables (e.g. `enable_thinking`), under the standard ones."""
+        `think` sets the variables that switch thinking (`thinking_variables`)."""
         context = {
-            **(variables or {}),
+            **thinking_variables(think),
             "messages": [self._message_dict(m) for m in messages],
             "tools": tools or None,
             "add_generation_prompt": add_generation_prompt,
@@ -175,6 +188,8 @@ class ChatTemplate:
             if self._folds_tool_calls:
                 content = _lfm2_tool_calls_text(message.tool_calls) + content
         out["content"] = content
+        if message.thinking:
+            out["reasoning_content"] = message.thinking
         if message.tool_call_id is not None:
             out["tool_call_id"] = message.tool_call_id
         if message.name is not None:

@@ -8,7 +8,6 @@ from typing import Any
 
 from lmserve.chat.media import to_bitmap
 from lmserve.chat.reasoning import ReasoningFormat, drop_thinking
-from lmserve.chat.template import ChatTemplate
 from lmserve.engine.protocol import PromptImage
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service.residency import LoadedModel
@@ -45,25 +44,10 @@ def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int,
     return _render(model, messages, request, add_generation_prompt=request.add_generation_prompt)
 
 
-def thinking_variables(think: bool | str | None) -> dict[str, Any]:
-    """The chat-template variables that switch thinking on or off: `enable_thinking` (Qwen3), `think`, and
-    `reasoning_effort` for an effort level; none when the request leaves it to the model (`think` None)."""
-    if think is None:
-        return {}
-    if think is False:
-        return {"enable_thinking": False, "think": False}
-    variables: dict[str, Any] = {"enable_thinking": True, "think": True}
-    if isinstance(think, str):
-        variables["reasoning_effort"] = think
-    return variables
-
-
 def _render(model: LoadedModel, messages: list[Message], request: ChatRequest, *, add_generation_prompt: bool) -> str:
     tools: list[dict[str, Any]] | None = request.tools or None
-    if isinstance(model.template, ChatTemplate):
-        return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     variables=thinking_variables(request.think))
-    return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                 think=request.think)
 
 
 def system_checkpoint(model: LoadedModel, request: ChatRequest, tokens: list[int]) -> list[int]:

@@ -41,8 +41,11 @@ class Prompter(Protocol):
     """Renders a conversation into the model's prompt text (a Jinja chat template or a Modelfile Go one)."""
 
     def render(
-        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
-    ) -> str: ...
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+        think: bool | str | None = None,
+    ) -> str:
+        """The prompt text; `think` (None: the model's default) switches thinking on or off, or sets its effort."""
+        ...
 
 
 @dataclass(slots=True)

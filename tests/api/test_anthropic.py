@@ -420,7 +420,8 @@ def test_the_history_becomes_messages() -> None:
     assert chat.messages == [
         Message("system", "Sys."),
         Message("user", "Weather?\nParis."),
-        Message("assistant", "Checking.", tool_calls=[ToolCall("get_weather", '{"city":"Paris"}', "toolu_1")]),
+        Message("assistant", "Checking.", tool_calls=[ToolCall("get_weather", '{"city":"Paris"}', "toolu_1")],
+                thinking="They want weather."),
         Message("tool", "Sunny", tool_call_id="toolu_1", name="get_weather"),
         Message("user", "And tomorrow?"),
     ]

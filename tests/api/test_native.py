@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.native import parse_keep_alive, to_load_options, to_sampling_params
+from lmserve.api.native import parse_keep_alive, to_load_options, to_messages, to_sampling_params
+from lmserve.api.native_schemas import ChatMessage
 from lmserve.engine.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
@@ -196,3 +197,8 @@ async def test_too_many_messages_is_400(service: Service, client: httpx.AsyncCli
 async def test_absurd_load_options_are_refused(client: httpx.AsyncClient, options: dict[str, int]) -> None:
     r = await client.post("/api/generate", json={"model": "fake", "prompt": "x", "options": options})
     assert r.status_code == 400
+
+
+def test_an_assistant_messages_thinking_is_kept_with_it() -> None:
+    messages = [ChatMessage(role="user", content="2+2?"), ChatMessage(role="assistant", content="4", thinking="Add.")]
+    assert [m.thinking for m in to_messages(messages)] == ["", "Add."]

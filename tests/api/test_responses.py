@@ -19,7 +19,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from lmserve.api.app import create_app
-from lmserve.api.responses import OutputBuilder
+from lmserve.api.responses import OutputBuilder, parse_items, to_messages
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.batching import BatchingEngine
@@ -425,3 +425,16 @@ def test_whitespace_beside_calls_makes_no_message_and_an_empty_reply_makes_one()
     empty.finish("completed")
     assert [item["type"] for item in empty.items] == ["reasoning", "message"]
     assert empty.items[1]["content"][0]["text"] == ""
+
+
+def test_a_reasoning_item_is_the_thinking_of_the_assistant_turn_after_it() -> None:
+    items = parse_items([
+        {"type": "message", "role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Add."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    ])
+    messages, _ = to_messages(None, items)
+    assert [(m.role, m.content, m.thinking, len(m.tool_calls)) for m in messages] == [
+        ("user", "2+2?", "", 0), ("assistant", "4", "Add.", 0), ("assistant", "", "Look.", 1)]

@@ -143,3 +143,11 @@ def test_text_parts_join_with_newlines_and_images_keep_their_place() -> None:
     ]
     request = to_chat_request(chat_req(messages=[{"role": "user", "content": parts}]), images=[[b"1", b"2"]])
     assert request.messages[0].content == "\ufffca\nb\ufffcc"
+
+
+def test_an_assistant_turns_reasoning_content_is_its_thinking() -> None:
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+                {"role": "user", "content": "And 3+3?"}]
+    request = to_chat_request(chat_req(messages=messages))
+    assert [m.thinking for m in request.messages] == ["", "Add them.", ""]

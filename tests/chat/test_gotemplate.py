@@ -425,3 +425,17 @@ def test_messages_template_errors_surface_as_template_error() -> None:
     template = GoTemplate("{{ range .Messages }}{{ index .ToolCalls 0 }}{{ end }}")
     with pytest.raises(TemplateError, match="index out of range: 0"):
         render_chat(template, [Message("user", "Hi")], system=None, tools=None)
+
+
+THINKS = (
+    "{{ range .Messages }}{{ .Role }}:{{ if .Thinking }}[{{ .Thinking }}]{{ end }}{{ .Content }};{{ end }}"
+    "{{ if .IsThinkSet }}think={{ .Think }}{{ if .ThinkLevel }}/{{ .ThinkLevel }}{{ end }}{{ else }}unset{{ end }}"
+)
+
+
+@pytest.mark.parametrize(("think", "tail"), [(None, "unset"), (False, "think=false"), (True, "think=true"),
+                                             ("high", "think=true/high")])
+def test_a_template_reads_the_thinking_switch_and_earlier_thinking(think: bool | str | None, tail: str) -> None:
+    messages = [Message("user", "Hi"), Message("assistant", "Hello", thinking="greet")]
+    prompt = render_chat(GoTemplate(THINKS), messages, system=None, tools=None, think=think)
+    assert prompt == "user:Hi;assistant:[greet]Hello;" + tail

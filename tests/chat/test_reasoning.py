@@ -14,9 +14,8 @@ from lmserve.chat.reasoning import (
     split_reasoning,
     thinking_state,
 )
-from lmserve.chat.template import ChatTemplate
+from lmserve.chat.template import ChatTemplate, thinking_variables
 from lmserve.errors import InvalidRequest
-from lmserve.service.prompts import thinking_variables
 from lmserve.types import Message
 
 QWEN3 = FORMATS["qwen3"]
@@ -178,7 +177,7 @@ def test_think_becomes_template_variables(think: bool | str | None, variables: d
 def test_enable_thinking_false_renders_a_closed_empty_thinking() -> None:
     template = ChatTemplate(QWEN3_LIKE_TEMPLATE)
     messages = [Message("user", "hi")]
-    off = template.render(messages, variables=thinking_variables(False))
+    off = template.render(messages, think=False)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert thinking_state(QWEN3, off) is False
-    assert template.render(messages, variables=thinking_variables(True)).endswith("<|im_start|>assistant\n")
+    assert template.render(messages, think=True).endswith("<|im_start|>assistant\n")

@@ -192,6 +192,25 @@ async def test_earlier_thinking_is_dropped_from_the_prompt(engine: BatchingEngin
     assert "secret plan" not in bytes(prompt).decode()
 
 
+KEEPS_THINKING = (  # a template that shows earlier thinking kept (it reads reasoning_content)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("template", "shown"), [(KEEPS_THINKING, True), (LETS_MODEL_OPEN, False)])
+async def test_thinking_sent_back_reaches_only_a_template_that_keeps_it(
+    engine: BatchingEngine, backend: RecordingBackend, template: str, shown: bool
+) -> None:
+    service = service_with(engine, template)
+    messages = [Message("user", "hi"), Message("assistant", "Hello", thinking="a kept plan"), Message("user", "again")]
+    await collect(service, ChatRequest("m", messages, SamplingParams(max_tokens=2)))
+    [(_, prompt)] = backend.started
+    assert ("<think>\na kept plan\n</think>" in bytes(prompt).decode()) is shown
+
+
 def test_show_lists_thinking_only_for_a_model_that_can_think(engine: BatchingEngine) -> None:
     assert "thinking" in service_with(engine, OPENS_THINKING).catalog.describe("m").capabilities
     assert "thinking" not in service_with(engine, None).catalog.describe("m").capabilities
