@@ -77,6 +77,8 @@ def test_thinking_goes_to_reasoning_content_not_content(client: openai.OpenAI) -
     message = reply.choices[0].message
     assert reasoning_of(message) and not message.content
     assert "<think>" not in (reasoning_of(message) or "") and reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert 0 < (reply.usage.completion_tokens_details.reasoning_tokens or 0) <= reply.usage.completion_tokens
 
 
 def test_thinking_streams_as_reasoning_content_deltas(client: openai.OpenAI) -> None:
