@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import ollama
 import openai
 import pytest
@@ -112,6 +113,40 @@ def test_a_budget_closes_the_thinking_and_the_grammar_shapes_only_the_answer(cli
 def test_a_bad_reasoning_effort_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_of(client), messages=ASK, reasoning_effort="lots")  # type: ignore[call-overload]
+
+
+# ---- Anthropic Messages and OpenAI Responses ----------------------------------------------------------------
+
+
+def test_anthropic_thinking_is_a_thinking_block_and_streams_as_thinking_deltas(server: Server,
+                                                                              client: openai.OpenAI) -> None:
+    model = model_of(client)
+    with anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0,
+                             _strict_response_validation=True) as claude:
+        thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+        greedy: Any = {"temperature": 0}  # this client version no longer sends temperature itself
+        message = claude.messages.create(model=model, messages=ASK, max_tokens=8, thinking=thinking, extra_body=greedy)
+        assert [block.type for block in message.content] == ["thinking"] and message.stop_reason == "max_tokens"
+        with claude.messages.stream(model=model, messages=ASK, max_tokens=8, thinking=thinking,
+                                    extra_body=greedy) as stream:
+            deltas = [e.delta.thinking for e in stream if e.type == "content_block_delta"
+                      and e.delta.type == "thinking_delta"]
+            streamed = stream.get_final_message()
+    first = message.content[0]
+    assert first.type == "thinking" and "".join(deltas) == first.thinking and streamed.content == message.content
+
+
+def test_responses_thinking_is_a_reasoning_item_and_streams_as_reasoning_deltas(client: openai.OpenAI) -> None:
+    model = model_of(client)
+    whole = client.responses.create(model=model, input="Is 7 prime?", reasoning={"effort": "high"}, temperature=0,
+                                    max_output_tokens=8)
+    assert whole.output[0].type == "reasoning" and whole.output_text == "" and whole.status == "incomplete"
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(model=model, input="Is 7 prime?", reasoning={"effort": "high"}, temperature=0,
+                                 max_output_tokens=8) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+    reasoning = whole.output[0]
+    assert reasoning.type == "reasoning" and "".join(deltas) == "".join(p.text for p in reasoning.content or [])
 
 
 # ---- native dialect ------------------------------------------------------------------------------------------
