@@ -110,6 +110,14 @@ class LoadOptions:
     """Most tokens one image (or tile) may become; 0: the projector's own default."""
 
 
+EFFORTS: dict[str, bool | str] = {
+    "none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high",
+}
+"""The dialects' effort names (OpenAI `reasoning_effort` and `reasoning.effort`, Anthropic `output_config.effort`)
+as `ChatRequest.think`: "none" is off; lmserve's levels are low, medium and high, so "minimal" reads as "low" and
+"xhigh" and "max" as "high"."""
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A chat turn to complete, engine-neutral. `tools` are OpenAI-shaped function definitions; a
@@ -124,7 +132,8 @@ class ChatRequest:
     """False: at most one call per reply (later ones are dropped)."""
     add_generation_prompt: bool = True
     think: bool | str | None = None
-    """Reasoning: None (the model's default), False (off), True or an effort "low" | "medium" | "high" (on)."""
+    """Reasoning: None (the model's default), False (off), True or an effort "low" | "medium" | "high" (on); the
+    dialects' effort names map through EFFORTS."""
     reasoning_budget: int | None = None
     """Most thinking tokens before the thinking is closed and the answer follows (None: the server's setting)."""
     options: LoadOptions | None = None

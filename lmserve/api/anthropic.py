@@ -30,11 +30,10 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
 from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
-from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.service import Generation, Service
-from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +202,7 @@ def _thinking(
     config: wire.ThinkingConfig | None, output: wire.OutputConfig | None
 ) -> tuple[bool | str | None, int | None]:
     """`thinking` as (ChatRequest.think, ChatRequest.reasoning_budget); with thinking on, `output_config.effort`
-    is its effort (chat/reasoning.py's EFFORTS)."""
+    is its effort (types.EFFORTS)."""
     if config is None or isinstance(config, wire.ThinkingDisabled):
         return (None if config is None else False), None
     effort = output.effort if output is not None else None

@@ -36,12 +36,11 @@ from lmserve.api.streaming import (
 )
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
 from lmserve.chat.media import MediaPolicy, load_all, load_url
-from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
 from lmserve.service import Generation, ModelListing, Service
-from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ def to_chat_request(
 
 
 def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
-    """`reasoning_effort` as lmserve's `think` (chat/reasoning.py's EFFORTS), else
+    """`reasoning_effort` as lmserve's `think` (types.EFFORTS), else
     `chat_template_kwargs.enable_thinking`; None leaves it to the model."""
     if req.reasoning_effort is not None:
         return EFFORTS[req.reasoning_effort]

@@ -27,14 +27,13 @@ from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation
 from lmserve.chat.media import MediaPolicy, load_all, load_url
-from lmserve.chat.reasoning import EFFORTS
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.config import ServerConfig
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
 from lmserve.service import Generation, Service
 from lmserve.store.responses import ResponseNotFound, ResponseStore, StoredResponse, new_response_id
-from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,7 @@ def chat_tools(body: wire.ResponseRequest) -> tuple[list[dict[str, Any]], str | 
 
 
 def think(reasoning: wire.ReasoningConfig | None) -> bool | str | None:
-    """`reasoning.effort` as ChatRequest.think (chat/reasoning.py's EFFORTS); None leaves it to the model."""
+    """`reasoning.effort` as ChatRequest.think (types.EFFORTS); None leaves it to the model."""
     if reasoning is None or reasoning.effort is None:
         return None
     return EFFORTS[reasoning.effort]

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from lmserve.errors import InvalidRequest
 
 __all__ = [
-    "EFFORTS",
     "FORMATS",
     "ReasoningFormat",
     "StreamingReasoningParser",
@@ -35,14 +34,6 @@ __all__ = [
     "split_reasoning",
     "thinking_state",
 ]
-
-
-EFFORTS: dict[str, bool | str] = {
-    "none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high",
-}
-"""The dialects' effort names (OpenAI `reasoning_effort` and `reasoning.effort`, Anthropic `output_config.effort`)
-as `ChatRequest.think`: "none" is off; lmserve's levels are low, medium and high, so "minimal" reads as "low" and
-"xhigh" and "max" as "high"."""
 
 
 @dataclass(frozen=True, slots=True)

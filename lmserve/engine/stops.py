@@ -47,22 +47,3 @@ class StopMatcher:
                     break
         return longest
 
-
-STOP_SLACK = 32
-"""Most characters of the stop's last token that may follow the stop string in the generated text."""
-
-
-def stop_after(generated: str, answer: str, stops: list[str]) -> str | None:
-    """Which stop string ended a reply: the one that follows `answer`'s end near the end of `generated` (the reply's
-    tokens read back: the engines cut a stop string from the text but keep the tokens that made it). None: none
-    does (the end-of-turn token ended it). Of several that start there the shortest wins: it was complete first
-    (thinking before the answer is never searched)."""
-    tail = answer[-STOP_SLACK:]
-    found: list[tuple[int, str]] = []
-    for stop in stops:
-        if not stop:
-            continue
-        at = generated.rfind(tail + stop)
-        if at >= 0 and at + len(tail) + len(stop) >= len(generated) - STOP_SLACK:
-            found.append((len(stop), stop))
-    return min(found)[1] if found else None

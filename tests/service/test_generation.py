@@ -13,6 +13,7 @@ from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import static_service
+from lmserve.service.generation import stop_after
 from lmserve.service.residency import LoadedModel
 from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams
 
@@ -104,3 +105,11 @@ async def test_an_engine_without_constrained_sampling_or_embeddings_refuses_them
     with pytest.raises(InvalidRequest, match="cannot make embeddings"):
         await service.generation.embed("m", ["hi"])
     assert service.residency.running()[0].users == 0  # both leases were given back
+
+
+def test_the_stop_that_follows_the_answer_is_the_one_that_ended_it() -> None:
+    assert stop_after("a lazy fox", "a ", ["fox", "lazy"]) == "lazy"
+    assert stop_after("a lazy fox", "a ", ["lazy", "la"]) == "la"  # both start there: the shorter was complete first
+    assert stop_after("a lazy fox", "a lazy fox", ["lazy", "fox"]) is None  # the turn ended: nothing follows
+    assert stop_after("<think>so lazy</think>ok", "ok", ["lazy"]) is None  # a stop in the thinking is no stop
+    assert stop_after("<think>hm</think>Go", "", ["Go"]) == "Go"  # a stop at the start of the answer
