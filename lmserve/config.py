@@ -176,8 +176,8 @@ class ServerConfig:
     max_loaded_models: int = option(3, env="MAX_LOADED_MODELS", kind="int", minimum=1,
                                     help="most models loaded at once")
     tool_call_parser: str | None = option(None, "--tool-call-parser", env="TOOL_CALL_PARSER", metavar="NAME",
-                                          shown="detect from the chat template",
-                                          help="tool-call format: lfm2, hermes, llama3_json, pythonic")
+                                          shown="detect from the chat template, else json",
+                                          help="tool-call format: lfm2, hermes, llama3_json, pythonic, json")
     reasoning_parser: str | None = option(None, "--reasoning-parser", env="REASONING_PARSER", metavar="NAME",
                                           shown="detect from the chat template",
                                           choices=("qwen3", "deepseek_r1", "mistral", "kimi", "command", "seed_oss"),
@@ -220,6 +220,11 @@ class ServerConfig:
                                 help="most stored /v1/responses kept on disk (the oldest go first)")
     responses_ttl: float | None = option(30 * 86400.0, env="RESPONSES_TTL", kind="duration",
                                          help="how long a stored /v1/responses response is kept (negative: forever)")
+    completions_max: int = option(1000, env="COMPLETIONS_MAX", kind="int", minimum=1,
+                                  help="most stored chat completions (`store: true`) kept on disk (the oldest go "
+                                  "first)")
+    completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
+                                           help="how long a stored chat completion is kept (negative: forever)")
     given: frozenset[str] = field(default=frozenset())
     """The options set by a flag or a variable (not defaulted): those one engine does not understand are refused."""
 

@@ -105,10 +105,6 @@ TABLE: dict[str, Option] = {o.name: o for o in (
     _refused("n", int, "only one choice per request is supported (n=1)", openai=("n",), native=False, neutral=(1,)),
     _refused("best_of", int, "only one completion per request is supported (best_of=1)", openai=("best_of",),
              native=False, neutral=(1,)),
-    _refused("logprobs", bool, "log probabilities are not supported", openai=("logprobs",), native=False,
-             neutral=(False, 0)),
-    _refused("top_logprobs", int, "log probabilities are not supported", openai=("top_logprobs",), native=False,
-             neutral=(0,)),
 )}  # fmt: skip
 """Every option, by native name (an OpenAI-only option by its OpenAI name)."""
 

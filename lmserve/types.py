@@ -79,6 +79,13 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None
     """A GBNF grammar (root rule `root`) the output must match: structured output (see chat/structured.py)."""
+    closes_at_limit: bool = True
+    """With `grammar` and `max_tokens`: a reply about to run out of tokens is closed in time with the shortest text
+    the grammar accepts (service/json_budget.py), so structured output always parses. False where the grammar's
+    text holds special tokens (forced tool calls)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; 0..20: each generated token's log-probability and this many likeliest
+    alternatives (`Chunk.logprobs`; the distribution is described in engine/logprobs.py)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -155,6 +162,19 @@ class CompletionRequest:
     """Encoded images (checked by chat/media.py) shown to a vision model before the prompt text."""
     options: LoadOptions | None = None
     keep_alive: float | None = None
+    infill: Infill | None = None
+    """Fill in the middle: the model writes what goes between `infill.prefix` and `infill.suffix`; `prompt` then
+    follows the FIM middle token (llama-server's /infill `prompt`), usually empty."""
+
+
+@dataclass(slots=True)
+class Infill:
+    """The text around a gap a code model fills (service/fim.py builds its prompt from the FIM tokens)."""
+
+    prefix: str
+    suffix: str
+    extra: list[tuple[str, str]] = field(default_factory=list)
+    """(filename, text) of other files given as context before the prefix (llama-server's `input_extra`)."""
 
 
 @dataclass(slots=True)
@@ -181,6 +201,22 @@ class Timings:
     eval_ns: int = 0
     total_ns: int = 0
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for (OpenAI's and vLLM's limit)."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log, <= 0) and, in `top`, the likeliest tokens at its place
+    (each with an empty `top`), likeliest first. `piece` is the token's bytes; `text` is them as text (a token that
+    holds part of a UTF-8 character shows U+FFFD)."""
+
+    token: int
+    text: str
+    piece: bytes
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
+
 
 @dataclass(slots=True)
 class Chunk:
@@ -196,3 +232,6 @@ class Chunk:
     error: str | None = None
     stop_string: str | None = None
     """On the last chunk of a reply that a stop string ended: which one."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With `SamplingParams.logprobs`: one entry per generated token whose text this chunk carries (in `text`,
+    `reasoning` or the markup of `tool_calls`), in order."""

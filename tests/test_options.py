@@ -110,8 +110,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("native", {"mirostat": 3}, "mirostat", "at most 2"),
     ("openai", {"n": 2}, "n", "one choice"),
     ("openai", {"best_of": 3}, "best_of", "one completion"),
-    ("openai", {"logprobs": True}, "logprobs", "not supported"),
-    ("openai", {"top_logprobs": 2}, "top_logprobs", "not supported"),
     ("openai", {"num_ctx": 4096}, "num_ctx", "load-time option"),
     ("openai", {"num_keep": 5}, "num_keep", "never shifts"),
     ("openai", {"logit_bias": {"x": 1}}, "logit_bias", "token ids"),

@@ -12,8 +12,9 @@ import ollama
 import openai
 import pytest
 
+from tests.hf_repos import smollm2_repo
 from tests.test_server import MODEL, Server
-from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.tiny_lfm2 import LFM2_TEMPLATE, write_tiny_lfm2
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -138,3 +139,176 @@ def test_lfm2_format_is_detected_and_forced_calls_parse(lfm2_server: Server) -> 
         assert "<|tool_call_start|>" not in (choice.message.content or "")
     with ollama.Client(host=lfm2_server.base_url) as native:
         assert "tools" in (native.show(model).capabilities or [])
+
+
+# LFM2.5's template: the tools in the system turn as `List of tools: [JSON]`, without list or response tokens.
+LFM25_TEMPLATE = (LFM2_TEMPLATE.replace("<|tool_list_start|>", "").replace("<|tool_list_end|>", "")
+                  .replace('"<|tool_response_start|>" + content + "<|tool_response_end|>"', "content"))
+
+
+@pytest.fixture(scope="module")
+def lfm25_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path = write_tiny_lfm2(tmp_path_factory.mktemp("lfm25") / "tiny-lfm25.gguf", chat_template=LFM25_TEMPLATE)
+    srv = Server("-m", str(path), "-np", "2", "-c", "512")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_lfm25_template_is_detected_and_forced_calls_parse(lfm25_server: Server, stream: bool) -> None:
+    with lfm25_server.client() as client:
+        model = client.models.list().data[0].id
+        kwargs: dict[str, Any] = {"model": model, "messages": ASK, "tools": [UNIT], "tool_choice": "required",
+                                  "temperature": 0, "max_tokens": 160}
+        if stream:
+            with client.chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as events:
+                reply = events.get_final_completion()
+        else:
+            reply = client.chat.completions.create(**kwargs)
+        plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)  # type: ignore[arg-type]
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and "<|tool_call" not in (choice.message.content or "")
+    [call] = choice.message.tool_calls or []
+    check_call(call, UNIT)
+    assert reply.usage is not None and plain.usage is not None
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens  # the template put the tools in the system turn
+
+
+# ---- the default model, with no call format of its own: lmserve's JSON calls (no --tool-call-parser) ----
+
+
+@pytest.fixture(scope="module")
+def plain_server() -> Iterator[Server]:
+    srv = Server("-np", "2", "-c", "2048")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def plain(plain_server: Server) -> Iterator[openai.OpenAI]:
+    with plain_server.client() as c:
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_default_model_answers_required_with_a_valid_call(plain: openai.OpenAI, stream: bool) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+                              "temperature": 0, "max_tokens": 200}
+    if stream:
+        with plain.chat.completions.stream(**kwargs) as events:
+            reply = events.get_final_completion()
+    else:
+        reply = plain.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls or []
+    assert calls
+    for call in calls:
+        check_call(call, WEATHER if call.function.name == "get_weather" else TIME)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_default_model_calls_a_named_function_once(plain: openai.OpenAI, stream: bool) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "temperature": 0,
+                              "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                              "max_tokens": 200}
+    if stream:
+        with plain.chat.completions.stream(**kwargs) as events:
+            reply = events.get_final_completion()
+    else:
+        reply = plain.chat.completions.create(**kwargs)
+    [call] = reply.choices[0].message.tool_calls or []
+    check_call(call, TIME)
+
+
+def test_parallel_tool_calls_false_gives_exactly_one_call(plain: openai.OpenAI) -> None:
+    ask_both = [{"role": "user", "content": "What is the weather in Paris, Rome and Oslo, and the time in UTC?"}]
+    for seed in range(3):
+        reply = plain.chat.completions.create(model=MODEL, messages=ask_both, tools=[WEATHER, TIME],  # type: ignore[arg-type,list-item]
+                                              tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                                              seed=seed, max_tokens=200)
+        assert len(reply.choices[0].message.tool_calls or []) == 1
+
+
+def test_tools_reach_the_default_models_prompt(plain: openai.OpenAI) -> None:
+    sizes = []
+    for tools in ([], [WEATHER]):
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        reply = plain.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=1,  # type: ignore[arg-type]
+                                              **extra)
+        assert reply.usage is not None
+        sizes.append(reply.usage.prompt_tokens)
+    assert sizes[1] > sizes[0] + 20
+
+
+def test_auto_answers_with_text_or_a_valid_call(plain: openai.OpenAI) -> None:
+    reply = plain.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,  # type: ignore[arg-type,list-item]
+                                          max_tokens=120)
+    choice = reply.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"  # type: ignore[union-attr]
+            json.loads(call.function.arguments)  # type: ignore[union-attr]
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+FEW_SHOT: list[dict[str, Any]] = [  # one call and its answer in the history: the tiny model follows the example
+    *ASK,
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+    {"role": "tool", "content": "18 degrees", "tool_name": "get_weather"},
+    {"role": "assistant", "content": "It is 18 degrees in Paris."},
+    {"role": "user", "content": "What is the weather in Rome?"},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ollama_clients_tools_reach_the_default_model_and_calls_come_back(plain_server: Server,
+                                                                              stream: bool) -> None:
+    options = {"temperature": 0, "num_predict": 60}
+    with ollama.Client(host=plain_server.base_url) as c:
+        if stream:
+            parts = list(c.chat(model=MODEL, messages=FEW_SHOT, tools=[WEATHER], stream=True, options=options))
+            calls = [call for part in parts for call in part.message.tool_calls or []]
+            prompt_count = parts[-1].prompt_eval_count
+        else:
+            reply = c.chat(model=MODEL, messages=FEW_SHOT, tools=[WEATHER], options=options)
+            calls, prompt_count = list(reply.message.tool_calls or []), reply.prompt_eval_count
+        without = c.chat(model=MODEL, messages=FEW_SHOT, options={"temperature": 0, "num_predict": 1})
+    assert (prompt_count or 0) > (without.prompt_eval_count or 0) + 20  # the tools are in the prompt
+    [call] = calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+# ---- vLLM: the same model as a safetensors repository, the same JSON calls ----
+
+
+@pytest.fixture(scope="module")
+def vllm_server() -> Iterator[Server]:
+    srv = Server(str(smollm2_repo()), "--dtype", "float32")
+    yield srv
+    srv.stop()
+
+
+def test_vllm_forces_a_valid_call_whole_and_streamed(vllm_server: Server) -> None:
+    with vllm_server.client() as client:
+        [model] = [m.id for m in client.models.list().data if m.id != MODEL]
+        kwargs: dict[str, Any] = {"model": model, "messages": ASK, "tools": [WEATHER, TIME], "temperature": 0,
+                                  "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}
+        whole = client.chat.completions.create(**kwargs)
+        with client.chat.completions.stream(**kwargs) as events:
+            streamed = events.get_final_completion()
+        named = client.chat.completions.create(**{**kwargs, "tool_choice": {"type": "function",
+                                                                            "function": {"name": "get_time"}}})
+    for reply in (whole, streamed):
+        assert reply.choices[0].finish_reason == "tool_calls"
+        [call] = reply.choices[0].message.tool_calls or []
+        check_call(call, WEATHER if call.function.name == "get_weather" else TIME)  # type: ignore[union-attr]
+    pick = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]  # type: ignore[union-attr]
+    got = [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []]  # type: ignore[union-attr]
+    assert got == pick
+    [call] = named.choices[0].message.tool_calls or []
+    check_call(call, TIME)

@@ -60,13 +60,18 @@ def write_tiny_llama(
     seed: int = 0,
     chat_template: str | None = None,
     name: str = "tiny-llama",
+    fim: bool = False,
 ) -> Path:
-    """Write a tiny llama GGUF with F32 (or F16 for 2-D weights when `ftype=F16`) tensors; return its path."""
+    """Write a tiny llama GGUF with F32 (or F16 for 2-D weights when `ftype=F16`) tensors; return its path.
+
+    With `fim`, the last three tokens are FIM_TOKENS, named by the `tokenizer.ggml.fim_*_token_id` keys."""
     if ftype not in (F32, F16):
         raise ValueError("write_tiny_llama writes F32 or F16; quantize the result for anything else")
     path = Path(path)
     writer = gguf.GGUFWriter(path, "llama")
-    _write_metadata(writer, n_vocab, ftype, name, chat_template)
+    _write_metadata(writer, n_vocab, ftype, name, chat_template, fim)
+    if fim:
+        _add_fim_tokens(writer, n_vocab)
     tensors = _tensors(n_vocab, seed)
     if ftype == F16:
         tensors = [(name, array.astype(np.float16) if array.ndim == 2 else array) for name, array in tensors]
@@ -84,8 +89,23 @@ def finish_gguf(writer: gguf.GGUFWriter, tensors: list[tuple[str, np.ndarray]]) 
     writer.close()
 
 
+FIM_TOKENS = ("<fim_pre>", "<fim_suf>", "<fim_mid>")
+"""Texts of the fill-in-the-middle tokens (unknown to llama.cpp's guesses: found only through the metadata keys)."""
+
+
+def fim_token_ids(n_vocab: int = 320) -> tuple[int, int, int]:
+    """The ids of the prefix, suffix and middle tokens of `write_tiny_llama(..., fim=True)`."""
+    return n_vocab - 3, n_vocab - 2, n_vocab - 1
+
+
+def _add_fim_tokens(writer: gguf.GGUFWriter, n_vocab: int) -> None:
+    for key, token in zip(("fim_pre", "fim_suf", "fim_mid"), fim_token_ids(n_vocab), strict=True):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
+
+
 def _write_metadata(
-    writer: gguf.GGUFWriter, n_vocab: int, ftype: gguf.LlamaFileType, name: str, chat_template: str | None
+    writer: gguf.GGUFWriter, n_vocab: int, ftype: gguf.LlamaFileType, name: str, chat_template: str | None,
+    fim: bool = False,
 ) -> None:
     writer.add_name(name)
     writer.add_file_type(int(ftype))
@@ -99,6 +119,8 @@ def _write_metadata(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     tokens, scores, types = tiny_vocab(n_vocab)
+    if fim:
+        tokens[-3:], types[-3:] = list(FIM_TOKENS), [int(gguf.TokenType.CONTROL)] * 3
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)

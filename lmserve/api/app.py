@@ -24,12 +24,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.api.access_log import install as install_access_log
 from lmserve.api.anthropic import anthropic_router
+from lmserve.api.infill import infill_router
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.openapi import install as install_openapi
 from lmserve.api.responses import responses_router, responses_store
+from lmserve.api.stored_completions import completions_store, stored_completions_router
 from lmserve.api.streaming import ClientGone, dumps
+from lmserve.api.tokens import tokens_router
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import DEFAULT_ORIGINS, ServerConfig
@@ -60,10 +63,14 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
 
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
-    app.include_router(openai_router(service, media))
+    completions = completions_store(config)
+    app.include_router(openai_router(service, media, completions))
+    app.include_router(stored_completions_router(completions))
     app.include_router(native_router(service, media))
     app.include_router(anthropic_router(service, media))
     app.include_router(responses_router(service, responses_store(config), media))
+    app.include_router(tokens_router(service))
+    app.include_router(infill_router(service))
     install_openapi(app)  # /openapi.json: with the request bodies the routes parse by hand
 
     @app.get("/health")

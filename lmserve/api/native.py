@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lmserve import __version__
 from lmserve import options as opts
+from lmserve.api import logprobs as logprob_wire
 from lmserve.api import native_schemas as wire
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
@@ -32,7 +33,7 @@ from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, LoadOptions, Message, SamplingParams, ToolCall
+from lmserve.types import ChatRequest, Chunk, CompletionRequest, Infill, LoadOptions, Message, SamplingParams, ToolCall
 
 NDJSON = "application/x-ndjson"
 
@@ -149,6 +150,11 @@ def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[
     return fields
 
 
+def logprobs_field(sampling: SamplingParams, chunk: Chunk) -> dict[str, Any]:
+    """`{"logprobs": [...]}` of a chunk (the whole reply's on a collected final chunk) when the request asked."""
+    return {"logprobs": logprob_wire.token_entries(chunk.logprobs)} if sampling.logprobs is not None else {}
+
+
 def _failed(chunk: Chunk) -> bool:
     return chunk.finish_reason in ("error", "abort")
 
@@ -160,7 +166,7 @@ async def ndjson_lines(
         if chunk.finish_reason is not None and _failed(chunk):
             yield line({"error": chunk.error or "the generation failed"})
             return
-        if chunk.text or chunk.reasoning or chunk.tool_calls:
+        if chunk.text or chunk.reasoning or chunk.tool_calls or chunk.logprobs:
             yield line(piece(chunk))
         if chunk.finish_reason is not None:
             yield line(last(chunk))
@@ -228,19 +234,21 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body.options, budget = split_reasoning_budget(body.options)
         load = to_load_options(body.options, service.load_defaults(body.model))
         think = to_think(body.think)
-        if body.suffix:
-            raise InvalidRequest(f"model '{body.model}' does not support insert (suffix): its template has no "
-                                 "fill-in-the-middle form", param="suffix")
+        if body.suffix and (body.images or body.context):
+            raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
         images: list[bytes] = []
         if body.images:
             service.generation.check_images(body.model, len(body.images), param="images")
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
-        if not body.prompt and not body.context:
+        if not body.prompt and not body.context and not body.suffix:
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
         defaults = await service.sampling_defaults(body.model, "native")
         record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
                                    context=list(body.context or ()), images=images, options=load,
                                    keep_alive=keep_alive)
+        record.sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
+        if body.suffix:  # insert: the model writes what goes between the prompt and the suffix (service/fim.py)
+            record.prompt, record.infill = "", Infill(body.prompt, body.suffix)
         generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
                                                        think=think, reasoning_budget=budget)
 
@@ -255,14 +263,15 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
         def piece(chunk: Chunk) -> dict[str, Any]:
             thinking = {"thinking": chunk.reasoning} if chunk.reasoning else {}
-            return {**head(), "response": chunk.text, **thinking, "done": False}
+            logprobs = logprobs_field(record.sampling, chunk)
+            return {**head(), "response": chunk.text, **thinking, **logprobs, "done": False}
 
         if body.stream:
             frames = ndjson_lines(generation, piece, last)
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
         text, final = await until_disconnect(generation.collect(), request.receive)
         thought = {"thinking": final.reasoning} if final.reasoning else {}
-        return JSONResponse({**last(final), "response": text, **thought})
+        return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
 
     @router.post("/api/chat", response_model=None)
     async def chat(request: Request) -> Response:
@@ -277,6 +286,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
         defaults = await service.sampling_defaults(body.model, "native")
         sampling = to_sampling_params(body.options, defaults, body.format)
+        sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
@@ -293,12 +303,14 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
         if body.stream:
             frames = ndjson_lines(
-                generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk), "done": False},
+                generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk),
+                                           **logprobs_field(sampling, chunk), "done": False},
                 last,
             )
             return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
         text, final = await until_disconnect(generation.collect(), request.receive)
-        return JSONResponse({**last(final), "message": assistant_message(text, final)})
+        message = assistant_message(text, final)
+        return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
 
     @router.post("/api/create", response_model=None)
     async def create(request: Request) -> Response:

@@ -53,6 +53,10 @@ class GenerateBody(Wire):
     keep_alive: KeepAlive = None
     images: list[str] | None = None
     think: bool | str | None = None
+    logprobs: bool | None = None
+    """Each generated token's log-probability on each chunk (`logprobs: [{token, logprob, bytes, top_logprobs}]`)."""
+    top_logprobs: int | None = None
+    """With `logprobs`: how many likeliest alternatives each token gets (0..20)."""
 
 
 class ChatBody(Wire):
@@ -64,6 +68,9 @@ class ChatBody(Wire):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: bool | str | None = None
+    logprobs: bool | None = None
+    """As GenerateBody's."""
+    top_logprobs: int | None = None
 
 
 class ModelBody(Wire):

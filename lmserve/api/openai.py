@@ -23,7 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from lmserve import options as opts
+from lmserve.api import logprobs as logprob_wire
 from lmserve.api import schemas
+from lmserve.api.chat_records import keeper
+from lmserve.api.choices import Choices, gather_all, merged, merged_frames
 from lmserve.api.streaming import (
     HOLE,
     SSE_DONE,
@@ -40,7 +43,19 @@ from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
 from lmserve.service import Generation, ModelListing, Service
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.store.completions import CompletionStore
+from lmserve.types import (
+    EFFORTS,
+    IMAGE_PLACEHOLDER,
+    ChatRequest,
+    Chunk,
+    Infill,
+    Message,
+    SamplingParams,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
 from lmserve.types import CompletionRequest as EngineCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -66,8 +81,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
 def to_sampling_params(req: schemas.SamplingFields, defaults: SamplingParams | None = None) -> SamplingParams:
     """The body's sampling fields (lmserve/options.py names and checks them) over `defaults`, the layers under the
     request (Modelfile PARAMETERs, model and server defaults). Fields that would change the reply but that lmserve
-    does not do (n > 1, logprobs, load-time options …) are refused with a 400 naming them."""
-    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True)), base=defaults)
+    does not do (best_of, load-time options …) are refused with a 400 naming them. `n` is the dialect's own
+    (`chat_choices`, `completion_choices`)."""
+    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})), base=defaults)
 
 
 def to_chat_request(
@@ -87,6 +103,7 @@ def to_chat_request(
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
     sampling.grammar = response_grammar(req.response_format)
+    sampling.logprobs = logprob_wire.asked(req.logprobs, req.top_logprobs)
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
                        parallel_tool_calls=req.parallel_tool_calls is not False, think=to_think(req),
                        reasoning_budget=req.reasoning_budget)
@@ -107,10 +124,13 @@ def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
 
 
 def response_grammar(response_format: schemas.ResponseFormat | None) -> str | None:
-    """The grammar that enforces `response_format` (json_object: any object; json_schema: its schema)."""
+    """The grammar that enforces `response_format` (json_object: any object, or its `schema` (llama-server's
+    extension); json_schema: its schema)."""
     if response_format is None or isinstance(response_format, schemas.TextFormat):
         return None
     if isinstance(response_format, schemas.JsonObjectFormat):
+        if response_format.schema_ is not None:
+            return schema_grammar(response_format.schema_, param="response_format")
         return json_object_grammar()
     if response_format.json_schema.schema_ is None:
         raise InvalidRequest("Missing required parameter: 'response_format.json_schema.schema'.",
@@ -191,10 +211,13 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
 def to_completion_request(
     req: schemas.CompletionRequest, defaults: SamplingParams | None = None
 ) -> EngineCompletionRequest:
-    if req.suffix:
-        raise InvalidRequest("suffix is not supported", param="suffix")
+    """The engine-neutral completion; with a `suffix`, fill-in-the-middle (the prompt is the text before the gap)."""
     sampling = to_sampling_params(req, defaults)
-    return EngineCompletionRequest(model=req.model, prompt=_single_prompt(req.prompt), sampling=sampling)
+    sampling.logprobs = logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo))
+    prompt = _single_prompt(req.prompt)
+    if req.suffix:
+        return EngineCompletionRequest(model=req.model, prompt="", sampling=sampling, infill=Infill(prompt, req.suffix))
+    return EngineCompletionRequest(model=req.model, prompt=prompt, sampling=sampling)
 
 
 def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
@@ -242,19 +265,23 @@ def tool_call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def chat_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
+def chat_completion(head: Head, text: str, final: Chunk, usage: Usage, *, logprobs: bool = False) -> dict[str, Any]:
+    """The whole chat completion; with `logprobs`, every token's (`final.logprobs`, gathered by `collect`)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if final.reasoning:
         message["reasoning_content"] = final.reasoning
     if final.tool_calls:
         message["tool_calls"] = [tool_call_body(call) for call in final.tool_calls]
         message["content"] = text.strip() or None
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason}
+    shaped = logprob_wire.chat_logprobs(final.logprobs) if logprobs else None
+    choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": final.finish_reason}
     return {**head, "choices": [choice], "usage": usage_body(usage)}
 
 
-def text_completion(head: Head, text: str, final: Chunk, usage: Usage) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+def text_completion(head: Head, text: str, final: Chunk, usage: Usage, *, logprobs: bool = False) -> dict[str, Any]:
+    """The whole legacy completion; with `logprobs`, every token's in the legacy shape."""
+    shaped = logprob_wire.LegacyLogprobs()(final.logprobs) if logprobs else None
+    choice = {"index": 0, "text": text, "logprobs": shaped, "finish_reason": final.finish_reason}
     return {**head, "choices": [choice], "usage": usage_body(usage)}
 
 
@@ -283,18 +310,27 @@ def _text(text: str, finish_reason: str | None = None) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-async def chat_frames(generation: Generation, head: Head, include_usage: bool) -> AsyncIterator[bytes]:
+async def chat_frames(
+    generation: Generation, head: Head, include_usage: bool, *, logprobs: bool = False
+) -> AsyncIterator[bytes]:
     """SSE frames of a chat completion: role, thinking (`reasoning_content`) and content deltas, finish, optional
-    usage, [DONE]."""
+    usage, [DONE]. With `logprobs`, each chunk's token logprobs ride on its first delta."""
     content = TextFrame(_frame(head, _delta({"content": HOLE}), include_usage))
     reasoning = TextFrame(_frame(head, _delta({"reasoning_content": HOLE}), include_usage))
     yield sse_json(_frame(head, _delta({"role": "assistant", "content": ""}), include_usage))
     num_calls = 0
     async for chunk in generation:
+        entries = chunk.logprobs if logprobs else []
         if chunk.reasoning:
-            yield reasoning(chunk.reasoning)
+            yield _with_logprobs(head, {"reasoning_content": chunk.reasoning}, entries, include_usage) if entries \
+                else reasoning(chunk.reasoning)
+            entries = []
         if chunk.text:
-            yield content(chunk.text)
+            yield _with_logprobs(head, {"content": chunk.text}, entries, include_usage) if entries \
+                else content(chunk.text)
+            entries = []
+        if entries:  # tokens of tool-call markup
+            yield _with_logprobs(head, {}, entries, include_usage)
         for call in chunk.tool_calls:
             for delta in tool_call_deltas(num_calls, call):
                 yield sse_json(_frame(head, _delta(delta), include_usage))
@@ -305,6 +341,11 @@ async def chat_frames(generation: Generation, head: Head, include_usage: bool) -
             return
 
 
+def _with_logprobs(head: Head, delta: dict[str, Any], entries: list[TokenLogprob], include_usage: bool) -> bytes:
+    choice = {**_delta(delta), "logprobs": logprob_wire.chat_logprobs(entries)}
+    return sse_json(_frame(head, choice, include_usage))
+
+
 def tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
     """A call as stream deltas: index, id, type, name and empty arguments first; then the arguments."""
     head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
@@ -312,14 +353,18 @@ def tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
 
 
 async def completion_frames(
-    generation: Generation, head: Head, include_usage: bool, echo: str = ""
+    generation: Generation, head: Head, include_usage: bool, echo: str = "", *, logprobs: bool = False
 ) -> AsyncIterator[bytes]:
-    """SSE frames of a legacy completion: text pieces, finish, optional usage, [DONE]."""
+    """SSE frames of a legacy completion: text pieces (with `logprobs`, each with its tokens' in the legacy shape),
+    finish, optional usage, [DONE]."""
     content = TextFrame(_frame(head, _text(HOLE), include_usage))
+    legacy = logprob_wire.LegacyLogprobs(len(echo))
     if echo:
         yield content(echo)
     async for chunk in generation:
-        if chunk.text:
+        if logprobs and chunk.logprobs:
+            yield sse_json(_frame(head, {**_text(chunk.text), "logprobs": legacy(chunk.logprobs)}, include_usage))
+        elif chunk.text:
             yield content(chunk.text)
         if chunk.finish_reason is not None:
             async for frame in _finish(generation, head, chunk, _text("", chunk.finish_reason), include_usage):
@@ -339,6 +384,49 @@ async def _finish(
     yield SSE_DONE
 
 
+async def chat_choices(
+    service: Service, record: ChatRequest, body: schemas.ChatCompletionRequest, request: Request,
+    completion_store: CompletionStore | None = None,
+) -> Response:
+    """A chat completion of `n` > 1 choices: each answered as a one-choice reply, merged (api/choices.py); kept in
+    `completion_store` when the request asks (`store: true`)."""
+    choices = Choices(await service.generation.chat_choices(record, body.n or 1))
+    head = make_head("chat.completion.chunk" if body.stream else "chat.completion", choices.model)
+    keep = keeper(completion_store, body, head)
+    if body.stream:
+        streams = [chat_frames(generation, head, True, logprobs=bool(body.logprobs))
+                   for generation in choices.generations]
+        frames = merged_frames(streams, head, body.include_usage or keep is not None)
+        if keep is not None:
+            frames = keep.stream(frames)
+        return GenerationResponse(choices, guarded_errors(frames, error_frame))
+    work = gather_all([collect(generation) for generation in choices.generations], choices)
+    results = await until_disconnect(work, request.receive)
+    completion = merged([chat_completion(head, text, final, usage, logprobs=bool(body.logprobs))
+                         for text, final, usage in results])
+    if keep is not None:
+        await keep.whole(completion)
+    return JSONResponse(completion)
+
+
+async def completion_choices(
+    service: Service, record: EngineCompletionRequest, body: schemas.CompletionRequest, request: Request
+) -> Response:
+    """A legacy completion of `n` > 1 choices (each echoing the prompt when asked), merged as `chat_choices`."""
+    choices = Choices(await service.generation.complete_choices(record, body.n or 1))
+    head = make_head("text_completion", choices.model)
+    echo = _single_prompt(body.prompt) if body.echo else ""
+    if body.stream:
+        streams = [completion_frames(generation, head, True, echo, logprobs=body.logprobs is not None)
+                   for generation in choices.generations]
+        return GenerationResponse(choices, guarded_errors(merged_frames(streams, head, body.include_usage),
+                                                          error_frame))
+    work = gather_all([collect(generation) for generation in choices.generations], choices)
+    results = await until_disconnect(work, request.receive)
+    return JSONResponse(merged([text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None)
+                                for text, final, usage in results]))
+
+
 def error_frame(exc: Exception) -> bytes:
     """An error after the stream started: one `data: {"error": …}` event, then the stream ends."""
     err = exc if isinstance(exc, LmserveError) else LmserveError(INTERNAL_ERROR)
@@ -352,8 +440,10 @@ def model_card(model: ModelListing) -> dict[str, Any]:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
 
 
-def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
-    """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults)."""
+def openai_router(service: Service, media: MediaPolicy | None = None,
+                  completion_store: CompletionStore | None = None) -> APIRouter:
+    """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults);
+    chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py)."""
     router = APIRouter(prefix="/v1")
     policy = media or MediaPolicy()
 
@@ -365,26 +455,37 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         if has_images(body):
             service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
             images = await load_images(body, policy)
-        generation = await service.generation.chat(to_chat_request(body, defaults, images))
+        chat_request = to_chat_request(body, defaults, images)
+        if body.n is not None and body.n > 1:
+            return await chat_choices(service, chat_request, body, request, completion_store)
+        generation = await service.generation.chat(chat_request)
         head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
+        keep = keeper(completion_store, body, head)
         if body.stream:
-            frames = chat_frames(generation, head, body.include_usage)
+            frames = chat_frames(generation, head, body.include_usage or keep is not None, logprobs=bool(body.logprobs))
+            if keep is not None:
+                frames = keep.stream(frames)
             return GenerationResponse(generation, guarded_errors(frames, error_frame))
         text, final, usage = await until_disconnect(collect(generation), request.receive)
-        return JSONResponse(chat_completion(head, text, final, usage))
+        completion = chat_completion(head, text, final, usage, logprobs=bool(body.logprobs))
+        if keep is not None:
+            await keep.whole(completion)
+        return JSONResponse(completion)
 
     @router.post("/completions", response_model=None)
     async def completions(request: Request) -> Response:
         body = await parse_body(request, schemas.CompletionRequest)
         engine_request = to_completion_request(body, await service.sampling_defaults(body.model))
+        if body.n is not None and body.n > 1:
+            return await completion_choices(service, engine_request, body, request)
         generation = await service.generation.complete(engine_request)
         head = make_head("text_completion", generation.model)
-        echo = engine_request.prompt if body.echo else ""
+        echo = _single_prompt(body.prompt) if body.echo else ""
         if body.stream:
-            frames = completion_frames(generation, head, body.include_usage, echo)
+            frames = completion_frames(generation, head, body.include_usage, echo, logprobs=body.logprobs is not None)
             return GenerationResponse(generation, guarded_errors(frames, error_frame))
         text, final, usage = await until_disconnect(collect(generation), request.receive)
-        return JSONResponse(text_completion(head, echo + text, final, usage))
+        return JSONResponse(text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None))
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -393,6 +494,13 @@ def openai_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     @router.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         return model_card(service.models.get(model_id))
+
+    @router.delete("/models/{model_id:path}")
+    async def delete_model(model_id: str) -> dict[str, Any]:
+        """Delete a stored model (as `/api/delete`); an unknown one is a 404."""
+        name = service.models.get(model_id).name
+        await service.models.delete(name)
+        return {"id": name, "object": "model", "deleted": True}
 
     @router.post("/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:

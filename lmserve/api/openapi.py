@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from lmserve.api import anthropic_schemas, responses_schemas, schemas
+from lmserve.api import anthropic_schemas, infill, responses_schemas, schemas, tokens
 from lmserve.api import native_schemas as wire
 
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -38,10 +38,18 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/messages"): anthropic_schemas.MessagesRequest,
     ("post", "/v1/messages/count_tokens"): anthropic_schemas.CountTokensRequest,
     ("post", "/v1/responses"): responses_schemas.ResponseRequest,
+    ("post", "/tokenize"): tokens.TokenizeBody,
+    ("post", "/detokenize"): tokens.DetokenizeBody,
+    ("post", "/infill"): infill.InfillBody,
+    ("post", "/v1/chat/completions/{completion_id}"): schemas.ChatCompletionUpdate,
 }
 """(method, path) → the model its route parses the JSON body with."""
 
-BODILESS: frozenset[tuple[str, str]] = frozenset({("delete", "/v1/responses/{response_id}")})
+BODILESS: frozenset[tuple[str, str]] = frozenset({
+    ("delete", "/v1/responses/{response_id}"),
+    ("delete", "/v1/chat/completions/{completion_id}"),
+    ("delete", "/v1/models/{model_id}"),
+})
 """Routes of a body-taking method that take no body (the id is in the path)."""
 
 RAW_BODIES: dict[tuple[str, str], dict[str, Any]] = {

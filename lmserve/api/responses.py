@@ -24,6 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from lmserve import options as opts
 from lmserve.api import responses_schemas as wire
 from lmserve.api.openai import parse_body
+from lmserve.api.pages import item_page
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation
 from lmserve.chat.media import MediaPolicy, load_all, load_url
@@ -43,7 +44,6 @@ ImageRef = tuple[str, str]
 """(where the image is in the request, its URL)."""
 
 _ITEMS: TypeAdapter[list[wire.InputItem]] = TypeAdapter(list[wire.InputItem])
-MAX_LIST_LIMIT = 100
 
 
 def responses_store(config: ServerConfig) -> ResponseStore:
@@ -487,19 +487,7 @@ async def stream_events(generation: Generation, head: dict[str, Any], framer: Fr
 
 def input_item_page(items: list[Item], *, limit: int, order: str, after: str | None) -> dict[str, Any]:
     """A page of input items: `limit` of them in `order` ("asc" or "desc", the default), after the item `after`."""
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_LIST_LIMIT}", param="limit")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise InvalidRequest(f"no input item has the id '{after[:100]}'", param="after")
-        ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+    return item_page(items, limit=limit, order=order, after=after, noun="input item")
 
 
 # ---- routes ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from lmserve.engine.logprobs import Ranked
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.types import Bitmap, SamplingParams
 
@@ -66,8 +67,20 @@ class Backend(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def take_logprobs(self, slot: int) -> Ranked | None:
+        """The ranked log-probabilities (engine/logprobs.py) of the token the last `step` sampled for `slot`, when
+        its request asked for them (`SamplingParams.logprobs`); None otherwise."""
+        ...
+
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         """Make `slot` hold the first `length` positions of `source`'s memory; False when it cannot."""
+        ...
+
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        """Give each of `slots` (started, as `start` does) a whole copy of `source`'s memory, and sample each one's
+        first token from the logits `source` sampled from in the last `step` (n choices of one prefilled prompt).
+
+        None for a slot it could not fork (that slot's memory is then empty)."""
         ...
 
     def save_state(self, slot: int) -> bytes:

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 from lmserve.engine.backend import Backend
 from lmserve.engine.detokenize import IncrementalDecoder
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, unit_vector
+from lmserve.engine.logprobs import LogprobAligner, token_logprob
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling, unit_vector
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.engine.snapshots import SnapshotCache
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
-from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
+from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class _Tracker:
     admitted_ns: int = 0
     first_token_ns: int = 0
     is_stop_hit: bool = False
+    logprobs: LogprobAligner | None = None
+    """With `SamplingParams.logprobs`: the tokens whose text is not out yet (made at the first token)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +127,9 @@ class BatchingEngine:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.backend.token_bytes(t, special=False) for t in tokens).decode("utf-8", "replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.backend.token_bytes(token, special=True)
+
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
         """Tokenize a prompt in which each `info.image_marker` stands for the next image (see Backend)."""
         if self.info.image_marker is None:
@@ -141,7 +147,25 @@ class BatchingEngine:
         `checkpoints` are prompt positions worth a snapshot (e.g. the end of the system prompt) for a model whose
         memory cannot be cut; other models ignore them.
         """
+        return self.submit_many(prompt, sampling, 1, special=special, images=images, checkpoints=checkpoints)[0]
+
+    def submit_many(
+        self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> list[RequestStream]:
+        """Queue `n` choices of one prompt (as `submit`): the first prefills it; the others admitted meanwhile copy
+        its whole memory when it is done and sample their first token from the same logits (see the scheduler).
+
+        Choice i samples with `choice_sampling(sampling, i)`. The n sequences count against the queue: Overloaded
+        when the queue is full or slots and queue cannot take all n now; InvalidRequest when they never could.
+        """
         num_ctx = self.info.num_ctx
+        capacity = self.info.num_parallel + self.max_queue
+        if n < 1:
+            raise InvalidRequest("n must be at least 1", param="n")
+        if n > capacity:
+            raise InvalidRequest(f"n={n} choices is more than this model can ever hold: {self.info.num_parallel} "
+                                 f"running (--parallel) and {self.max_queue} waiting (LMSERVE_MAX_QUEUE)", param="n")
         images = images or []
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -157,22 +181,34 @@ class BatchingEngine:
             self.backend.check_grammar(sampling.grammar)
         room = num_ctx - len(prompt)
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new, special=special,
-                       images=list(images))
+        seqs = [Sequence(prompt=list(prompt), sampling=choice_sampling(sampling, i), max_new_tokens=max_new,
+                         special=special, images=list(images)) for i in range(n)]
+        leader = seqs[0]
+        for seq in seqs[1:]:
+            seq.fork_of = leader
         if self.snapshots.budget_bytes and checkpoints:
-            inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and seq.cut_outside_images(c) == c]
-            seq.checkpoints = sorted(set(inside))
-        stream = RequestStream(self, seq, asyncio.get_running_loop())
-        tracker = _Tracker(stream=stream, stops=StopMatcher(sampling.stop), submitted_ns=time.perf_counter_ns())
+            inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and leader.cut_outside_images(c) == c]
+            leader.checkpoints = sorted(set(inside))
+        if self.snapshots.budget_bytes and n > self.info.num_parallel:
+            # Some choices must wait for a slot: the state before the prompt's last token lets them skip the prompt.
+            leader.checkpoints = sorted({*leader.checkpoints, leader.cut_outside_images(len(prompt) - 1)} - {0})
+        loop = asyncio.get_running_loop()
+        submitted = time.perf_counter_ns()
+        streams = [RequestStream(self, seq, loop) for seq in seqs]
         with self._cond:
             if self._is_closing:
                 raise InvalidRequest("the server is shutting down")
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.max_queue:
-                raise Overloaded(f"{self.max_queue} requests are already waiting for this model; retry shortly")
-            self._trackers[seq] = tracker
-            self._inbox.append(seq)
+            num_waiting = len(self._inbox) + len(self.scheduler.waiting)
+            num_free = self.info.num_parallel - len(self.scheduler.running)  # read across threads: an estimate
+            if num_waiting >= self.max_queue or num_waiting + n - num_free > self.max_queue:
+                raise Overloaded(f"{num_waiting} sequences are already waiting for this model (at most "
+                                 f"{self.max_queue}); retry shortly")
+            for seq, stream in zip(seqs, streams, strict=True):
+                self._trackers[seq] = _Tracker(stream=stream, stops=StopMatcher(seq.sampling.stop),
+                                               submitted_ns=submitted)
+            self._inbox += seqs
             self._cond.notify()
-        return stream
+        return streams
 
     def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
         """`text` tokenized for embedding: cut to one sequence's context when `truncate`, else ContextOverflow."""
@@ -315,21 +351,46 @@ class BatchingEngine:
         sampled = self.backend.step(entries)
         now = time.perf_counter_ns()
         self.decode_ns += now - decode_started
+        forked: list[tuple[Sequence, int]] = []
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
                 if self.snapshots.budget_bytes and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
                     self.snapshots.put(seq.prompt[: seq.num_prefilled], self.backend.save_state(seq.slot))
-            if token is None:
-                continue
-            tracker = self._trackers[seq]
-            if not seq.output:
-                tracker.first_token_ns = now
-            finish = self._accept(seq, tracker, token, outbox)
-            if finish is not None:
-                outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
-                self._drop(seq)
+                if not seq.is_prefilling:
+                    forked += self._fork(seq)
+            if token is not None:
+                self._take(seq, token, now, outbox)
+        for seq, token in forked:
+            self._take(seq, token, now, outbox)
         self._deliver(outbox)
+
+    def _fork(self, seq: Sequence) -> list[tuple[Sequence, int]]:
+        """Fork the choices waiting for `seq`, which has just prefilled their prompt: (choice, its first token).
+
+        A choice the backend could not fork prefills the prompt itself."""
+        choices = self.scheduler.forks(seq)
+        if not choices:
+            return []
+        tokens = self.backend.fork(seq.slot, [choice.slot for choice in choices])
+        out = []
+        for choice, token in zip(choices, tokens, strict=True):
+            if token is None:
+                choice.fork_of = None
+                continue
+            self.scheduler.forked(choice)
+            out.append((choice, token))
+        return out
+
+    def _take(self, seq: Sequence, token: int, now: int, outbox: list[tuple[RequestStream, Chunk]]) -> None:
+        """Take a sampled token of `seq`: emit its text; end the sequence when it is finished."""
+        tracker = self._trackers[seq]
+        if not seq.output:
+            tracker.first_token_ns = now
+        finish = self._accept(seq, tracker, token, outbox)
+        if finish is not None:
+            outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
+            self._drop(seq)
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
@@ -357,9 +418,11 @@ class BatchingEngine:
             return "stop"
         seq.output.append(token)
         piece = self.backend.token_bytes(token, special=seq.special)
-        text, is_stopped = tracker.stops.push(tracker.decoder.push(piece))
-        if text:
-            outbox.append((tracker.stream, Chunk(text=text)))
+        decoded = tracker.decoder.push(piece)
+        text, is_stopped = tracker.stops.push(decoded)
+        logprobs = self._logprobs(seq, tracker, len(decoded), len(text), is_stopped)
+        if text or logprobs:
+            outbox.append((tracker.stream, Chunk(text=text, logprobs=logprobs)))
         if is_stopped:
             tracker.is_stop_hit = True
             return "stop"
@@ -367,10 +430,25 @@ class BatchingEngine:
             return "length"
         return None
 
+    def _logprobs(self, seq: Sequence, tracker: _Tracker, num_decoded: int, num_emitted: int,
+                  is_stopped: bool) -> list[TokenLogprob]:
+        """Place the token just sampled (its text `num_decoded` characters, `num_emitted` characters out now) and
+        return the logprobs whose text is out; a stop string ends the reply (see engine/logprobs.py)."""
+        if seq.sampling.logprobs is None:
+            return []
+        ranked = self.backend.take_logprobs(seq.slot)
+        if tracker.logprobs is None:
+            tracker.logprobs = LogprobAligner()
+        if ranked is not None:
+            logprob = token_logprob(ranked, lambda token: self.backend.token_bytes(token, special=seq.special))
+            tracker.logprobs.add(logprob, num_decoded, unfinished=tracker.decoder.is_holding)
+        return tracker.logprobs.finish(num_emitted) if is_stopped else tracker.logprobs.emit(num_emitted)
+
     def _final_chunk(self, seq: Sequence, tracker: _Tracker, finish: FinishReason, now: int) -> Chunk:
         tail = ""
         if not tracker.is_stop_hit:
             tail = tracker.stops.push(tracker.decoder.flush())[0] + tracker.stops.flush()
+        logprobs = tracker.logprobs.finish(len(tail)) if tracker.logprobs is not None else []
         usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), cached_tokens=seq.num_cached)
         first = tracker.first_token_ns or now
         timings = Timings(
@@ -378,7 +456,7 @@ class BatchingEngine:
             eval_ns=now - first,
             total_ns=now - tracker.submitted_ns,
         )
-        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings)
+        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings, logprobs=logprobs)
 
     def _drop(self, seq: Sequence) -> None:
         if self.scheduler.remove(seq):

@@ -22,6 +22,11 @@ class IncrementalDecoder:
         """The text `piece` completes; the bytes of a character not yet complete are held back."""
         return self._decoder.decode(piece)
 
+    @property
+    def is_holding(self) -> bool:
+        """Whether the first bytes of a character are held back, waiting for the rest."""
+        return bool(self._decoder.getstate()[0])
+
     def flush(self) -> str:
         """End of the stream: drop the bytes of an incomplete last character (always ""), and start afresh.
 

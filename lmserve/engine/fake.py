@@ -49,6 +49,7 @@ class FakeBackend:
         """When set, every sequence answers exactly these bytes, then ends."""
         self.steps: list[list[BatchEntry]] = []
         self.copies: list[tuple[int, int, int]] = []
+        self.forks: list[tuple[int, list[int]]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
 
@@ -89,21 +90,18 @@ class FakeBackend:
         self.steps.append(entries)
         if self.step_delay:
             time.sleep(self.step_delay)
-        out: list[int | None] = []
-        for entry in entries:
-            if not entry.wants_sample:
-                out.append(None)
-                continue
-            offset, _ = self._slots[entry.slot]
-            count = self._counts[entry.slot]
-            self._counts[entry.slot] = count + 1
-            if self.script is not None:
-                out.append(self.script[count] if count < len(self.script) else EOG)
-            elif self.eog_after is not None and count >= self.eog_after:
-                out.append(EOG)
-            else:
-                out.append(_TEXT[(offset + count) % len(_TEXT)])
-        return out
+        return [self._next(entry.slot) if entry.wants_sample else None for entry in entries]
+
+    def _next(self, slot: int) -> int:
+        """The slot's next token: a function of its prompt length, its seed and how many it produced."""
+        offset, _ = self._slots[slot]
+        count = self._counts[slot]
+        self._counts[slot] = count + 1
+        if self.script is not None:
+            return self.script[count] if count < len(self.script) else EOG
+        if self.eog_after is not None and count >= self.eog_after:
+            return EOG
+        return _TEXT[(offset + count) % len(_TEXT)]
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -112,6 +110,11 @@ class FakeBackend:
         """The fake's memory is nothing; copies are recorded for tests (`copies`)."""
         self.copies.append((source, slot, length))
         return True
+
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        """Each slot answers as a fresh sequence would (its own seed); forks are recorded for tests (`forks`)."""
+        self.forks.append((source, list(slots)))
+        return [self._next(slot) for slot in slots]
 
     def save_state(self, slot: int) -> bytes:
         return b"fake-state-%d" % slot

@@ -21,8 +21,10 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
+from lmserve.engine import fim
 from lmserve.engine.backend import BatchEntry
-from lmserve.engine.protocol import ModelInfo, PromptImage
+from lmserve.engine.logprobs import Ranked, rank_candidates
+from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, LoadOptions, SamplingParams
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _GGML_LOG_LEVEL_ERROR = 4
 _backend_lock = threading.Lock()
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+"""llama_token_data as a numpy record: the candidates the sampler chain works on."""
 _backend_ready = False
 
 
@@ -140,8 +144,16 @@ class LlamaCppBackend:
         self._num_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self._eog = frozenset(t for t in range(self._num_vocab) if lc.llama_vocab_is_eog(self._vocab, t))
         self._samplers: dict[int, lc.llama_sampler_p] = {}
+        self._last_rows: dict[int, int] = {}
+        """The batch row each slot sampled from in the last step (forks sample from it too)."""
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._logprob_slots: dict[int, int] = {}
+        """Slots whose request asked for logprobs → how many alternatives."""
+        self._ranked: dict[int, Ranked] = {}
+        """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
+        self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
+        self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
         self._num_threads = threads
         self._embed_ctx: lc.llama_context_p | None = None
         self._embed_batch: Any = None  # a llama_batch (untyped in the bindings)
@@ -171,6 +183,7 @@ class LlamaCppBackend:
             metadata=metadata,
             image_marker=self._image_marker,
             can_cut_memory=not (lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model)),
+            fim=self._fim_tokens(),
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------
@@ -263,6 +276,10 @@ class LlamaCppBackend:
         if old is not None:
             lc.llama_sampler_free(old)
         self._samplers[slot] = sampler
+        if sampling.logprobs is None:
+            self._logprob_slots.pop(slot, None)
+        else:
+            self._logprob_slots[slot] = sampling.logprobs
         return num_reused
 
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
@@ -279,6 +296,22 @@ class LlamaCppBackend:
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
             return False
         return True
+
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        """Copy `source`'s whole memory into each slot and sample each slot's first token from `source`'s last row.
+
+        A whole copy needs no cut, so hybrid and recurrent memory fork too (llama.cpp shares the recurrent state
+        cell and copies it on the next write). The row's logits stay valid until the next decode.
+        """
+        row = self._last_rows.get(source)
+        if row is None:
+            return [None] * len(slots)
+        tokens: list[int | None] = []
+        for slot in slots:
+            lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            lc.llama_memory_seq_cp(self._memory, source, slot, -1, -1)
+            tokens.append(self._sample(slot, row))
+        return tokens
 
     def save_state(self, slot: int) -> bytes:
         size = lc.llama_state_seq_get_size(self._ctx, slot)
@@ -306,6 +339,7 @@ class LlamaCppBackend:
         lc.llama_sampler_free(sampler)
 
     def release(self, slot: int) -> None:
+        self._logprob_slots.pop(slot, None)
         sampler = self._samplers.pop(slot, None)
         if sampler is not None:
             lc.llama_sampler_free(sampler)
@@ -341,10 +375,45 @@ class LlamaCppBackend:
         rc = lc.llama_decode(self._ctx, batch)
         if rc != 0:
             raise EngineFailure(f"llama_decode failed with code {rc}")
-        return [
-            None if output < 0 else int(lc.llama_sampler_sample(self._samplers[entry.slot], self._ctx, output))
-            for entry, output in zip(entries, outputs, strict=True)
-        ]
+        self._ranked.clear()
+        self._last_rows = {entry.slot: output for entry, output in zip(entries, outputs, strict=True) if output >= 0}
+        return [None if output < 0 else self._sample(entry.slot, output) for entry, output in zip(entries, outputs,
+                                                                                                   strict=True)]
+
+    def _sample(self, slot: int, output: int) -> int:
+        """Sample the slot's next token from batch row `output`; a slot that asked for logprobs gets them ranked."""
+        k = self._logprob_slots.get(slot)
+        if k is None:
+            return int(lc.llama_sampler_sample(self._samplers[slot], self._ctx, output))
+        ranked = self._sample_ranked(self._samplers[slot], output, k)
+        self._ranked[slot] = ranked
+        return ranked[0]
+
+    def _sample_ranked(self, sampler: lc.llama_sampler_p, output: int, k: int) -> Ranked:
+        """What `llama_sampler_sample` does (the chain applied to the row's logits, the pick accepted), keeping the
+        candidates the chain leaves for their log-probabilities (engine/logprobs.py says which distribution)."""
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, output), shape=(self._num_vocab,))
+        cells = self._candidates
+        cells["id"] = self._vocab_ids
+        cells["logit"] = logits
+        cells["p"] = 0.0
+        array = lc.llama_token_data_array(
+            data=cells.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=self._num_vocab, selected=-1,
+            sorted=False,
+        )
+        lc.llama_sampler_apply(sampler, ctypes.byref(array))
+        size, selected = int(array.size), int(array.selected)
+        if not 0 <= selected < size:
+            raise EngineFailure("the sampler selected no token")
+        # the chain may leave its candidates in a buffer of its own: read them where `data` points now
+        kept = np.ctypeslib.as_array(array.data, shape=(size,)) if size else cells[:0]
+        ranked = rank_candidates(kept["id"], kept["logit"], selected, k)
+        lc.llama_sampler_accept(sampler, ranked[0])
+        return ranked
+
+    def take_logprobs(self, slot: int) -> Ranked | None:
+        """The ranked log-probabilities of the token the last `step` sampled for `slot` (None: it asked for none)."""
+        return self._ranked.get(slot)
 
     def _encode(self, chunk: Any, length: int) -> np.ndarray:
         """Run the projector on an image chunk (under the mtmd lock) and copy out its embeddings.
@@ -594,6 +663,13 @@ class LlamaCppBackend:
             return ""
         text = lc.llama_vocab_get_text(self._vocab, token)
         return text.decode("utf-8", "replace") if text else ""
+
+    def _fim_tokens(self) -> FimTokens | None:
+        """The FIM tokens llama.cpp found (GGUF `tokenizer.ggml.fim_*_token_id`, the older prefix/suffix/middle keys,
+        or known token texts)."""
+        v = self._vocab
+        return fim.from_ids(lc.llama_vocab_fim_pre(v), lc.llama_vocab_fim_suf(v), lc.llama_vocab_fim_mid(v),
+                            lc.llama_vocab_fim_rep(v), lc.llama_vocab_fim_sep(v))
 
     def _model_desc(self) -> str:
         buf = ctypes.create_string_buffer(256)

@@ -7,11 +7,23 @@ protocol without the layers above (service, chat, store, api) changing.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from lmserve.types import Bitmap, Chunk, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    """Token ids of a fill-in-the-middle vocabulary (engine/fim.py finds them). `repo` and `separator`
+    (repository-level FIM) are None when absent."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None = None
+    separator: int | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +54,8 @@ class ModelInfo:
     """`embed_tokens` works (pooled hidden states)."""
     can_constrain: bool = True
     """`SamplingParams.grammar` (GBNF) is honoured: structured output and forced tool calls."""
+    fim: FimTokens | None = None
+    """The vocabulary's fill-in-the-middle tokens (engine/fim.py); None: the model cannot fill in (no `suffix`)."""
 
     @property
     def has_vision(self) -> bool:
@@ -116,6 +130,10 @@ class Engine(Protocol):
 
     def detokenize(self, tokens: list[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token's text, special tokens as their text (a piece may be part of a UTF-8 character)."""
+        ...
+
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
         """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
 
@@ -132,6 +150,18 @@ class Engine(Protocol):
         `special` keeps special tokens in the text (tool-call markers often are). `checkpoints` are prompt
         positions worth remembering for later prompts that share them (e.g. the end of the system prompt).
         Raises ContextOverflow, InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
+        """
+        ...
+
+    def submit_many(
+        self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> Sequence[GenerationStream]:
+        """Queue `n` choices of one prompt (the OpenAI `n`): the prompt is computed once and shared by all of them.
+
+        Choice i samples with `choice_sampling(sampling, i)` (a fixed seed gives seed + i). The n sequences count
+        against the queue bound; more than the engine can ever hold is InvalidRequest (param "n"), a full queue
+        Overloaded. Otherwise as `submit`.
         """
         ...
 
@@ -159,6 +189,14 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the model; requests still in flight end with an error."""
         ...
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of choice `index` of n: with a fixed seed, seed + index (different choices, reproducible), as
+    vLLM does for its own `n`; otherwise the same (each choice draws a random seed of its own)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=sampling.seed + index, logit_bias=dict(sampling.logit_bias), stop=list(sampling.stop))
 
 
 def unit_vector(vector: list[float]) -> list[float]:

@@ -21,6 +21,10 @@ A model whose memory cannot be cut (hybrid) shares through snapshots instead: a 
 (prompt positions, e.g. the end of the system prompt) where its prefill stops so the engine can save the slot's
 state; a new sequence sharing a checkpointed prefix with a prefilling leader waits for that checkpoint and
 restores the snapshot.
+
+The n choices of one request (the OpenAI `n`) prefill their prompt once: the first choice prefills it, and the
+others admitted meanwhile wait for it (`fork_of`) and are forked from it when it is done (`forks`/`forked`). A
+choice admitted later, when no slot was free, shares the prompt as any other request does.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Sequence:
     share_len: int = 0
     checkpoints: list[int] = field(default_factory=list)
     """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
+    fork_of: Sequence | None = None
+    """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
+    this one waits, then takes a whole copy of its memory and samples its first token from the same logits."""
 
     @property
     def held(self) -> list[int]:
@@ -140,9 +147,11 @@ class Scheduler:
                 best, best_len = i, length
         seq.slot = self._free_slots.pop(best)
         seq.num_cached = seq.cut_outside_images(min(best_len, len(seq.prompt) - 1))
-        if self.can_copy:
+        if seq.fork_of is not None and not (seq.fork_of in self.running and seq.fork_of.is_prefilling):
+            seq.fork_of = None  # it was admitted too late to be forked: share the prompt as others do
+        if seq.fork_of is None and self.can_copy:
             self._plan_sharing(seq)
-        elif self.can_snapshot:
+        elif seq.fork_of is None and self.can_snapshot:
             self._plan_checkpoint_sharing(seq)
         self.running.append(seq)
         return seq
@@ -160,7 +169,7 @@ class Scheduler:
             if length >= best + self.min_share:
                 seq.copy_from, seq.copy_len, best = slot, length, length
         for other in self.running:
-            if other.is_prefilling and other.leader is None:
+            if other.is_prefilling and other.leader is None and other.fork_of is None:
                 length = self._usable(seq, other.prompt)
                 if length >= best + self.min_share:
                     seq.leader, seq.share_len, best = other, length, length
@@ -198,6 +207,15 @@ class Scheduler:
                     break
         return ready
 
+    def forks(self, seq: Sequence) -> list[Sequence]:
+        """The choices waiting to be forked from `seq` (once it has prefilled its prompt)."""
+        return [other for other in self.running if other.fork_of is seq]
+
+    def forked(self, seq: Sequence) -> None:
+        """`seq`'s slot now holds a copy of its whole prompt, and its first token was sampled."""
+        seq.fork_of = None
+        seq.num_cached = seq.num_prefilled = len(seq.prompt)
+
     def reused(self, seq: Sequence, num_reused: int) -> None:
         """Record how much of the slot's memory the backend kept for `seq`."""
         seq.num_cached = seq.num_prefilled = num_reused
@@ -213,6 +231,8 @@ class Scheduler:
             self.waiting.remove(seq)
             return False
         if seq in self.running:
+            for other in self.forks(seq):
+                other.fork_of = None  # it left before its prompt was done: they prefill their own
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
             self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
@@ -232,7 +252,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.is_prefilling or seq.leader is not None:
+            if not seq.is_prefilling or seq.leader is not None or seq.fork_of is not None:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)

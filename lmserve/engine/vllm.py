@@ -17,6 +17,7 @@ import importlib
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -25,10 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.detokenize import IncrementalDecoder
+from lmserve.engine.fim import find_by_text
 from lmserve.engine.lifeline import LIFELINE
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
+from lmserve.engine.logprobs import LogprobAligner, token_logprob
+from lmserve.engine.pieces import piece_bytes
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
-from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, Usage
+from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "enforce_eager": not options.torch_compile,
         "enable_prefix_caching": True,
         "disable_log_stats": True,
+        "logprobs_mode": "processed_logprobs",  # the sampling distribution's, as on llama.cpp (engine/logprobs.py)
     }
     compilation: dict[str, Any] = {}
     if options.is_cpu and is_hybrid(config):
@@ -195,6 +201,8 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
     }
     if sampling.logit_bias:
         kwargs["logit_bias"] = dict(sampling.logit_bias)
+    if sampling.logprobs is not None:
+        kwargs["logprobs"] = sampling.logprobs
     return kwargs
 
 
@@ -327,6 +335,47 @@ def check_grammar(grammar: str) -> None:
                              param="response_format") from None
 
 
+class LogprobMapper:
+    """One request's logprobs from vLLM's deltas (one `{token id: Logprob}` per new token) as `TokenLogprob`s that
+    travel with their text (engine/logprobs.py). A token's bytes come from the tokenizer's token text
+    (engine/pieces.py); the token that ended the reply (end of turn) is left out, as on llama.cpp."""
+
+    def __init__(self, tokenizer: Any, *, special: bool, k: int) -> None:
+        self._tokenizer = tokenizer
+        self._hidden = frozenset() if special else frozenset(int(t) for t in tokenizer.all_special_ids)
+        self._k = k
+        self._pieces: dict[int, bytes] = {}
+        self._decoder = IncrementalDecoder()
+        self._aligner = LogprobAligner()
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token adds to the text (none for a special token the text leaves out)."""
+        data = self._pieces.get(token)
+        if data is None:
+            data = b"" if token in self._hidden else piece_bytes(str(self._tokenizer.convert_ids_to_tokens(token)))
+            self._pieces[token] = data
+        return data
+
+    def push(self, token_ids: list[int], logprobs: list[dict[int, Any]] | None, text: str, *, finished: bool,
+             finish_reason: str | None, stop_reason: int | str | None) -> list[TokenLogprob]:
+        """The logprobs of this delta's tokens whose text is out (`text`: the delta's); at the end, all that remain
+        but a stop string's tokens."""
+        entries = list(logprobs or [])
+        if finished and finish_reason == "stop" and not isinstance(stop_reason, str):
+            token_ids = token_ids[:-1]  # the end-of-turn token (vLLM leaves its text out)
+        for token, entry in zip(token_ids, entries, strict=False):
+            top = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= self._k and math.isfinite(lp.logprob))
+            ranked = (token, float(entry[token].logprob), [(t, value) for _, t, value in top])
+            decoded = self._decoder.push(self.piece(token))
+            self._aligner.add(token_logprob(ranked, self.piece), len(decoded), unfinished=self._decoder.is_holding)
+        if not finished:
+            return self._aligner.emit(len(text))
+        if isinstance(stop_reason, str):  # a stop string: vLLM cut it from the text
+            return self._aligner.finish(len(text))
+        return self._aligner.drain()
+
+
 class VllmStream:
     """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
 
@@ -340,6 +389,8 @@ class VllmStream:
         self.request_id = f"lmserve-{next(_ids)}"
         self.failure: str | None = None
         self._aborted = False
+        self._logprobs = (LogprobMapper(engine.llm_tokenizer, special=not params.skip_special_tokens,
+                                        k=int(params.logprobs)) if params.logprobs is not None else None)
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -348,6 +399,13 @@ class VllmStream:
     @property
     def output_tokens(self) -> list[int]:
         return self._output
+
+    def _logprobs_of(self, completion: Any, *, finished: bool) -> list[TokenLogprob]:
+        if self._logprobs is None:
+            return []
+        return self._logprobs.push(list(completion.token_ids), completion.logprobs, completion.text,
+                                   finished=finished, finish_reason=completion.finish_reason,
+                                   stop_reason=completion.stop_reason)
 
     def abort(self) -> None:
         """Stop generating; vLLM frees the request's blocks on its next step."""
@@ -378,10 +436,12 @@ class VllmStream:
                     usage = Usage(self._prompt_length, len(self._output), int(out.num_cached_tokens or 0))
                     timings = Timings(prompt_eval_ns=first - start, eval_ns=end - first, total_ns=end - start)
                     reason = _FINISH.get(str(completion.finish_reason), "stop")
-                    yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings)
+                    yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings,
+                                logprobs=self._logprobs_of(completion, finished=True))
                     return
-                if completion.text:
-                    yield Chunk(text=completion.text)
+                logprobs = self._logprobs_of(completion, finished=False)
+                if completion.text or logprobs:
+                    yield Chunk(text=completion.text, logprobs=logprobs)
         except Exception as exc:  # the engine died, or rejected the request after it was queued
             self.failure = self.failure or _engine_error(exc)
         finally:
@@ -414,6 +474,8 @@ class VllmEngine:
                 raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
         LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL
         self._tokenizer = self.llm.get_tokenizer()
+        self.llm_tokenizer: Any = self._tokenizer
+        """vLLM's (Hugging Face) tokenizer, for the streams' logprobs."""
         self._max_queue = options.max_queue
         self._streams: dict[str, VllmStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -434,6 +496,7 @@ class VllmEngine:
             can_embed=False,
             can_constrain=True,
             image_marker=image_marker(model_config),
+            fim=find_by_text(tokenizer.get_vocab()),
         )
         self._bos_id = getattr(tokenizer, "bos_token_id", None)
         marker = self.info.image_marker
@@ -449,6 +512,9 @@ class VllmEngine:
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self._tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def token_bytes(self, token: int) -> bytes:
+        return piece_bytes(str(self._tokenizer.convert_ids_to_tokens([token])[0]))
 
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
         """The text's tokens, each image's marker kept as is (vLLM's processor expands it when the request runs);
@@ -501,6 +567,28 @@ class VllmEngine:
         stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []])
         self._streams[stream.request_id] = stream
         return stream
+
+    def submit_many(
+        self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,
+        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None,
+    ) -> list[VllmStream]:
+        """`n` choices of one prompt: n requests, choice i sampling with `choice_sampling(sampling, i)`.
+
+        This is what vLLM's own `SamplingParams(n=...)` does inside (its parent request fans out into n child
+        requests, seeded seed + index), with lmserve's stream per choice; the prompt's blocks are shared by vLLM's
+        prefix cache.
+        """
+        capacity = self.info.num_parallel + self._max_queue
+        if n < 1:
+            raise InvalidRequest("n must be at least 1", param="n")
+        if n > capacity:
+            raise InvalidRequest(f"n={n} choices is more than this model can ever hold: {self.info.num_parallel} "
+                                 f"running (--parallel) and {self._max_queue} waiting (LMSERVE_MAX_QUEUE)", param="n")
+        if len(self._streams) + n > capacity:
+            raise Overloaded(f"{len(self._streams)} sequences are already running or waiting for this model; "
+                             "retry shortly")
+        return [self.submit(prompt, choice_sampling(sampling, i), special=special, images=images,
+                            checkpoints=checkpoints) for i in range(n)]
 
     def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
         raise InvalidRequest("embeddings are not available on the vLLM engine for this model; serve a GGUF with "

@@ -20,13 +20,14 @@ from lmserve.chat.reasoning import (
     detect_reasoning,
     get_reasoning_format,
 )
-from lmserve.chat.tools import StreamingToolParser, ToolCallParser, detect_parser, get_parser
+from lmserve.chat.tools import FALLBACK_PARSER, StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
-from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, unit_vector
+from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, choice_sampling, unit_vector
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.service import prompts
+from lmserve.service import fim, json_budget, prompts
 from lmserve.service.catalog import Catalog
 from lmserve.service.defaults import Defaults
+from lmserve.service.empty import EmptyReply
 from lmserve.service.observers import Observers
 from lmserve.service.residency import LoadedModel, Residency, Resident
 from lmserve.service.thinking import ThinkingFirst, ThinkingPlan, plan_thinking
@@ -37,6 +38,7 @@ from lmserve.types import (
     LoadOptions,
     Message,
     SamplingParams,
+    TokenLogprob,
     ToolCall,
     Usage,
 )
@@ -94,20 +96,23 @@ class Generation:
             self._release()
 
     async def collect(self) -> tuple[str, Chunk]:
-        """The whole answer: all its text, and the final chunk carrying every tool call and all the thinking (in
-        `reasoning`); aborts if this stops early."""
+        """The whole answer: all its text, and the final chunk carrying every tool call, all the thinking (in
+        `reasoning`) and every token's logprobs; aborts if this stops early."""
         parts: list[str] = []
         thoughts: list[str] = []
         calls: list[ToolCall] = []
+        logprobs: list[TokenLogprob] = []
         try:
             async for chunk in self:
                 parts.append(chunk.text)
                 thoughts.append(chunk.reasoning)
                 calls += chunk.tool_calls
+                logprobs += chunk.logprobs
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason in ("error", "abort"):
                         raise EngineFailure(chunk.error or "the generation failed")
-                    return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts))
+                    return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts),
+                                                   logprobs=logprobs)
         finally:
             self.abort()
         raise EngineFailure("the generation ended without a result")
@@ -225,10 +230,13 @@ class GenerationService:
             raise InvalidRequest(f"{count} images is more than this server accepts in one request ({self.max_images})",
                                  param=param)
 
-    def tool_parser(self, model: LoadedModel) -> ToolCallParser | None:
-        """The server's --tool-call-parser, else the one the model's template implies; None when unknown."""
-        name = self.tool_call_parser or detect_parser(model.template_source or model.engine.info.chat_template)
-        return get_parser(name) if name else None
+    def tool_parser(self, model: LoadedModel) -> ToolCallParser:
+        """The server's --tool-call-parser, else the one the model's template implies, else lmserve's own JSON
+        calls (FALLBACK_PARSER: the service puts the tools and that call shape in the prompt when the template does
+        not render tools; with --tool-call-parser set, forced calls use the named format and the prompt's JSON
+        shape is only a hint)."""
+        source = model.template_source or model.engine.info.chat_template
+        return get_parser(self.tool_call_parser or detect_parser(source) or FALLBACK_PARSER)
 
     def reasoning_format(self, model: LoadedModel) -> ReasoningFormat | None:
         """The server's --reasoning-parser, else the thinking format the model's template implies; None when the
@@ -251,6 +259,13 @@ class GenerationService:
             self.residency.release(resident)
 
     async def chat(self, request: ChatRequest) -> Generation:
+        """The answer to a chat request (see `chat_choices`)."""
+        [generation] = await self.chat_choices(request, 1)
+        return generation
+
+    async def chat_choices(self, request: ChatRequest, n: int) -> list[Generation]:
+        """`n` answers to one chat request (the OpenAI `n`): the prompt is prefilled once and shared by the n choices
+        (see `Engine.submit_many`), each a Generation with parsers of its own; the model's lease ends with the last."""
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
@@ -263,32 +278,38 @@ class GenerationService:
             images = [image for message in request.messages for image in message.images]
             tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
             checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
-            generation = self._submit_planned(resident, plan, tokens, sampling, parser, places, checkpoints)
-            generation.max_tool_calls = None if request.parallel_tool_calls else 1
-            generation.load_ns = time.perf_counter_ns() - started
-            return generation
+            generations = self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints)
         except BaseException:
             self.residency.release(resident)
             raise
+        for generation in generations:
+            generation.max_tool_calls = None if request.parallel_tool_calls else 1
+            generation.load_ns = time.perf_counter_ns() - started
+        return generations
 
     def _forcing(self, model: LoadedModel, request: ChatRequest, parser: ToolCallParser | None) -> SamplingParams:
         """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one."""
         if request.forced_tool is None:
             return request.sampling
         if parser is None:
-            raise InvalidRequest(
-                f"model '{model.name}' has no known tool-call format to force a call in; start the server "
-                "with --tool-call-parser",
-                param="tool_choice",
-            )
-        grammar = forced_call_grammar(parser, request.tools, request.forced_tool)
-        return replace(request.sampling, grammar=grammar, stop=[], logit_bias=dict(request.sampling.logit_bias))
+            raise InvalidRequest("tool_choice requires tools", param="tool_choice")
+        grammar = forced_call_grammar(parser, request.tools, request.forced_tool,
+                                      single=not request.parallel_tool_calls)
+        return replace(request.sampling, grammar=grammar, stop=[], logit_bias=dict(request.sampling.logit_bias),
+                       closes_at_limit=False)
 
     async def complete(self, request: CompletionRequest) -> Generation:
+        """The completion of a raw prompt (see `complete_choices`)."""
+        [generation] = await self.complete_choices(request, 1)
+        return generation
+
+    async def complete_choices(self, request: CompletionRequest, n: int) -> list[Generation]:
+        """`n` completions of one prompt (the OpenAI `n`), prefilled once and shared (see `chat_choices`); with
+        `request.infill`, of the gap between its prefix and suffix (fill-in-the-middle, service/fim.py)."""
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
-            tokens = list(request.context) + prompts.tokenize(resident.model, request.prompt)
-            return self._submit(resident, tokens, request.sampling)
+            tokens = fim.completion_prompt(resident.model, request)
+            return self._submit(resident, ThinkingPlan(request.prompt), tokens, request.sampling, n)
         except BaseException:
             self.residency.release(resident)
             raise
@@ -301,7 +322,7 @@ class GenerationService:
 
         Rendered with the model's template, a thinking model's thinking (`think` switches it, `reasoning_budget`
         bounds it) goes to `Chunk.reasoning`."""
-        if raw and not request.images:
+        if (raw and not request.images) or request.infill is not None:
             return await self.complete(request)
         started = time.perf_counter_ns()
         resident = await self.acquire(request.model, request.options, request.keep_alive)
@@ -323,7 +344,7 @@ class GenerationService:
             if request.context:
                 tokens = list(request.context) + tokens
                 places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
-            generation = self._submit_planned(resident, plan, tokens, request.sampling, images=places)
+            [generation] = self._submit(resident, plan, tokens, request.sampling, 1, images=places)
             generation.load_ns = time.perf_counter_ns() - started
             return generation
         except BaseException:
@@ -369,48 +390,55 @@ class GenerationService:
         self.observers.finished(resident.model.name, Chunk(finish_reason="stop", usage=Usage(prompt_tokens=num_tokens)))
         return resident.model.name, vectors, num_tokens
 
-    def _submit(
-        self, resident: Resident, tokens: list[int], sampling: SamplingParams, parser: ToolCallParser | None = None,
-        images: list[PromptImage] | None = None, checkpoints: list[int] | None = None, *, reasoning: bool = False,
-    ) -> Generation:
-        self._check_grammar(resident, sampling)
-        # With a tool or reasoning parser, special tokens are kept in the text: call markers and thinking tags
-        # often are special tokens.
-        stream = resident.model.engine.submit(tokens, sampling, special=parser is not None or reasoning,
-                                              images=images, checkpoints=checkpoints)
-        return self._generation(resident, stream, parser, sampling.stop)
-
     def _budget(self, requested: int | None) -> int | None:
         return requested if requested is not None else self.reasoning_budget
 
-    def _submit_planned(
-        self, resident: Resident, plan: ThinkingPlan, tokens: list[int], sampling: SamplingParams,
+    def _submit(
+        self, resident: Resident, plan: ThinkingPlan, tokens: list[int], sampling: SamplingParams, n: int,
         parser: ToolCallParser | None = None, images: list[PromptImage] | None = None,
         checkpoints: list[int] | None = None,
-    ) -> Generation:
-        if plan.format is not None and plan.first:
-            generation = self._submit_thinking_first(resident, tokens, sampling, plan.format, plan.budget, parser,
-                                                      images, checkpoints)
-        else:
-            generation = self._submit(resident, tokens, sampling, parser, images, checkpoints,
-                                      reasoning=plan.format is not None)
-        generation.reasoning, generation.thinking = plan.format, plan.state
-        return generation
-
-    def _submit_thinking_first(
-        self, resident: Resident, tokens: list[int], sampling: SamplingParams, fmt: ReasoningFormat,
-        budget: int | None, parser: ToolCallParser | None, images: list[PromptImage] | None,
-        checkpoints: list[int] | None,
-    ) -> Generation:
+    ) -> list[Generation]:
+        """n Generations of one prompt on one lease (released after the last). Special tokens are kept in the text
+        with a tool or reasoning parser (call markers and thinking tags often are special tokens). A thinking-first
+        plan runs n two-phase streams (choice i with `choice_sampling(sampling, i)`; they share the prompt through
+        the engine's prefix sharing); `max_tokens` 0 asks for no engine work (service/empty.py)."""
         self._check_grammar(resident, sampling)
-        stream = ThinkingFirst(resident.model.engine, tokens, sampling, fmt, budget, special=True, images=images,
-                               checkpoints=checkpoints)
-        return self._generation(resident, stream, parser, sampling.stop)
+        engine = resident.model.engine
+        streams: list[GenerationStream] = []
+        if sampling.max_tokens == 0:  # no tokens asked for: no engine work (service/empty.py)
+            streams += [EmptyReply(engine, tokens) for _ in range(n)]
+        elif plan.format is not None and plan.first:
+            try:
+                for i in range(n):
+                    streams.append(ThinkingFirst(engine, tokens, choice_sampling(sampling, i), plan.format,
+                                                 plan.budget, special=True, images=images, checkpoints=checkpoints))
+            except BaseException:
+                for stream in streams:
+                    stream.abort()
+                raise
+        else:
+            streams += engine.submit_many(tokens, sampling, n, special=parser is not None or plan.format is not None,
+                                          images=images, checkpoints=checkpoints)
+            streams = [json_budget.close_in_budget(engine, stream, sampling) for stream in streams]
+        generations = [self._generation(resident, stream, parser, sampling.stop) for stream in streams]
+        remaining = [n]
+
+        def release_after_the_last() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.residency.release(resident)
+
+        for generation in generations:
+            generation.on_done = release_after_the_last
+            generation.reasoning, generation.thinking = plan.format, plan.state
+        return generations
 
     def _check_grammar(self, resident: Resident, sampling: SamplingParams) -> None:
         if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
             raise InvalidRequest(f"model '{resident.model.name}' cannot constrain its output (structured output and "
                                  "forced tool calls need it)", param="response_format")
+        if sampling.max_tokens != 0:  # 0 asks for no tokens at all (an empty reply)
+            json_budget.check_budget(resident.model.engine, sampling)
 
     def _generation(
         self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None, stops: list[str]

@@ -1,27 +1,87 @@
-"""Prompts: a chat request rendered with the model's template, its images marked, tokenized for the engine."""
+"""Prompts: a chat request rendered with the model's template, its images marked, tokenized for the engine.
+
+Tools are never dropped: when the model's template does not render the request's tools (found once per template by
+rendering a probe tool), they go in the system prompt with lmserve's JSON call shape (`chat.tools.tools_prompt`),
+and earlier assistant calls are written into their turns' text in that shape.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+from collections.abc import Hashable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from lmserve.chat.media import to_bitmap
 from lmserve.chat.reasoning import ReasoningFormat, drop_thinking
+from lmserve.chat.tools import tools_prompt
 from lmserve.engine.protocol import PromptImage
 from lmserve.errors import InvalidRequest, LmserveError
-from lmserve.service.residency import LoadedModel
-from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message
+from lmserve.service.residency import LoadedModel, Prompter
+from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, ToolCall
+
+_PROBE_NAME = "lmserve_probe_tool_5c1e"
+_PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": _PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def conversation(model: LoadedModel, request: ChatRequest) -> list[Message]:
-    """The Modelfile's MESSAGEs, then the request's (images as markers), with the model's SYSTEM if none."""
+    """The Modelfile's MESSAGEs, then the request's (images as markers), with the model's SYSTEM if none; with the
+    tools in the system prompt when the template does not render them."""
     messages = list(model.messages) + [
         with_image_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
     ]
     if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
         messages.insert(0, Message(role="system", content=model.system))
+    if request.tools and not renders_tools(model.template):
+        messages = with_tools_prompt(messages, request.tools, fold_calls="tool_calls" not in _source(model))
     return messages
+
+
+def renders_tools(template: Prompter) -> bool:
+    """Whether `template` puts the request's tools in the prompt (a probe tool's name shows in a rendering; found
+    once per template). A template that fails to render with tools counts as one that does not render them."""
+    return _renders_tools(cast(Hashable, template))
+
+
+@functools.lru_cache(maxsize=64)
+def _renders_tools(template: Hashable) -> bool:  # prompters hash by identity
+    try:
+        text = cast(Prompter, template).render([Message("user", "hi")], tools=[_PROBE_TOOL], add_generation_prompt=True)
+    except LmserveError:
+        return False
+    return _PROBE_NAME in text
+
+
+def with_tools_prompt(messages: list[Message], tools: list[dict[str, Any]], *, fold_calls: bool) -> list[Message]:
+    """`messages` with the tools and the JSON call shape in the system prompt (merged into a leading system
+    message, else a new one first); with `fold_calls`, earlier assistant calls written into their text."""
+    block = tools_prompt(tools)
+    out = [_with_calls_text(m) if fold_calls and m.tool_calls else m for m in messages]
+    if out and out[0].role in ("system", "developer"):
+        head = out[0]
+        return [replace(head, content=f"{head.content}\n\n{block}" if head.content else block), *out[1:]]
+    return [Message(role="system", content=block), *out]
+
+
+def _with_calls_text(message: Message) -> Message:
+    text = json.dumps([{"name": c.name, "arguments": _arguments(c)} for c in message.tool_calls], ensure_ascii=False)
+    return replace(message, content=f"{message.content}\n{text}" if message.content else text)
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+
+
+def _source(model: LoadedModel) -> str:
+    return model.template_source or model.engine.info.chat_template or ""
 
 
 def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int,
@@ -37,7 +97,7 @@ def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int,
         raise InvalidRequest(f"{len(request.messages)} messages is more than this server accepts ({max_messages})",
                              param="messages")
     messages = conversation(model, request)
-    source = model.template_source or model.engine.info.chat_template or ""
+    source = _source(model)
     if reasoning is not None and reasoning.end not in source:
         messages = [replace(m, content=drop_thinking(reasoning, m.content)) if m.role == "assistant" else m
                     for m in messages]
@@ -45,7 +105,7 @@ def render_chat(model: LoadedModel, request: ChatRequest, max_messages: int,
 
 
 def _render(model: LoadedModel, messages: list[Message], request: ChatRequest, *, add_generation_prompt: bool) -> str:
-    tools: list[dict[str, Any]] | None = request.tools or None
+    tools: list[dict[str, Any]] | None = request.tools if request.tools and renders_tools(model.template) else None
     return model.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                  think=request.think)
 

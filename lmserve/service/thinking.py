@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from lmserve.chat.reasoning import ReasoningFormat, thinking_state
 from lmserve.engine.protocol import Engine, PromptImage
 from lmserve.errors import ContextOverflow, LmserveError
+from lmserve.service.json_budget import close_in_budget, thinking_cap
 from lmserve.types import Chunk, SamplingParams, Timings, Usage
 
 
@@ -78,9 +79,12 @@ class ThinkingFirst:
         self._special = special
         self._images = images
         limit = sampling.max_tokens
-        self._at_budget = budget is not None and (limit is None or budget < limit)
+        cap = thinking_cap(engine, sampling, "\n" + fmt.end + "\n\n")  # room kept for the shortest JSON answer
+        if budget is not None and (cap is None or budget < cap):
+            cap = budget
+        self._at_budget = cap is not None and (limit is None or cap < limit)
         thinking = replace(sampling, grammar=None, stop=[fmt.end], logit_bias=dict(sampling.logit_bias),
-                           max_tokens=budget if self._at_budget else limit)
+                           max_tokens=cap)
         self._current = engine.submit(prompt, thinking, special=special, images=images, checkpoints=checkpoints)
         self._before: list[int] = []
         """Output tokens of the thinking phase, close tag included, once the answer phase runs."""
@@ -136,6 +140,7 @@ class ThinkingFirst:
         except LmserveError as exc:
             yield Chunk(finish_reason="error", error=exc.message, usage=_usage(first_usage, len(before), None))
             return
+        second = close_in_budget(self._engine, second, replace(self._sampling, max_tokens=rest))  # JSON closed in time
         self._before, self._current = before, second
         if self._is_aborted:
             second.abort()

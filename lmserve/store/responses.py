@@ -5,33 +5,23 @@ Layout (root: `<LMSERVE_MODELS>/responses`, made on the first save):
     resp_<16 hex: creation time in ns><16 random hex>.json      one `StoredResponse`
     .tmp-*                                                       a write in progress (renamed into place)
 
-Each record is written to a temp file in the same directory, flushed, fsync'd and renamed into place, so a crash
-never leaves a half-written record. An id carries its creation time, so ids sort oldest first and the bounds are
-kept from a directory listing alone: after each save the oldest records beyond `max_count` go, and so do those older
-than `ttl` seconds (a record past its time is also not found when asked for).
+Records are kept by the generic record store (lmserve/store/records.py): atomic writes, ids that sort by age, a
+count bound and a retention time.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import re
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmserve.errors import LmserveError
-from lmserve.store.store import TEMP_PREFIX, write_atomic
-
-log = logging.getLogger(__name__)
+from lmserve.store.records import RecordIds, RecordStore
 
 ID_PREFIX = "resp_"
-STALE_TEMP_SECONDS = 3600.0
-_ID = re.compile(r"resp_([0-9a-f]{16})[0-9a-f]{16}\Z")
+_IDS = RecordIds(ID_PREFIX)
 
 
 class ResponseNotFound(LmserveError):
@@ -46,14 +36,12 @@ class ResponseNotFound(LmserveError):
 
 def new_response_id(now_ns: int | None = None) -> str:
     """A fresh response id: `resp_`, the creation time (ns, 16 hex digits), 16 random hex digits."""
-    stamp = time.time_ns() if now_ns is None else now_ns
-    return f"{ID_PREFIX}{stamp:016x}{secrets.token_hex(8)}"
+    return _IDS.new(now_ns)
 
 
 def created_at(response_id: str) -> float | None:
     """The Unix time (seconds) an id was made at, or None if it is not an id this store makes."""
-    match = _ID.match(response_id)
-    return int(match.group(1), 16) / 1e9 if match else None
+    return _IDS.created_at(response_id)
 
 
 @dataclass(slots=True)
@@ -79,85 +67,13 @@ class StoredResponse:
         return [*self.context, *self.input, *self.response.get("output", [])]
 
 
-class ResponseStore:
+class ResponseStore(RecordStore[StoredResponse]):
     """Responses as JSON files under `root`, at most `max_count`, each kept `ttl` seconds (None: forever)."""
 
     def __init__(self, root: Path, *, max_count: int = 1000, ttl: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.root = root
-        self.max_count = max_count
-        self.ttl = ttl if ttl is None or ttl >= 0 else None
-        self._clock = clock
+        super().__init__(root, _IDS, _decode, ResponseNotFound, max_count=max_count, ttl=ttl, clock=clock)
 
-    def save(self, record: StoredResponse) -> None:
-        """Write `record` atomically (replacing one with the same id), then drop what the bounds no longer allow."""
-        path = self._path(record.id)
-        if path is None:
-            raise ValueError(f"not a response id this store makes: {record.id!r}")
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(record), ensure_ascii=False).encode())
-        self.prune()
 
-    def get(self, response_id: str) -> StoredResponse:
-        """The stored response `response_id`; ResponseNotFound (404) when there is none (or it expired)."""
-        path = self._path(response_id)
-        if path is None or self._is_expired(response_id):
-            raise ResponseNotFound(response_id)
-        try:
-            data = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise ResponseNotFound(response_id) from None
-        except (OSError, ValueError) as exc:
-            log.warning("stored response %s is unreadable: %s", path, exc)
-            raise ResponseNotFound(response_id) from None
-        return StoredResponse(response=data["response"], input=data.get("input", []), context=data.get("context", []))
-
-    def delete(self, response_id: str) -> None:
-        """Remove a stored response; ResponseNotFound (404) when there is none."""
-        path = self._path(response_id)
-        if path is None or self._is_expired(response_id):
-            raise ResponseNotFound(response_id)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            raise ResponseNotFound(response_id) from None
-
-    def ids(self) -> list[str]:
-        """The ids stored, oldest first (expired ones included until the next prune)."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(name[:-5] for name in names if name.endswith(".json") and _ID.match(name[:-5]))
-
-    def prune(self) -> int:
-        """Remove expired records, the oldest beyond `max_count`, and stale temp files; returns how many went."""
-        ids = self.ids()
-        doomed = [i for i in ids if self._is_expired(i)]
-        kept = [i for i in ids if not self._is_expired(i)]
-        doomed += kept[: max(0, len(kept) - self.max_count)]
-        for response_id in doomed:
-            (self.root / f"{response_id}.json").unlink(missing_ok=True)
-        self._remove_stale_temps()
-        return len(doomed)
-
-    def _path(self, response_id: str) -> Path | None:
-        """Where a record lives; None for text that is no id of ours (so no name ever leaves `root`)."""
-        return self.root / f"{response_id}.json" if _ID.match(response_id) else None
-
-    def _is_expired(self, response_id: str) -> bool:
-        made = created_at(response_id)
-        return self.ttl is not None and made is not None and self._clock() - made > self.ttl
-
-    def _remove_stale_temps(self) -> None:
-        try:
-            names = [name for name in os.listdir(self.root) if name.startswith(TEMP_PREFIX)]
-        except FileNotFoundError:
-            return
-        for name in names:
-            path = self.root / name
-            try:
-                if time.time() - path.stat().st_mtime > STALE_TEMP_SECONDS:
-                    path.unlink(missing_ok=True)
-            except FileNotFoundError:
-                pass
+def _decode(data: dict[str, Any]) -> StoredResponse:
+    return StoredResponse(response=data["response"], input=data.get("input", []), context=data.get("context", []))

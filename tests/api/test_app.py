@@ -33,18 +33,19 @@ BAD_CHAT_REQUESTS: list[tuple[str, Any, str | None]] = [
     ("unknown content part", chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "messages"),
     ("temperature not a number", chat(temperature="hot"), "temperature"),
     ("temperature too high", chat(temperature=2.5), "temperature"),
-    ("top_p zero", chat(top_p=0), "top_p"),
+    ("top_p negative", chat(top_p=-0.1), "top_p"),
     ("min_p above one", chat(min_p=1.5), "min_p"),
     ("repeat_penalty zero", chat(repeat_penalty=0), "repeat_penalty"),
-    ("max_tokens zero", chat(max_tokens=0), "max_tokens"),
-    ("n=2", chat(n=2), "n"),
+    ("max_tokens negative", chat(max_tokens=-1), "max_tokens"),
+    ("n=0", chat(n=0), "n"),
+    ("n above 128", chat(n=129), "n"),
     ("bad logit_bias key", chat(logit_bias={"abc": 1}), "logit_bias"),
     ("logit_bias out of range", chat(logit_bias={"5": 1000}), "logit_bias"),
     ("stop of wrong type", chat(stop=5), "stop"),
     ("stop list of wrong type", chat(stop=[1, 2]), "stop"),
     ("too many stops", chat(stop=[str(i) for i in range(17)]), "stop"),
     ("stream not a bool", chat(stream="maybe"), "stream"),
-    ("logprobs asked", chat(logprobs=True), "logprobs"),
+    ("top_logprobs without logprobs", chat(top_logprobs=2), "top_logprobs"),
     ("top_logprobs too high", chat(top_logprobs=50), "top_logprobs"),
     ("bad tool", chat(tools=[{"type": "function"}]), "tools"),
     ("bad tool_choice", chat(tool_choice="sometimes"), "tool_choice"),
@@ -80,7 +81,7 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("several prompts", {"model": "fake", "prompt": ["a", "b"]}, "prompt"),
     ("suffix", {"model": "fake", "prompt": "a", "suffix": "b"}, "suffix"),
     ("empty prompt", {"model": "fake", "prompt": ""}, "prompt"),
-    ("n=3", {"model": "fake", "prompt": "a", "n": 3}, "n"),
+    ("n=0", {"model": "fake", "prompt": "a", "n": 0}, "n"),
 ]
 
 
@@ -140,7 +141,7 @@ async def test_unknown_native_route_is_404_in_native_shape(client: httpx.AsyncCl
 
 @pytest.mark.asyncio
 async def test_wrong_method_is_405_in_openai_shape(client: httpx.AsyncClient) -> None:
-    response = await client.get(CHAT)
+    response = await client.put(CHAT)  # (GET lists the stored chat completions)
     assert response.status_code == 405
     assert_openai_error(response.json(), error_type="invalid_request_error")
 

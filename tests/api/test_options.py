@@ -37,14 +37,13 @@ async def test_native_refusals_name_the_option(client: httpx.AsyncClient, route:
 
 
 OPENAI_REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/chat/completions", {"n": 2}, "n"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"num_ctx": 8192}, "num_ctx"),
     ("/v1/chat/completions", {"num_keep": 8}, "num_keep"),
     ("/v1/chat/completions", {"typical_p": 0}, "typical_p"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
 ]  # fmt: skip
 
 

@@ -94,7 +94,7 @@ async def test_native_bad_format_is_a_400(client: httpx.AsyncClient, route: str,
 
 @pytest.mark.parametrize("route", ["/api/generate", "/api/chat"])
 async def test_native_format_is_accepted(client: httpx.AsyncClient, route: str) -> None:
-    body: dict[str, Any] = {"model": "fake", "format": SCHEMA, "stream": False, "options": {"num_predict": 3}}
+    body: dict[str, Any] = {"model": "fake", "format": SCHEMA, "stream": False, "options": {"num_predict": 16}}
     body.update({"prompt": "hi"} if route == "/api/generate" else {"messages": USER})
     r = await client.post(route, json=body)
     assert r.status_code == 200

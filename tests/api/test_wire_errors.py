@@ -25,7 +25,7 @@ def user_parts(*parts: dict[str, Any]) -> dict[str, Any]:
         (chat(response_format={"type": "json_schema"}), "response_format",
          "Missing required parameter: 'response_format.json_schema'."),
         (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format",
-         "Missing required parameter: 'response_format.json_schema.name'."),
+         "Missing required parameter: 'response_format.json_schema.schema'."),  # name is optional (llama-server)
         (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format",
          "Missing required parameter: 'response_format.json_schema.schema'."),
         (chat(response_format={"type": "yaml"}), "response_format",

@@ -103,8 +103,20 @@ CASES: list[tuple[str, str, str, Calls]] = [
     ("lfm2", f'{S}[{{"name": "f", "arguments": [1]}}]{E}', f'{S}[{{"name": "f", "arguments": [1]}}]{E}', []),
     ("lfm2", f'{S}[{{"arguments": {{}}}}]{E}', f'{S}[{{"arguments": {{}}}}]{E}', []),
     ("lfm2", f"{S}[f(a=1)]{E} and {S}[g(]{E}", f" and {S}[g(]{E}", [("f", {"a": 1})]),
+    # ---- lfm2: LFM2.5's quirks ----
+    ("lfm2", f'{S}[weather.get(city="x")]{E}', "", [("weather.get", {"city": "x"})]),  # dotted names
+    ("lfm2", f"{S}[a.b.c(x=1), d(y=2)]{E}", "", [("a.b.c", {"x": 1}), ("d", {"y": 2})]),
+    ("lfm2", f"{S}[f(a=True, b=False, c=None, s='it')]{E}", "", [("f", {"a": True, "b": False, "c": None, "s": "it"})]),
+    # a bare call list as the whole output (no start marker), maybe with a stray end marker
+    ("lfm2", '[get_weather(city="Paris")]', "", [("get_weather", {"city": "Paris"})]),
+    ("lfm2", "\n [ tools.search (q='x', n=None) ]\n", "", [("tools.search", {"q": "x", "n": None})]),
+    ("lfm2", f"[f(a=1), g.h(b='x')]{E}", "", [("f", {"a": 1}), ("g.h", {"b": "x"})]),
+    ("lfm2", "[f(a=1)] and text", "[f(a=1)] and text", []),  # bare only as the whole output
+    ("lfm2", "[Paris](https://example.com) is nice", "[Paris](https://example.com) is nice", []),
+    ("lfm2", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("lfm2", "[]", "[]", []),
+    ("lfm2", "[f(1)]", "[f(1)]", []),
     # unknown function-name forms → content
-    ("lfm2", f'{S}[weather.get(city="x")]{E}', f'{S}[weather.get(city="x")]{E}', []),
     ("lfm2", f'{S}[get-weather(city="x")]{E}', f'{S}[get-weather(city="x")]{E}', []),
     ("lfm2", f'{S}["get_weather"(city="x")]{E}', f'{S}["get_weather"(city="x")]{E}', []),
     ("lfm2", f"{S}[make()(x=1)]{E}", f"{S}[make()(x=1)]{E}", []),
@@ -189,6 +201,38 @@ CASES: list[tuple[str, str, str, Calls]] = [
     ("pythonic", "[f(1)]", "[f(1)]", []),
     ("pythonic", "No calls [f(a=1)]", "No calls [f(a=1)]", []),
     ("pythonic", "  ", "  ", []),
+    ("pythonic", '[weather.get(city="x")]', '[weather.get(city="x")]', []),  # dotted names are LFM2.5's
+    # ---- json (lmserve's own, for any model) ----
+    ("json", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [("get_weather", {"city": "Paris"})]),
+    (
+        "json",
+        ' [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "parameters": {}}]\n',
+        "",
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    ("json", '{"name": "f", "arguments": {"q": "a } b"}}', "", [("f", {"q": "a } b"})]),  # one object, no list
+    ("json", '{"name": "f", "arguments": "{\\"x\\": 2}"}', "", [("f", {"x": 2})]),  # arguments as JSON text
+    ("json", '```json\n[{"name": "f", "arguments": {}}]\n```', "", [("f", {})]),  # a fenced block
+    ("json", '```\n{"name": "f", "arguments": {}}\n```\n', "", [("f", {})]),
+    ("json", '```json\n[{"name": "f", "arguments": {}}]', "", [("f", {})]),  # the closing fence never came
+    # ordinary JSON and text stay content
+    ("json", '{"answer": 42}', '{"answer": 42}', []),
+    ("json", '["a", "b"]', '["a", "b"]', []),
+    ("json", "[]", "[]", []),
+    ("json", '{"name": "Bob"}', '{"name": "Bob"}', []),  # no arguments: not a call
+    ("json", '{"name": "f", "arguments": {}, "id": 3}', '{"name": "f", "arguments": {}, "id": 3}', []),
+    ("json", '{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": [1]}', []),
+    ("json", '{"name": "f", "arguments": {}, "parameters": {}}', '{"name": "f", "arguments": {}, "parameters": {}}',
+     []),
+    ("json", '[{"name": "f", "arguments": {}}] and more', '[{"name": "f", "arguments": {}}] and more', []),
+    ("json", 'Calling [{"name": "f", "arguments": {}}]', 'Calling [{"name": "f", "arguments": {}}]', []),
+    ("json", '[{"name": "f", "arguments": {', '[{"name": "f", "arguments": {', []),
+    ("json", '```python\nprint(1)\n```', '```python\nprint(1)\n```', []),
+    ("json", "```json[1]", "```json[1]", []),
+    ("json", "The weather is fine.", "The weather is fine.", []),
+    ("json", "  ", "  ", []),
+    ("json", '{"name": "say", "arguments": {"text": "' + "x" * 300 + '"}}', "", [("say", {"text": "x" * 300})]),
+    ("json", '{"text": "' + "x" * 300 + '"} tail', '{"text": "' + "x" * 300 + '"} tail', []),
 ]
 
 IDS = [f"{name}-{i}" for i, (name, *_rest) in enumerate(CASES)]
@@ -272,6 +316,12 @@ def test_streaming_releases_a_malformed_block_as_content() -> None:
         ("pythonic", "Hello", "H"),
         ("llama3_json", '{"answer": 1} ok', '{"answer": 1}'),
         ("llama3_json", "Hello", "H"),
+        ("json", "Hello", "H"),
+        ("json", '{"answer": 1} ok', '{"an'),  # the first key is no call key: decided at once
+        ("json", '["a", "b"]', '["'),
+        ("json", "```python\nx", "```p"),
+        ("lfm2", "Hello", "H"),  # not a bare call list: streams as text
+        ("lfm2", "[Paris](x) is nice", "[Paris]"),
     ],
 )
 def test_whole_output_formats_stream_content_once_it_cannot_be_a_call(name: str, output: str, released: str) -> None:
@@ -294,6 +344,7 @@ _FUZZ_ATOMS = [
     *[S, E, "<tool_call>", "</tool_call>", "<|python_tag|>", "<|tool", '"name": "f"', '"arguments": {}'],
     *["<", "[", "]", "(", ")", "{", "}", '"', "'", "f(a=1)", "g(", "x=", ";", "text", "=", ":", "[f(a=1)]"],
     *['{"name": "f", "parameters": {}}', '[{"name": "f", "arguments": {}}]', ", ", " ", "  ", "\n"],
+    *["```", "```json\n", "a.b(", "True", "None", "'s'", '{"answer": 1}'],
 ]
 
 
@@ -315,7 +366,7 @@ def test_call_ids_are_fresh() -> None:
 
 
 def test_get_parser() -> None:
-    assert set(PARSERS) == {"lfm2", "hermes", "llama3_json", "pythonic"}
+    assert set(PARSERS) == {"lfm2", "hermes", "llama3_json", "pythonic", "json"}
     for name in PARSERS:
         assert get_parser(name).name == name
     with pytest.raises(InvalidRequest) as err:

@@ -4,10 +4,14 @@ One parser per output format, in a registry by name (`--tool-call-parser NAME`; 
 the chat template):
 
     lfm2         `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>` (Pythonic) or the same markers around a
-                 JSON list `[{"name": …, "arguments": {…}}]`; an echo of the call body after the end marker is dropped
+                 JSON list `[{"name": …, "arguments": {…}}]`; an echo of the call body after the end marker is dropped;
+                 LFM2.5's quirks: a bare `[f(a=1)]` as the whole output, dotted names `a.b(x=1)`, Python literals
     hermes       `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, one block per call (Qwen, Hermes)
     llama3_json  the whole output is `[<|python_tag|>]{"name": …, "parameters": {…}}`, several joined by `;`
     pythonic     the whole output is a bare list `[f(a=1), g(b="x")]`
+    json         lmserve's own, for models that know no format (FALLBACK_PARSER): the whole output is a JSON list
+                 `[{"name": …, "arguments": {…}}]` (or one such object); the service teaches it in the system prompt
+                 (`tools_prompt`) when the model's template does not render tools, and forces it with a grammar
 
 Pythonic calls are read with `ast` as literals only (never evaluated): a call is a plain name with keyword arguments
 whose values are literals. Anything malformed stays in the content, as the model wrote it; no parser raises.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from lmserve.chat.tools.base import ParsedCall, ToolCallParser
 from lmserve.chat.tools.hermes import HermesParser
+from lmserve.chat.tools.json_calls import JsonCallsParser, tools_prompt
 from lmserve.chat.tools.lfm2 import Lfm2Parser
 from lmserve.chat.tools.llama3_json import Llama3JsonParser
 from lmserve.chat.tools.pythonic import PythonicParser
@@ -26,8 +31,10 @@ from lmserve.chat.tools.streaming import StreamingToolParser
 from lmserve.errors import InvalidRequest
 
 __all__ = [
+    "FALLBACK_PARSER",
     "PARSERS",
     "HermesParser",
+    "JsonCallsParser",
     "Lfm2Parser",
     "Llama3JsonParser",
     "ParsedCall",
@@ -36,6 +43,7 @@ __all__ = [
     "ToolCallParser",
     "detect_parser",
     "get_parser",
+    "tools_prompt",
 ]
 
 
@@ -44,7 +52,11 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
+    "json": JsonCallsParser,
 }
+
+FALLBACK_PARSER = "json"
+"""The format of a model whose template names none (`detect_parser` None): lmserve's own JSON calls."""
 
 
 def get_parser(name: str) -> ToolCallParser:

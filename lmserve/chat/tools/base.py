@@ -59,6 +59,11 @@ class ToolCallParser(Protocol):
     def viable(self, text: str) -> bool:
         """Whole-output formats: False once `text` (a prefix of the output) certainly is not a call."""
 
+    def bare(self, text: str, final: bool) -> list[ParsedCall] | bool | None:
+        """Block formats whose model may also write its calls without the markers, as the whole output (LFM2.5:
+        a bare `[f(a=1)]`): what `text` is, as `WholeOutputFormat._scan` says; None when the format has no bare
+        form. A None for a prefix is never contradicted by a longer `text`."""
+
 
 def make_call(name: Any, args: Any) -> ParsedCall | None:
     """A call from a name and an arguments object (or the JSON text of one); None when either is unusable."""
@@ -138,6 +143,9 @@ class BlockFormat:
     def viable(self, text: str) -> bool:
         return True
 
+    def bare(self, text: str, final: bool) -> list[ParsedCall] | bool | None:
+        return None
+
 
 class WholeOutputFormat:
     """A format where the whole output is the call, or else all content.
@@ -166,3 +174,6 @@ class WholeOutputFormat:
 
     def viable(self, text: str) -> bool:
         return self._scan(text, False) is not None
+
+    def bare(self, text: str, final: bool) -> list[ParsedCall] | bool | None:
+        return None

@@ -1,5 +1,10 @@
 """The `lfm2` format (LFM2, LFM2.5): `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`, or the markers
-around a JSON list `[{"name": …, "arguments": {…}}]`. An echo of the call body after the end marker is dropped."""
+around a JSON list `[{"name": …, "arguments": {…}}]`. An echo of the call body after the end marker is dropped.
+
+LFM2.5's quirks are read too: Python literals (`True`, `False`, `None`) and single-quoted strings, dotted function
+names (`a.b.c(x=1)` calls `a.b.c`), and calls without the start marker: a bare `[f(a=1)]` as the whole output
+(a stray end marker after it is dropped).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from lmserve.chat.tools.base import BlockFormat, ParsedCall, calls_from_json
 from lmserve.chat.tools.pythonic import parse_call_list
 
 __all__ = ["Lfm2Parser"]
+
+_END = "<|tool_call_end|>"
 
 
 def _match_skipping_space(form: str, text: str) -> int | None:
@@ -30,12 +37,38 @@ def _match_skipping_space(form: str, text: str) -> int | None:
         t += 1
 
 
+def _bare_head_viable(t: str) -> bool:
+    """Whether a prefix of the output may still start a bare `[name(` or `[a.b(`; errs towards True."""
+    if not t:
+        return True
+    if t[0] != "[":
+        return False
+    i = 1
+    while i < len(t) and t[i].isspace():
+        i += 1
+    if i == len(t) or t[i] in "(#\\":
+        return True
+    if not t[i].isidentifier():
+        return False
+    for c in t[i:]:
+        if c in "(#\\":
+            return True
+        if not (c.isspace() or c == "." or ("a" + c).isidentifier()):
+            return False
+    return True
+
+
 class Lfm2Parser(BlockFormat):
     """LFM2/LFM2.5: a Pythonic or JSON list between `<|tool_call_start|>` and `<|tool_call_end|>`."""
 
     name = "lfm2"
     start_marker = "<|tool_call_start|>"
-    end_marker = "<|tool_call_end|>"
+    end_marker = _END
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """A bare call list as the whole output, or else call blocks between the markers with content around."""
+        calls = self.bare(text, True)
+        return ("", calls) if isinstance(calls, list) else super().parse(text)
 
     def parse_block(self, body: str) -> list[ParsedCall] | None:
         stripped = body.strip()
@@ -44,7 +77,18 @@ class Lfm2Parser(BlockFormat):
                 return calls_from_json(json.loads(stripped))
             except (ValueError, RecursionError):
                 pass  # maybe Python-style dicts: the literal reader below takes them
-        return parse_call_list(stripped, lenient=True)
+        return parse_call_list(stripped, lenient=True, dotted=True)
+
+    def bare(self, text: str, final: bool) -> list[ParsedCall] | bool | None:
+        """The whole output as a bare `[f(a=1), g.h(b='x')]` (maybe with a stray end marker after it)."""
+        t = text.strip()
+        if not final:
+            return True if _bare_head_viable(text.lstrip()) else None
+        if t.endswith(_END):
+            t = t[: -len(_END)].rstrip()
+        if not t.startswith("["):
+            return None
+        return parse_call_list(t, lenient=False, dotted=True)
 
     def echo_length(self, body: str, text: str, final: bool) -> int | None:
         form = body.strip()

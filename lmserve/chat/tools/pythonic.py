@@ -29,10 +29,21 @@ def _literal(node: ast.expr) -> tuple[bool, Any]:
         return False, None
 
 
-def parse_call_list(source: str, *, lenient: bool) -> list[ParsedCall] | None:
+def _function_name(node: ast.expr, dotted: bool) -> str | None:
+    """A call's function: a plain name, or with `dotted` a dotted one (`a.b.c`); None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if dotted and isinstance(node, ast.Attribute):
+        head = _function_name(node.value, dotted)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def parse_call_list(source: str, *, lenient: bool, dotted: bool = False) -> list[ParsedCall] | None:
     """`[f(a=1), g(b="x")]` → calls; literals only, never evaluated.
 
-    `lenient` also takes one bare call `f(a=1)`, and JSON-like dicts `{"name": …, "arguments": …}` as list items.
+    `lenient` also takes one bare call `f(a=1)`, and JSON-like dicts `{"name": …, "arguments": …}` as list items;
+    `dotted` takes dotted function names (`a.b.c(x=1)` calls `a.b.c`).
     """
     try:
         node = ast.parse(source.strip(), mode="eval").body
@@ -47,14 +58,15 @@ def parse_call_list(source: str, *, lenient: bool) -> list[ParsedCall] | None:
     calls: list[ParsedCall] = []
     for item in items:
         call: ParsedCall | None = None
-        if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and not item.args:
+        name = _function_name(item.func, dotted) if isinstance(item, ast.Call) else None
+        if isinstance(item, ast.Call) and name is not None and not item.args:
             args: dict[str, Any] = {}
             for kw in item.keywords:
                 ok, value = _literal(kw.value)
                 if kw.arg is None or kw.arg in args or not ok:
                     return None
                 args[kw.arg] = value
-            call = make_call(item.func.id, args)
+            call = make_call(name, args)
         elif lenient and isinstance(item, ast.Dict):
             ok, value = _literal(item)
             call = call_from_object(value) if ok else None

@@ -24,7 +24,7 @@ class StreamingToolParser:
     decided; a block is held until its end marker, then becomes calls or, when malformed, content again.
     """
 
-    __slots__ = ("_body", "_buf", "_parser", "_passthrough", "_state")
+    __slots__ = ("_bare", "_body", "_buf", "_parser", "_passthrough", "_state")
 
     def __init__(self, parser: ToolCallParser) -> None:
         self._parser = parser
@@ -32,11 +32,17 @@ class StreamingToolParser:
         self._state = _TEXT
         self._body = ""
         self._passthrough = False
+        self._bare = True
+        """A block format's output may still be a bare call list (held back until decided)."""
 
     def push(self, delta: str) -> tuple[str, list[ParsedCall]]:
         """Content safe to show now, and the calls completed by this delta."""
         if self._parser.end_marker is not None:
             self._buf += delta
+            if self._bare:
+                if self._parser.bare(self._buf, False) is not None:
+                    return "", []
+                self._bare = False
             return self._drain(final=False)
         if self._passthrough:
             return delta, []
@@ -54,6 +60,12 @@ class StreamingToolParser:
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """At the end of the output: the held-back content and the calls of a last complete block."""
         if self._parser.end_marker is not None:
+            if self._bare:
+                self._bare = False
+                calls = self._parser.bare(self._buf, True)
+                if isinstance(calls, list):
+                    self._buf = ""
+                    return "", calls
             return self._drain(final=True)
         out, self._buf = self._buf, ""
         if self._passthrough:

@@ -1,0 +1,181 @@
+"""Structured output that always parses: a constrained reply is closed in time, within its `max_tokens`.
+
+No anchor does this: llama-server, vLLM and the local runner cut a JSON reply where `max_tokens` falls. Here a
+reply under a grammar (response_format / format: chat/structured.py) with a token limit runs through
+`ClosingStream`, which follows the reply token by token in the grammar (chat/json_closing.py) and keeps a token
+only if, after it, the shortest text that completes the document still fits in what is left of the limit. The
+first token that would leave too little room is not kept: the engine's request is aborted and the stream ends
+with that closing text (open strings closed, missing required properties filled, arrays and objects closed),
+finishing with "length" (the limit forced the close) and usage that counts the closing's tokens. The content
+then parses as JSON and validates against the schema, at any limit from the minimum up; a limit below the
+minimal document's tokens is refused before anything runs (`check_budget`).
+
+Engine-neutral: it reads the engine's output tokens (`GenerationStream.output_tokens`), `Engine.detokenize`
+and `Engine.tokenize`, and aborts the stream; no margin is needed, because a token is judged before it is
+shown and the closing's tokens are counted exactly (the closing tokenized on its own, as it is reported). Tokens
+are judged in order whatever the chunking, so a streamed reply and a whole one close at the same point. A
+reply whose text leaves the grammar (a user stop string, special-token text) is passed through as the engine
+ends it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from lmserve.chat.json_closing import Closer, closer_for
+from lmserve.engine.protocol import Engine, GenerationStream
+from lmserve.errors import InvalidRequest
+from lmserve.types import Chunk, SamplingParams, Timings, Usage
+
+__all__ = ["ClosingStream", "check_budget", "close_in_budget", "minimum_tokens", "thinking_cap"]
+
+_CONTEXT = 5
+"""Prompt tokens put before the output when detokenizing it, so that its first token reads as it does in place."""
+
+
+def _closer(sampling: SamplingParams) -> Closer | None:
+    """The closer for `sampling`'s grammar when replies under it are closed at the limit; None otherwise."""
+    if sampling.grammar is None or not sampling.closes_at_limit:
+        return None
+    try:
+        return closer_for(sampling.grammar)
+    except (ValueError, RecursionError):  # a grammar not written by chat/structured.py: left as it is
+        return None
+
+
+def _count(engine: Engine, text: str) -> int:
+    return len(engine.tokenize(text, add_special=False, parse_special=False)) if text else 0
+
+
+def minimum_tokens(engine: Engine, sampling: SamplingParams) -> int | None:
+    """How many tokens the shortest reply `sampling`'s grammar allows takes (None: no grammar closed at the limit)."""
+    closer = _closer(sampling)
+    return None if closer is None else _count(engine, closer.shortest)
+
+
+def check_budget(engine: Engine, sampling: SamplingParams) -> None:
+    """InvalidRequest (param `max_tokens`) when the token limit cannot hold even the shortest valid document."""
+    if sampling.max_tokens is None:
+        return
+    need = minimum_tokens(engine, sampling)
+    if need is not None and sampling.max_tokens < need:
+        shortest = closer_for(sampling.grammar or "").shortest
+        raise InvalidRequest(
+            f"max_tokens (num_predict in the native API) is {sampling.max_tokens}, but the shortest reply the "
+            f"requested format allows, {shortest[:200]}, takes {need} tokens: ask for at least {need}",
+            param="max_tokens",
+        )
+
+
+def thinking_cap(engine: Engine, sampling: SamplingParams, close_tag: str) -> int | None:
+    """The most tokens a thinking phase before an answer under `sampling` may take: its `max_tokens`, less the room
+    the close tag and the shortest document need when its grammar is closed at the limit (at least 1)."""
+    need = minimum_tokens(engine, sampling)
+    if sampling.max_tokens is None or need is None:
+        return sampling.max_tokens
+    return max(1, sampling.max_tokens - need - _count(engine, close_tag))
+
+
+def close_in_budget(engine: Engine, stream: GenerationStream, sampling: SamplingParams) -> GenerationStream:
+    """`stream` (submitted with `sampling`), closed in time when its grammar's replies are and it has a limit."""
+    closer = _closer(sampling)
+    if closer is None or sampling.max_tokens is None:
+        return stream
+    return ClosingStream(engine, stream, closer, sampling.max_tokens)
+
+
+class ClosingStream:
+    """A generation stream whose constrained reply ends, within `budget` tokens, as a complete document."""
+
+    def __init__(self, engine: Engine, inner: GenerationStream, closer: Closer, budget: int) -> None:
+        self._engine = engine
+        self._inner = inner
+        self._closer = closer
+        self._budget = budget
+        self._costs: dict[str, int] = {}
+        self._num_kept = 0
+        """Output tokens judged and kept (their text may still be held back, waiting for the rest of a character)."""
+        self._closed: list[int] | None = None
+        """Once closed: the tokens of the reply as it ended (those kept, then the closing's)."""
+        self._tokens = list(inner.prompt_tokens[-_CONTEXT:])
+        """The end of the prompt, then the output tokens read so far: what `_piece` detokenizes windows of."""
+        self._prefix_at = 0
+        self._read_at = len(self._tokens)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self._inner.prompt_tokens
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self._closed if self._closed is not None else self._inner.output_tokens
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def _cost(self, closing: str) -> int:
+        cost = self._costs.get(closing)
+        if cost is None:
+            cost = self._costs[closing] = _count(self._engine, closing)
+        return cost
+
+    def _piece(self, index: int) -> str:
+        """The text output token `index` adds (vLLM's incremental detokenization: the text of a short window of
+        tokens with and without it); empty while a character is incomplete."""
+        self._tokens.append(self._inner.output_tokens[index])
+        before = self._engine.detokenize(self._tokens[self._prefix_at:self._read_at])
+        after = self._engine.detokenize(self._tokens[self._prefix_at:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix_at, self._read_at = self._read_at, len(self._tokens)
+        return after[len(before):]
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        started = time.perf_counter_ns()
+        first_ns = 0
+        tracker = self._closer.start()
+        closing = tracker.closing()
+        if self._cost(closing) > self._budget:  # the limit left (after thinking) holds no document: the shortest
+            self._inner.abort()
+            yield self._close("", closing, None, started, started)
+            return
+        kept: list[str] = []
+        shown: list[str] = []
+        async for chunk in self._inner:
+            first_ns = first_ns or time.perf_counter_ns()
+            while not tracker.lost and self._num_kept < len(self._inner.output_tokens):
+                piece = self._piece(self._num_kept)
+                if not tracker.feed(piece):
+                    break
+                after = tracker.closing()
+                if self._num_kept + 1 + self._cost(after) > self._budget:
+                    text, before = "".join(kept), "".join(shown)
+                    if not text.startswith(before):  # what was shown is not what was judged: leave it
+                        tracker.lost = True
+                        break
+                    if chunk.finish_reason is None:
+                        self._inner.abort()
+                    yield self._close(text[len(before):], closing, chunk, started, first_ns)
+                    return
+                self._num_kept += 1
+                kept.append(piece)
+                closing = after
+            shown.append(chunk.text)
+            yield chunk
+
+    def _close(self, text: str, closing: str, final: Chunk | None, started: int, first_ns: int) -> Chunk:
+        """The last chunk of a reply the limit closed: the kept text not shown yet, then the closing."""
+        now = time.perf_counter_ns()
+        closing_tokens = self._engine.tokenize(closing, add_special=False, parse_special=False) if closing else []
+        self._closed = list(self._inner.output_tokens[: self._num_kept]) + closing_tokens
+        completion = len(self._closed)
+        if final is not None and final.usage is not None:
+            usage = replace(final.usage, completion_tokens=completion)
+            timings = final.timings
+        else:
+            usage = Usage(prompt_tokens=len(self._inner.prompt_tokens), completion_tokens=completion)
+            first = first_ns or now
+            timings = Timings(prompt_eval_ns=first - started, eval_ns=now - first, total_ns=now - started)
+        return Chunk(text=text + closing, finish_reason="length", usage=usage, timings=timings)
