@@ -34,6 +34,18 @@ EngineOpener = Callable[[Path, LoadOptions], Engine]
 """Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
 
 
+def model_capabilities(template: str, *, vision: bool) -> list[str]:
+    """What `show` lists: "completion"; "tools" (any model can call tools: a template that does not render them
+    gets lmserve's own JSON call format in the prompt); "vision" with a projector or a vision config; "thinking"
+    when the template thinks."""
+    found = ["completion", "tools"]
+    if vision:
+        found.append("vision")
+    if detect_reasoning(template):
+        found.append("thinking")
+    return found
+
+
 @dataclass(slots=True)
 class ModelListing:
     """A model the server can serve, loaded or not."""
@@ -144,17 +156,11 @@ class StoreCatalog:
             directory = self.store.model_path(manifest)
             metadata = repository.model_info(directory)
             template = manifest.template or repository.chat_template(directory)
-            capabilities = repository.capabilities(directory, template)
+            vision = repository.has_vision(repository.read_json(directory / repository.CONFIG))
         else:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
-            capabilities = ["completion"]
-            if "tools" in template.lower():
-                capabilities.append("tools")
-            if manifest.projector:
-                capabilities.append("vision")
-        if detect_reasoning(template):
-            capabilities.append("thinking")
+            vision = bool(manifest.projector)
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
@@ -163,7 +169,7 @@ class StoreCatalog:
             system=manifest.system or "",
             license="\n".join(manifest.license),
             model_info=metadata,
-            capabilities=capabilities,
+            capabilities=model_capabilities(template, vision=vision),
         )
 
     def has_vision(self, name: str) -> bool:
@@ -395,8 +401,7 @@ class StaticCatalog:
             template=info.chat_template or "",
             system=model.system or "",
             model_info=dict(info.metadata),
-            capabilities=(["completion", "vision"] if info.image_marker is not None else ["completion"])
-            + (["thinking"] if detect_reasoning(model.template_source or info.chat_template) else []),
+            capabilities=model_capabilities(model.template_source or info.chat_template or "", vision=info.has_vision),
         )
 
     def has_vision(self, name: str) -> bool:

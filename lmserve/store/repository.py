@@ -203,13 +203,3 @@ def _template_of(value: object) -> str:
 def has_vision(config: dict[str, Any]) -> bool:
     """Whether the model sees images: its config.json has a `vision_config`."""
     return isinstance(config.get("vision_config"), dict)
-
-
-def capabilities(directory: Path, template: str) -> list[str]:
-    """"completion", plus "tools" when the chat template mentions tools, "vision" with a `vision_config`."""
-    found = ["completion"]
-    if "tools" in template.lower():
-        found.append("tools")
-    if has_vision(read_json(directory / CONFIG)):
-        found.append("vision")
-    return found

@@ -173,17 +173,9 @@ def test_chat_template_sources(tmp_path: Path, files: dict[str, str], template: 
     assert repository.chat_template(tmp_path) == template
 
 
-@pytest.mark.parametrize(
-    ("config", "template", "expected"),
-    [
-        ({}, "{{ messages }}", ["completion"]),
-        ({}, "{% if tools %}{% endif %}", ["completion", "tools"]),
-        ({"vision_config": {"model_type": "siglip"}}, "", ["completion", "vision"]),
-    ],
-)
-def test_capabilities(tmp_path: Path, config: dict[str, object], template: str, expected: list[str]) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert repository.capabilities(tmp_path, template) == expected
+@pytest.mark.parametrize(("config", "vision"), [({}, False), ({"vision_config": {"model_type": "siglip"}}, True)])
+def test_a_vision_config_makes_a_vision_model(config: dict[str, object], vision: bool) -> None:
+    assert repository.has_vision(config) is vision
 
 
 @pytest.mark.parametrize(
