@@ -68,6 +68,8 @@ class Generation:
     """The model's engine, to read the output tokens back (thinking counted, stop strings found)."""
     stops: list[str] = field(default_factory=list)
     """The request's stop strings: the last chunk of a reply one of them ended names it (`Chunk.stop_string`)."""
+    counts_prompt: bool = True
+    """False for the second and later choices of one request (`n`): observers count their shared prompt once."""
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -90,7 +92,7 @@ class Generation:
                     if chunk.finish_reason == "stop" and self.stops:
                         chunk = replace(chunk, stop_string=self._stop_string("".join(answer)))
                     if self.observers is not None:
-                        self.observers.finished(self.model, chunk)
+                        self.observers.finished(self.model, chunk if self.counts_prompt else _without_prompt(chunk))
                 yield chunk
         finally:
             self._release()
@@ -168,6 +170,13 @@ def stop_after(generated: str, answer: str, stops: list[str]) -> str | None:
         if at >= 0 and at + len(tail) + len(stop) >= len(generated) - STOP_SLACK:
             found.append((len(stop), stop))
     return min(found)[1] if found else None
+
+
+def _without_prompt(final: Chunk) -> Chunk:
+    """`final` with no prompt tokens in its usage (a later choice's, whose prompt the first choice counted)."""
+    if final.usage is None:
+        return final
+    return replace(final, usage=replace(final.usage, prompt_tokens=0, cached_tokens=0))
 
 
 def _split_reasoning(splitting: StreamingReasoningParser, chunk: Chunk) -> Chunk:
@@ -428,9 +437,10 @@ class GenerationService:
             if remaining[0] == 0:
                 self.residency.release(resident)
 
-        for generation in generations:
+        for index, generation in enumerate(generations):
             generation.on_done = release_after_the_last
             generation.reasoning, generation.thinking = plan.format, plan.state
+            generation.counts_prompt = index == 0
         return generations
 
     def _check_grammar(self, resident: Resident, sampling: SamplingParams) -> None:

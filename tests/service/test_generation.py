@@ -113,3 +113,16 @@ def test_the_stop_that_follows_the_answer_is_the_one_that_ended_it() -> None:
     assert stop_after("a lazy fox", "a lazy fox", ["lazy", "fox"]) is None  # the turn ended: nothing follows
     assert stop_after("<think>so lazy</think>ok", "ok", ["lazy"]) is None  # a stop in the thinking is no stop
     assert stop_after("<think>hm</think>Go", "", ["Go"]) == "Go"  # a stop at the start of the answer
+
+
+@pytest.mark.asyncio
+async def test_observers_count_the_prompt_of_n_choices_once(hybrid: BatchingEngine) -> None:
+    service = static_service([LoadedModel(name="m", engine=hybrid, template=ChatTemplate(None))])
+    seen: list[tuple[int, int]] = []
+    service.observers.on_finish(lambda _, chunk: seen.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+                                                              if chunk.usage else (-1, -1)))
+    choices = await service.generation.chat_choices(request(), 3)
+    finals = [(await choice.collect())[1] for choice in choices]
+    prompt = finals[0].usage.prompt_tokens if finals[0].usage else 0
+    assert prompt > 0 and sorted(p for p, _ in seen) == [0, 0, prompt]
+    assert sum(c for _, c in seen) == 3 * 2  # every choice's completion tokens still count
