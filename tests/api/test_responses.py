@@ -19,7 +19,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from lmserve.api.app import create_app
-from lmserve.api.responses import OutputBuilder, parse_items, to_messages
+from lmserve.api.responses import Framer, OutputBuilder, parse_items, stream_events, to_messages
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.batching import BatchingEngine
@@ -438,3 +438,32 @@ def test_a_reasoning_item_is_the_thinking_of_the_assistant_turn_after_it() -> No
     messages, _ = to_messages(None, items)
     assert [(m.role, m.content, m.thinking, len(m.tool_calls)) for m in messages] == [
         ("user", "2+2?", "", 0), ("assistant", "4", "Add.", 0), ("assistant", "", "Look.", 1)]
+
+
+class FailingGeneration:
+    """A generation whose engine fails after some text (what `stream_events` reads of a Generation)."""
+
+    model = "m"
+    num_prompt_tokens = 3
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        yield Chunk(text="Half an ")
+        yield Chunk(finish_reason="error", error="the engine stopped")
+
+
+async def test_an_engine_failure_ends_the_stream_with_response_failed() -> None:
+    saved: list[dict[str, Any]] = []
+
+    async def save(response: dict[str, Any]) -> None:
+        saved.append(response)
+
+    head = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m", "output": [],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "status": "in_progress"}
+    frames = stream_events(FailingGeneration(), head, Framer(), save)  # type: ignore[arg-type]
+    events = events_of(b"".join([frame async for frame in frames]).decode())
+    for event in events:
+        EVENTS.validate_python(event)
+    last = events[-1]
+    assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"]["message"] == "the engine stopped" and not saved
