@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from lmserve.chat.tools.base import BlockFormat, ParsedCall, calls_from_json
-from lmserve.chat.tools.pythonic import parse_call_list
+from lmserve.chat.tools.pythonic import call_list_head_viable, parse_call_list
 
 __all__ = ["Lfm2Parser"]
 
@@ -35,27 +35,6 @@ def _match_skipping_space(form: str, text: str) -> int | None:
             return -1
         f += 1
         t += 1
-
-
-def _bare_head_viable(t: str) -> bool:
-    """Whether a prefix of the output may still start a bare `[name(` or `[a.b(`; errs towards True."""
-    if not t:
-        return True
-    if t[0] != "[":
-        return False
-    i = 1
-    while i < len(t) and t[i].isspace():
-        i += 1
-    if i == len(t) or t[i] in "(#\\":
-        return True
-    if not t[i].isidentifier():
-        return False
-    for c in t[i:]:
-        if c in "(#\\":
-            return True
-        if not (c.isspace() or c == "." or ("a" + c).isidentifier()):
-            return False
-    return True
 
 
 class Lfm2Parser(BlockFormat):
@@ -83,7 +62,7 @@ class Lfm2Parser(BlockFormat):
         """The whole output as a bare `[f(a=1), g.h(b='x')]` (maybe with a stray end marker after it)."""
         t = text.strip()
         if not final:
-            return True if _bare_head_viable(text.lstrip()) else None
+            return True if call_list_head_viable(text.lstrip(), dotted=True) else None
         if t.endswith(_END):
             t = t[: -len(_END)].rstrip()
         if not t.startswith("["):

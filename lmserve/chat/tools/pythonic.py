@@ -86,25 +86,26 @@ class PythonicParser(WholeOutputFormat):
         t = text.strip()
         if final:
             return parse_call_list(t, lenient=False) if t.startswith("[") else None
-        return True if self._head_viable(text.lstrip()) else None
+        return True if call_list_head_viable(text.lstrip()) else None
 
-    @staticmethod
-    def _head_viable(t: str) -> bool:
-        """Whether a prefix may still start `[name(`; errs towards True (holding back is always safe)."""
-        if not t:
-            return True
-        if t[0] != "[":
-            return False
-        i = 1
-        while i < len(t) and t[i].isspace():
-            i += 1
-        if i == len(t) or t[i] in "(#\\":
-            return True
-        j = i
-        while j < len(t) and ("a" + t[i : j + 1]).isidentifier():
-            j += 1
-        if j == i:  # not a name: a string, a number, `]`, …: no call
-            return False
-        while j < len(t) and t[j].isspace():
-            j += 1
-        return j == len(t) or t[j] in "(#\\"
+
+def call_list_head_viable(t: str, *, dotted: bool = False) -> bool:
+    """Whether a prefix of the output may still start a call list `[name(` (with `dotted`, also `[a.b(`); errs
+    towards True (holding back is always safe)."""
+    if not t:
+        return True
+    if t[0] != "[":
+        return False
+    i = 1
+    while i < len(t) and t[i].isspace():
+        i += 1
+    if i == len(t) or t[i] in "(#\\":
+        return True
+    j = i
+    while j < len(t) and ("a" + (t[i : j + 1].replace(".", "_") if dotted else t[i : j + 1])).isidentifier():
+        j += 1
+    if j == i:  # not a name: a string, a number, `]`, …: no call
+        return False
+    while j < len(t) and t[j].isspace():
+        j += 1
+    return j == len(t) or t[j] in "(#\\"
