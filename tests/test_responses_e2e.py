@@ -126,6 +126,27 @@ def test_a_function_call_round_trip(client: openai.OpenAI) -> None:
     assert answered.usage.input_tokens > alone  # the first exchange is in the prompt (its tools are not: "none")
 
 
+def check_logprobs(client: openai.OpenAI, model: str) -> None:
+    """`include` output text logprobs, whole and streamed: one entry per token of the text, the same both ways."""
+    asked: Any = {"model": model, "input": QUESTION, "temperature": 0, "max_output_tokens": 16, "top_logprobs": 2,
+                  "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**asked)
+    [part] = whole.output[0].content  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs and len(part.logprobs[0].top_logprobs) == 2
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    with client.responses.stream(**asked) as stream:
+        deltas = [event for event in stream if event.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    assert [entry.token for event in deltas for entry in event.logprobs] == [entry.token for entry in part.logprobs]
+    assert streamed.output[0].content[0].logprobs == part.logprobs  # type: ignore[union-attr]
+    plain = client.responses.create(model=model, input=QUESTION, temperature=0, max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+def test_output_text_logprobs_with_include(client: openai.OpenAI) -> None:
+    check_logprobs(client, MODEL)
+
+
 def test_a_json_schema_format_validates(client: openai.OpenAI) -> None:
     text: Any = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
     response = client.responses.create(model=MODEL, input="Tell me about Ada Lovelace.", text=text, temperature=0,
@@ -178,3 +199,4 @@ def test_vllm_create_and_stream(vllm_server: Server) -> None:
         assert "response.output_text.delta" in kinds
         assert streamed.output_text == whole.output_text
         assert client.responses.retrieve(streamed.id).output_text == whole.output_text
+        check_logprobs(client, model)

@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import responses_schemas as wire
+from lmserve.api.logprobs import token_entries
 from lmserve.api.openai import parse_body
 from lmserve.api.pages import item_page
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
@@ -185,7 +186,19 @@ def to_sampling(body: wire.ResponseRequest, defaults: SamplingParams | None = No
     fields.update(temperature=body.temperature, top_p=body.top_p, max_completion_tokens=body.max_output_tokens)
     sampling = opts.sampling(opts.from_openai(fields), base=defaults)
     sampling.grammar = format_grammar(body.text.format if body.text else None)
+    sampling.logprobs = output_logprobs(body)
     return sampling
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def output_logprobs(body: wire.ResponseRequest) -> int | None:
+    """`SamplingParams.logprobs`: the alternatives per token (`top_logprobs`, 0 by default) when `include` asks for
+    the output text's log-probabilities or `top_logprobs` is given; None otherwise."""
+    if LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None:
+        return body.top_logprobs or 0
+    return None
 
 
 def format_grammar(text_format: wire.TextFormat | wire.JsonObjectFormat | wire.JsonSchemaFormat | None) -> str | None:
@@ -265,6 +278,7 @@ def response_head(body: wire.ResponseRequest, model: str, sampling: SamplingPara
         "text": {"format": text_format.model_dump(mode="json", by_alias=True, exclude_none=True)},
         "tool_choice": choice if isinstance(choice, str) else choice.model_dump(mode="json"),
         "tools": [tool.model_dump(mode="json", exclude_none=True) for tool in body.tools or []],
+        "top_logprobs": body.top_logprobs,
         "top_p": sampling.top_p,
         "truncation": "disabled",
         "usage": None,
@@ -288,14 +302,17 @@ class OutputBuilder:
     One item is open at a time (reasoning or the message); a new kind of piece closes it and opens the next, and a
     function call is an item of its own. Whitespace-only text waits until real text comes, so a reply that is only
     calls (or only thinking then calls) has no empty message; a reply with no items at all gets one message.
-    Events have no sequence numbers yet (`Framer` adds them).
+    Events have no sequence numbers yet (`Framer` adds them). A chunk's log-probabilities (asked for with
+    `include`) go with its text: to the delta event and the message's output_text part.
     """
 
     def __init__(self) -> None:
         self.items: list[Item] = []
         self._open: Item | None = None
         self._pieces: list[str] = []
+        self._logprobs: list[Item] = []
         self._pending = ""
+        self._pending_logprobs: list[Item] = []
 
     @property
     def _index(self) -> int:
@@ -306,7 +323,7 @@ class OutputBuilder:
         if chunk.reasoning:
             events += self._reasoning(chunk.reasoning)
         if chunk.text:
-            events += self._text(chunk.text)
+            events += self._text(chunk.text, token_entries(chunk.logprobs))
         for call in chunk.tool_calls:
             events += self._call(call)
         return events
@@ -319,8 +336,8 @@ class OutputBuilder:
             events += self._close("completed")
             events += self._open_message()
             if self._pending:
-                events += self._delta(self._pending)
-                self._pending = ""
+                events += self._delta(self._pending, self._pending_logprobs)
+                self._pending, self._pending_logprobs = "", []
         return events + self._close(status)
 
     # pieces
@@ -337,20 +354,21 @@ class OutputBuilder:
         events.append({"type": "response.reasoning_text.delta", **self._where(), "delta": delta})
         return events
 
-    def _text(self, delta: str) -> list[Event]:
+    def _text(self, delta: str, logprobs: list[Item]) -> list[Event]:
         if self._open is not None and self._open["type"] == "message":
-            return self._delta(delta)
+            return self._delta(delta, logprobs)
         if not (self._pending + delta).strip():
             self._pending += delta
+            self._pending_logprobs += logprobs
             return []
         events = self._close("completed") + self._open_message()
-        events += self._delta(self._pending + delta)
-        self._pending = ""
+        events += self._delta(self._pending + delta, self._pending_logprobs + logprobs)
+        self._pending, self._pending_logprobs = "", []
         return events
 
     def _call(self, call: ToolCall) -> list[Event]:
         events = self._close("completed")
-        self._pending = ""
+        self._pending, self._pending_logprobs = "", []
         item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call.id or new_item_id("call"),
                 "name": call.name, "arguments": "", "status": "in_progress"}
         where = {"item_id": item["id"], "output_index": self._index}
@@ -370,9 +388,10 @@ class OutputBuilder:
         return [self._item_event("response.output_item.added", self._open),
                 self._part_event("response.content_part.added", _output_text(""))]
 
-    def _delta(self, delta: str) -> list[Event]:
+    def _delta(self, delta: str, logprobs: list[Item]) -> list[Event]:
         self._pieces.append(delta)
-        return [{"type": "response.output_text.delta", **self._where(), "delta": delta, "logprobs": []}]
+        self._logprobs += logprobs
+        return [{"type": "response.output_text.delta", **self._where(), "delta": delta, "logprobs": logprobs}]
 
     def _close(self, status: Literal["completed", "incomplete"]) -> list[Event]:
         item = self._open
@@ -383,13 +402,14 @@ class OutputBuilder:
             part: Item = {"type": "reasoning_text", "text": text}
             events = [{"type": "response.reasoning_text.done", **self._where(), "text": text}]
         else:
-            part = _output_text(text)
-            events = [{"type": "response.output_text.done", **self._where(), "text": text, "logprobs": []}]
+            part = _output_text(text, self._logprobs)
+            events = [{"type": "response.output_text.done", **self._where(), "text": text,
+                       "logprobs": self._logprobs}]
         events.append(self._part_event("response.content_part.done", part))
         done = {**item, "content": [part], "status": status}
         events.append(self._item_event("response.output_item.done", done))
         self.items.append(done)
-        self._open, self._pieces = None, []
+        self._open, self._pieces, self._logprobs = None, [], []
         return events
 
     def _where(self) -> Event:
@@ -403,8 +423,8 @@ class OutputBuilder:
         return {"type": kind, **self._where(), "part": part}
 
 
-def _output_text(text: str) -> Item:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[Item] | None = None) -> Item:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def finished_response(head: dict[str, Any], builder: OutputBuilder, final: Chunk, usage: Usage) -> dict[str, Any]:

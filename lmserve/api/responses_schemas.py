@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from lmserve.types import MAX_TOP_LOGPROBS
+
 _WIRE = ConfigDict(extra="allow")
 
 
@@ -212,5 +214,9 @@ class ResponseRequest(BaseModel):
     user: str | None = None
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    """Extra output: "message.output_text.logprobs" is honoured; the others name tools lmserve has not (file or web
+    search, code interpreter, computer use) or data it does not make (encrypted reasoning), so they add nothing."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning_budget: int | None = Field(default=None, ge=0)
     """Non-standard (as on /v1/chat/completions): most thinking tokens before the thinking is closed."""

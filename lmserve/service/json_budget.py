@@ -27,7 +27,7 @@ from dataclasses import replace
 from lmserve.chat.json_closing import Closer, closer_for
 from lmserve.engine.protocol import Engine, GenerationStream
 from lmserve.errors import InvalidRequest
-from lmserve.types import Chunk, SamplingParams, Timings, Usage
+from lmserve.types import Chunk, SamplingParams, Timings, TokenLogprob, Usage
 
 __all__ = ["ClosingStream", "check_budget", "close_in_budget", "minimum_tokens", "thinking_cap"]
 
@@ -143,7 +143,9 @@ class ClosingStream:
             return
         kept: list[str] = []
         shown: list[str] = []
-        async for chunk in self._inner:
+        num_shown = 0  # the log-probability entries of the chunks shown: one per output token they carry
+        chunks = aiter(self._inner)
+        async for chunk in chunks:
             first_ns = first_ns or time.perf_counter_ns()
             while not tracker.lost and self._num_kept < len(self._inner.output_tokens):
                 piece = self._piece(self._num_kept)
@@ -155,18 +157,30 @@ class ClosingStream:
                     if not text.startswith(before):  # what was shown is not what was judged: leave it
                         tracker.lost = True
                         break
+                    logprobs = list(chunk.logprobs)
+                    wanted = self._num_kept - num_shown if logprobs or num_shown else 0
+                    while chunk.finish_reason is None and len(logprobs) < wanted:  # kept tokens the engine ran
+                        following = await anext(chunks, None)  # ahead with: their entries come in its next chunks
+                        if following is None:
+                            break
+                        chunk = following
+                        logprobs += chunk.logprobs
                     if chunk.finish_reason is None:
                         self._inner.abort()
-                    yield self._close(text[len(before):], closing, chunk, started, first_ns)
+                    yield self._close(text[len(before):], closing, chunk, started, first_ns, logprobs[:wanted])
                     return
                 self._num_kept += 1
                 kept.append(piece)
                 closing = after
             shown.append(chunk.text)
+            num_shown += len(chunk.logprobs)
             yield chunk
 
-    def _close(self, text: str, closing: str, final: Chunk | None, started: int, first_ns: int) -> Chunk:
-        """The last chunk of a reply the limit closed: the kept text not shown yet, then the closing."""
+    def _close(self, text: str, closing: str, final: Chunk | None, started: int, first_ns: int,
+               logprobs: list[TokenLogprob] | None = None) -> Chunk:
+        """The last chunk of a reply the limit closed: the kept text not shown yet, then the closing. Its
+        `logprobs` are those of the kept tokens not shown yet; the closing's tokens have none (lmserve wrote them,
+        the model sampled none of them)."""
         now = time.perf_counter_ns()
         closing_tokens = self._engine.tokenize(closing, add_special=False, parse_special=False) if closing else []
         self._closed = list(self._inner.output_tokens[: self._num_kept]) + closing_tokens
@@ -178,4 +192,5 @@ class ClosingStream:
             usage = Usage(prompt_tokens=len(self._inner.prompt_tokens), completion_tokens=completion)
             first = first_ns or now
             timings = Timings(prompt_eval_ns=first - started, eval_ns=now - first, total_ns=now - started)
-        return Chunk(text=text + closing, finish_reason="length", usage=usage, timings=timings)
+        return Chunk(text=text + closing, finish_reason="length", usage=usage, timings=timings,
+                     logprobs=logprobs or [])

@@ -19,14 +19,15 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from lmserve.api.app import create_app
-from lmserve.api.responses import Framer, OutputBuilder, parse_items, stream_events, to_messages
+from lmserve.api.responses import Framer, OutputBuilder, parse_items, stream_events, to_messages, to_sampling
+from lmserve.api.responses_schemas import ResponseRequest
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
-from lmserve.types import Chunk, ToolCall
+from lmserve.types import Chunk, TokenLogprob, ToolCall
 
 REPLY_TOKENS = 12
 """The fake model ends every reply after this many tokens."""
@@ -425,6 +426,38 @@ def test_whitespace_beside_calls_makes_no_message_and_an_empty_reply_makes_one()
     empty.finish("completed")
     assert [item["type"] for item in empty.items] == ["reasoning", "message"]
     assert empty.items[1]["content"][0]["text"] == ""
+
+
+def entry(text: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(0, text, text.encode(), logprob, top=[TokenLogprob(1, text, text.encode(), logprob)])
+
+
+def test_the_output_texts_logprobs_go_with_its_deltas_and_its_part() -> None:
+    builder = OutputBuilder()
+    events = [*builder.push(Chunk(text="\n", logprobs=[entry("\n", -0.1)])),
+              *builder.push(Chunk(text="Yes", logprobs=[entry("Yes", -0.2)])),
+              *builder.push(Chunk(text=".", logprobs=[entry(".", -0.3)])), *builder.finish("completed")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [
+        ("\nYes", ["\n", "Yes"]), (".", ["."])]  # the leading newline waited for text, its entry with it
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    part = builder.items[0]["content"][0]
+    assert [lp["logprob"] for lp in part["logprobs"]] == [-0.1, -0.2, -0.3] and done["logprobs"] == part["logprobs"]
+    assert part["logprobs"][0]["top_logprobs"] == [{"token": "\n", "logprob": -0.1, "bytes": [10]}]
+    for number, event in enumerate(events):
+        EVENTS.validate_python({**event, "sequence_number": number})
+    OpenAIResponse.model_validate({"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+                                   "output": builder.items, "parallel_tool_calls": True, "tool_choice": "auto",
+                                   "tools": []})
+
+
+@pytest.mark.parametrize(("fields", "asked"), [
+    ({}, None), ({"include": ["message.output_text.logprobs"]}, 0),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, 3), ({"top_logprobs": 2}, 2),
+    ({"include": ["reasoning.encrypted_content"]}, None),
+])
+def test_include_and_top_logprobs_ask_for_logprobs(fields: dict[str, Any], asked: int | None) -> None:
+    assert to_sampling(ResponseRequest(model="m", input="hi", **fields)).logprobs == asked
 
 
 def test_a_reasoning_item_is_the_thinking_of_the_assistant_turn_after_it() -> None:

@@ -19,7 +19,7 @@ from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.protocol import Engine
 from lmserve.errors import InvalidRequest
 from lmserve.service.json_budget import ClosingStream, check_budget, close_in_budget, minimum_tokens
-from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, Usage
+from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, TokenLogprob, Usage
 from tests.service.test_reasoning import OPENS_THINKING, RecordingBackend, service_with
 
 SCHEMA: dict[str, Any] = {
@@ -46,12 +46,14 @@ class ScriptedStream:
     """Emits `script` one token at a time, `per_chunk` tokens' text per chunk, up to `limit` tokens; the output
     tokens run `ahead` of the text shown, as llama.cpp's engine thread may."""
 
-    def __init__(self, script: str, limit: int, *, per_chunk: int = 1, ahead: int = 0, finish: str = "length") -> None:
+    def __init__(self, script: str, limit: int, *, per_chunk: int = 1, ahead: int = 0, finish: str = "length",
+                 logprobs: bool = False) -> None:
         self.data = list(script.encode())[:limit]
         self.limit = limit
         self.per_chunk = per_chunk
         self.ahead = ahead
         self.finish = finish
+        self.logprobs = logprobs
         self.output: list[int] = []
         self.aborted = False
 
@@ -72,12 +74,14 @@ class ScriptedStream:
             end = min(len(self.data), shown + self.per_chunk)
             self.output = self.data[: min(len(self.data), end + self.ahead)]
             text = bytes(self.data[shown:end]).decode()
+            entries = [TokenLogprob(t, chr(t), bytes([t]), -0.5) for t in self.data[shown:end]] if self.logprobs else []
             shown = end
             if shown == len(self.data):
                 usage = Usage(prompt_tokens=3, completion_tokens=len(self.data), cached_tokens=2)
-                yield Chunk(text=text, finish_reason=self.finish, usage=usage)  # type: ignore[arg-type]
+                yield Chunk(text=text, finish_reason=self.finish, usage=usage,  # type: ignore[arg-type]
+                            logprobs=entries)
                 return
-            yield Chunk(text=text)
+            yield Chunk(text=text, logprobs=entries)
 
 
 ENGINE = cast(Engine, ByteEngine())
@@ -87,21 +91,20 @@ def sampling(limit: int | None, schema: Any = SCHEMA) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=limit, grammar=schema_grammar(schema))
 
 
+def collect(stream: ClosingStream) -> list[Chunk]:
+    async def chunks() -> list[Chunk]:
+        return [chunk async for chunk in stream]
+
+    return asyncio.run(chunks())
+
+
 def run(limit: int, script: str = LOOP, **kwargs: Any) -> tuple[str, Chunk, ScriptedStream]:
     inner = ScriptedStream(script, limit, **kwargs)
     stream = close_in_budget(ENGINE, inner, sampling(limit))
     assert isinstance(stream, ClosingStream)
-
-    async def collect() -> tuple[str, Chunk]:
-        parts = []
-        async for chunk in stream:
-            parts.append(chunk.text)
-            if chunk.finish_reason is not None:
-                return "".join(parts), chunk
-        raise AssertionError("no final chunk")
-
-    text, final = asyncio.run(collect())
-    return text, final, inner
+    chunks = collect(stream)
+    assert chunks[-1].finish_reason is not None
+    return "".join(c.text for c in chunks), chunks[-1], inner
 
 
 @pytest.mark.parametrize("limit", [len(SHORTEST), len(SHORTEST) + 1, 30, 47, 100, 333])
@@ -123,6 +126,17 @@ def test_the_model_text_is_kept_up_to_the_last_token_that_leaves_room() -> None:
 @pytest.mark.parametrize(("per_chunk", "ahead"), [(1, 0), (3, 0), (1, 2), (7, 5), (1000, 0)])
 def test_the_close_does_not_depend_on_the_chunking(per_chunk: int, ahead: int) -> None:
     assert run(61, per_chunk=per_chunk, ahead=ahead)[0] == run(61)[0]
+
+
+@pytest.mark.parametrize(("per_chunk", "ahead"), [(1, 0), (3, 0), (1, 2), (7, 5), (1000, 0)])
+def test_the_kept_tokens_keep_their_logprobs_and_the_closing_has_none(per_chunk: int, ahead: int) -> None:
+    inner = ScriptedStream(LOOP, 60, per_chunk=per_chunk, ahead=ahead, logprobs=True)
+    stream = close_in_budget(ENGINE, inner, sampling(60))
+    assert isinstance(stream, ClosingStream)
+    chunks = collect(stream)
+    spelled = "".join(e.text for chunk in chunks for e in chunk.logprobs)
+    assert spelled == '{"topic": "countries", "items": ["Land 0", "Land 1", "Lan'  # the closing '"]}' was not sampled
+    assert "".join(c.text for c in chunks) == spelled + '"]}'
 
 
 def test_a_close_on_the_last_chunk_keeps_the_engine_usage() -> None:

@@ -47,7 +47,8 @@ def test_a_saved_completion_reads_back_after_a_restart(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [f"{completion_id}.json"]
 
 
-@pytest.mark.parametrize("completion_id", ["chatcmpl-missing", "../secrets", "", new_completion_id()])
+@pytest.mark.parametrize("completion_id", ["chatcmpl-missing", "../secrets", "", new_completion_id()],
+                         ids=["missing", "path", "empty", "new"])
 def test_unknown_ids_are_not_found(tmp_path: Path, completion_id: str) -> None:
     store = CompletionStore(tmp_path)
     for action in (store.get, store.delete, lambda i: store.update_metadata(i, {})):

@@ -46,7 +46,8 @@ def test_the_conversation_is_context_input_then_output(tmp_path: Path) -> None:
     assert second.conversation == [*first.conversation, *second.input, *second.response["output"]]
 
 
-@pytest.mark.parametrize("response_id", ["resp_missing", "../secrets", "", new_response_id()])
+@pytest.mark.parametrize("response_id", ["resp_missing", "../secrets", "", new_response_id()],
+                         ids=["missing", "path", "empty", "new"])
 def test_unknown_ids_are_not_found(tmp_path: Path, response_id: str) -> None:
     store = ResponseStore(tmp_path)
     with pytest.raises(ResponseNotFound) as caught:
