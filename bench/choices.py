@@ -19,7 +19,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,13 +86,8 @@ def main() -> int:
     if args.model is None:
         print("no model: pass --model PATH.gguf", file=sys.stderr)
         return 1
-    port = throughput.free_port()
-    argv = [args.python, "-m", "lmserve", "serve", "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-            "--threads", str(args.threads), "--parallel", "4", "-c", "2048"]
-    with tempfile.TemporaryDirectory(prefix="lmserve-bench-choices-") as tmp:
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}, "LMSERVE_MODELS": tmp}
-        with throughput.running(argv, port, "/health", Path(tmp) / "server.log", 120, env=env) as started:
-            rounds = asyncio.run(bench(started.base, args))
+    with throughput.lmserve(args, "--parallel", "4", "-c", "2048", name="choices") as started:
+        rounds = asyncio.run(bench(started.base, args))
     n4, separate, single = (statistics.median(column) for column in zip(*rounds, strict=True))
     print(f"model {args.model.name}, {args.threads} threads, prompt ~{args.prompt_tokens} tokens, "
           f"{args.max_tokens} tokens per choice, median of {args.rounds} rounds")

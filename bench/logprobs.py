@@ -17,7 +17,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -80,13 +79,8 @@ def main() -> int:
     if args.model is None:
         print("no model: pass --model PATH.gguf", file=sys.stderr)
         return 1
-    port = throughput.free_port()
-    argv = [args.python, "-m", "lmserve", "serve", "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-            "--threads", str(args.threads), "--parallel", "8", "-c", "1024"]
-    with tempfile.TemporaryDirectory(prefix="lmserve-bench-logprobs-") as tmp:
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}, "LMSERVE_MODELS": tmp}
-        with throughput.running(argv, port, "/health", Path(tmp) / "server.log", 120, env=env) as started:
-            results = asyncio.run(bench(started.base, args))
+    with throughput.lmserve(args, "--parallel", "8", "-c", "1024", name="logprobs") as started:
+        results = asyncio.run(bench(started.base, args))
     print(f"model {args.model.name}, {args.threads} threads, {args.max_tokens} tokens per request, "
           f"median of {args.rounds} rounds")
     for streams in args.streams:

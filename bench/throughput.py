@@ -168,6 +168,19 @@ def running(
         stop(proc)
 
 
+@contextlib.contextmanager
+def lmserve(args: argparse.Namespace, *flags: str, name: str) -> Iterator[Started]:
+    """`lmserve serve` (args.python, args.model, args.threads and `flags`) on a free loopback port, with an empty
+    temporary model store and none of our LMSERVE_* settings; its log is the store's server.log."""
+    port = free_port()
+    argv = [args.python, "-m", "lmserve", "serve", "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(args.threads), *flags]
+    with tempfile.TemporaryDirectory(prefix=f"lmserve-bench-{name}-") as tmp:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}, "LMSERVE_MODELS": tmp}
+        with running(argv, port, "/health", Path(tmp) / "server.log", 120, env=env) as started:
+            yield started
+
+
 async def model_id(client: httpx.AsyncClient, base: str) -> str:
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
         r = await client.get(base + "/v1/models")

@@ -187,10 +187,7 @@ def vllm_server() -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def vllm_model(vllm_server: Server) -> str:
-    """The repository's name as the server lists it (the store also lists the embedded GGUF)."""
-    tags = httpx.get(vllm_server.base_url + "/api/tags", headers={"x-api-key": KEY}).json()["models"]
-    [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
-    return str(name)
+    return vllm_server.repository_model({"x-api-key": KEY})
 
 
 def test_vllm_create_stream_and_forced_tool(vllm_server: Server, vllm_model: str) -> None:

@@ -10,7 +10,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -35,9 +34,7 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def model(server: Server) -> str:
-    tags = httpx.get(server.base_url + "/api/tags").json()["models"]
-    [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
-    return str(name)
+    return server.repository_model()
 
 
 def test_greedy_choices_equal_one_answer_and_usage_sums(client: openai.OpenAI, model: str) -> None:

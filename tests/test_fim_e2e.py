@@ -139,8 +139,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_vllm_suffix_fills_the_middle(vllm_server: Server) -> None:
-    tags = httpx.get(vllm_server.base_url + "/api/tags").json()["models"]
-    [model] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
+    model = vllm_server.repository_model()
     tokens = httpx.post(vllm_server.base_url + "/tokenize", json={"prompt": "<fim_prefix><fim_suffix><fim_middle>",
                                                                   "add_special_tokens": False}, timeout=60).json()
     assert tokens["tokens"] == [8, 9, 10]

@@ -9,7 +9,6 @@ import json
 import re
 from collections.abc import Iterator
 
-import httpx
 import jsonschema
 import ollama
 import openai
@@ -33,9 +32,7 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def model(server: Server) -> str:
-    tags = httpx.get(server.base_url + "/api/tags").json()["models"]
-    [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
-    return str(name)
+    return server.repository_model()
 
 
 def test_vllm_closes_within_every_limit_streamed_and_whole(client: openai.OpenAI, model: str) -> None:

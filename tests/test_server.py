@@ -52,6 +52,12 @@ class Server:
         self.stop()
         raise RuntimeError("server did not become healthy")
 
+    def repository_model(self, headers: dict[str, str] | None = None) -> str:
+        """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF)."""
+        tags = httpx.get(self.base_url + "/api/tags", headers=headers).json()["models"]
+        [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
+        return str(name)
+
     def client(self, api_key: str = "placeholder") -> openai.OpenAI:
         return openai.OpenAI(
             base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, _strict_response_validation=True

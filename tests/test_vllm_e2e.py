@@ -66,11 +66,9 @@ def client(server: KeyedServer) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def model(server: KeyedServer) -> str:
-    """The repository's name as the server lists it (the store also lists the embedded GGUF)."""
-    tags = httpx.get(server.base_url + "/api/tags", headers=AUTH).json()["models"]
-    [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
+    name = server.repository_model(AUTH)
     assert name == f"{smollm2_repo().name}:latest"
-    return str(name)
+    return name
 
 
 def scrape(server: KeyedServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
