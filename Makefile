@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench
+.PHONY: install serve test test-fast lint bench browser
 
 install: $(STAMP)
 
@@ -27,8 +27,24 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/lmserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser $(FAL_STAMP)
 	$(PY) -m pytest
+
+# The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its
+# own, where tests/test_deploy.py loads deploy/fal/app.py.
+FAL_VENV  := $(VENV)/fal-sdk
+FAL_STAMP := $(FAL_VENV)/requirements.txt
+$(FAL_STAMP): deploy/fal/requirements.txt $(STAMP)
+	test -x $(FAL_VENV)/bin/python || $(PY) -m venv $(FAL_VENV)
+	$(FAL_VENV)/bin/python -m pip install --quiet -r deploy/fal/requirements.txt
+	cp deploy/fal/requirements.txt $(FAL_STAMP)
+
+# The web page's tests drive Debian's Chromium (Playwright's own browser download cannot work offline). Installed
+# when missing and apt-get can (as root); otherwise those tests are skipped, saying why.
+browser:
+	@test -x /usr/bin/chromium || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "make: chromium is not installed (apt-get install chromium): the browser tests will be skipped"
 
 # The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: under a minute on 2 cores.
 # Lanes: tests/conftest.py. (`make test` runs serially: its servers take the cores themselves.)
@@ -37,7 +53,7 @@ test-fast: $(STAMP)
 	echo "test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lmserve tests bench
+	$(VENV)/bin/ruff check lmserve tests bench deploy
 	$(VENV)/bin/mypy lmserve
 
 bench: $(STAMP)

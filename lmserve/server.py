@@ -1,21 +1,31 @@
-"""Composition root for `lmserve serve`: the store, the catalog, the engines, the service, the app, uvicorn."""
+"""Composition root for `lmserve serve`: the store, the catalog, the engines, the service, the app, uvicorn.
+
+`build_app` is the one ASGI factory: `lmserve serve` runs its app, and `asgi_app` (configured by LMSERVE_*
+variables alone) gives it to ASGI servers and the serverless deployments under deploy/.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from lmserve.config import ServerConfig
+from lmserve.config import ConfigError, ServerConfig, resolve
 from lmserve.engine.factory import EngineSettings
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("lmserve")
 
@@ -74,6 +84,44 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         catalog.copy(name, config.alias)
         name = catalog.resolve(config.alias)
     return service, name
+
+
+def build_app(config: ServerConfig, *, preload: bool = False) -> tuple[Service, str, FastAPI]:
+    """The service, the name of the served model and the HTTP app of `config`: the ASGI factory of `lmserve serve`
+    and of `asgi_app`. With `preload`, the app's own lifespan loads the model at startup (kept loaded) and closes
+    the service at shutdown, for ASGI servers other than `serve`'s (which loads it before it serves)."""
+    from lmserve.api.app import create_app
+
+    service, name = build_service(config)
+    if not preload:
+        return service, name, create_app(service, config)
+    app = create_app(service, config, preload=[name])
+    opened = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            async with opened(app):
+                yield
+        finally:
+            service.close()  # the engines, and vLLM's child processes
+
+    app.router.lifespan_context = lifespan
+    return service, name, app
+
+
+def asgi_app() -> FastAPI:
+    """The app of a server configured by LMSERVE_* variables alone, for ASGI servers and serverless platforms
+    (`uvicorn --factory lmserve.server:asgi_app`): LMSERVE_MODEL is the model (a hub id `<org>/<repo>` is pulled
+    now, as `serve` pulls it), LMSERVE_API_KEY the key, and so on; the ASGI server binds the address. The model is
+    loaded at startup. A configuration that cannot serve exits with one `lmserve: …` line."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return build_app(resolve({}), preload=True)[2]
+    except ConfigError as exc:
+        raise SystemExit(f"lmserve: {exc}") from None
+    except LmserveError as exc:
+        raise SystemExit(f"lmserve: {exc.message}") from None
 
 
 class ProgressLines:
@@ -149,7 +197,6 @@ def run(config: ServerConfig) -> int:
 
     Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
     """
-    from lmserve.api.app import create_app
     from lmserve.engine.llamacpp import default_threads
     from lmserve.parsing import Address
 
@@ -162,7 +209,7 @@ def run(config: ServerConfig) -> int:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 1
     try:
-        service, name = build_service(config)
+        service, name, app = build_app(config)
         froms = [line.removeprefix("FROM ") for line in service.models.describe(name).modelfile.splitlines()
                  if line.startswith("FROM ")]
         served_file = froms[0] + (f", vision projector {froms[1]}" if len(froms) > 1 else "")
@@ -170,7 +217,6 @@ def run(config: ServerConfig) -> int:
         sock.close()
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
-    app = create_app(service, config)
     print(
         f"lmserve listening on http://{Address(config.host).url_host}:{config.port}\n"
         f"  model    {name} ({served_file})\n"

@@ -33,6 +33,7 @@ from lmserve.api.responses import responses_router, responses_store
 from lmserve.api.stored_completions import completions_store, stored_completions_router
 from lmserve.api.streaming import ClientGone, dumps
 from lmserve.api.tokens import tokens_router
+from lmserve.api.web import WEB_PREFIX, web_router
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import DEFAULT_ORIGINS, ServerConfig
@@ -41,8 +42,10 @@ from lmserve.service import Service
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
 """Routes that need no API key (not /metrics: with a key set, a scraper sends it too)."""
+OPEN_PREFIXES = (WEB_PREFIX,)
+"""Path prefixes that need no API key: the web page's files (the page asks for the key)."""
 
 CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -71,6 +74,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.include_router(responses_router(service, responses_store(config), media))
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
+    app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: with the request bodies the routes parse by hand
 
     @app.get("/health")
@@ -153,15 +157,17 @@ async def send_error(send: Send, path: str, err: LmserveError, headers: dict[str
 
 
 class AuthMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Key <key>`, `Authorization: Bearer <key>` or
-    `x-api-key: <key>` (Anthropic's header)."""
+    """Every route but OPEN_PATHS and OPEN_PREFIXES needs `Authorization: Key <key>`, `Authorization: Bearer <key>`
+    or `x-api-key: <key>` (Anthropic's header)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._is_authorized(scope):
+        path: str = scope.get("path", "")
+        is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        if scope["type"] != "http" or is_open or self._is_authorized(scope):
             await self.app(scope, receive, send)
             return
         err = AuthenticationFailed("Invalid or missing API key. Send 'Authorization: Bearer <key>' or 'Key <key>' "

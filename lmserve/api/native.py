@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from lmserve import __version__
 from lmserve import options as opts
@@ -214,13 +214,9 @@ def tag(listing: ModelListing) -> dict[str, Any]:
 
 
 def native_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
-    """The /api routes over `service`, plus `GET /`."""
+    """The /api routes over `service` (`GET /` is lmserve/api/web.py's)."""
     router = APIRouter()
     policy = media or MediaPolicy()
-
-    @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
-    async def root() -> str:
-        return "lmserve is running"
 
     @router.api_route("/api/version", methods=["GET", "HEAD"])
     async def version() -> dict[str, str]:
