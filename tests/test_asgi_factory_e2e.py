@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.test_server import MODEL, QUESTION, free_port
+from tests.test_server import MODEL, QUESTION, free_port, wait_healthy
 
 
 class FactoryServer:
@@ -35,16 +34,7 @@ class FactoryServer:
         )
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.stop()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(f"server did not become healthy: {self.stop()}")
+        wait_healthy(self.process, self.base_url)
 
     def stop(self) -> str:
         if self.process.poll() is None:

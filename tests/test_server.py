@@ -27,6 +27,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 120.0) -> None:
+    """Return once the server `process` answers GET /health with 200; RuntimeError with its output when it exits
+    first, or when `timeout` passes (it is killed then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {process.stdout.read() if process.stdout else ''}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"server did not become healthy: {process.communicate()[0]}")
+
+
 class Server:
     """A running `lmserve serve` process."""
 
@@ -40,17 +56,7 @@ class Server:
         environ["LMSERVE_MODELS"] = self.models_dir
         environ.update(env or {})
         self.process = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.process.stdout.read() if self.process.stdout else ''}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
+        wait_healthy(self.process, self.base_url)
 
     def repository_model(self, headers: dict[str, str] | None = None) -> str:
         """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF)."""
