@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
 
 from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
-from lmserve.types import LoadOptions
+from lmserve.types import FLASH_ATTN_MODES, KV_CACHE_TYPES, LoadOptions
 
 ENV_PREFIX = "LMSERVE_"
 T = TypeVar("T")
@@ -120,7 +120,8 @@ class ServerConfig:
     threads: int | None = option(None, "-t", "--threads", env="THREADS", kind="int", minimum=1, metavar="N",
                                  shown="all cores", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
-                                 help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but /health")
+                                 help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
+                                 "/health, / and the web page's /web/ files")
     batch_size: int = option(512, "-b", "--batch-size", env="BATCH_SIZE", kind="int", minimum=1, metavar="N",
                              engine="llamacpp",
                              help="most tokens decoded in one step")
@@ -199,6 +200,16 @@ class ServerConfig:
                                  help="largest request body in bytes (413 beyond it); blob uploads are exempt")
     max_messages: int = option(1024, env="MAX_MESSAGES", kind="int", minimum=1,
                                help="most messages one chat request may carry")
+    cache_type_k: str = option("f16", "-ctk", "--cache-type-k", env="CACHE_TYPE_K", choices=KV_CACHE_TYPES,
+                               metavar="TYPE", engine="llamacpp",
+                               help="KV cache type of the keys: f16, or quantized to save memory (q8_0 about half, "
+                               "q4_0 about a quarter)")
+    cache_type_v: str = option("f16", "-ctv", "--cache-type-v", env="CACHE_TYPE_V", choices=KV_CACHE_TYPES,
+                               metavar="TYPE", engine="llamacpp",
+                               help="KV cache type of the values (a quantized type needs flash attention)")
+    flash_attn: str = option("auto", "-fa", "--flash-attn", env="FLASH_ATTN", choices=FLASH_ATTN_MODES,
+                             engine="llamacpp",
+                             help="flash attention: on, off, or auto (where llama.cpp's backend has it)")
     snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
                               help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
@@ -250,6 +261,9 @@ class ServerConfig:
             num_batch=self.batch_size,
             image_min_tokens=self.image_min_tokens,
             image_max_tokens=self.image_max_tokens,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
+            flash_attn=self.flash_attn,
         )
 
 

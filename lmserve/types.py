@@ -115,6 +115,17 @@ class LoadOptions:
     """Fewest tokens one image (or tile) may become; 0: the projector's own default."""
     image_max_tokens: int = 0
     """Most tokens one image (or tile) may become; 0: the projector's own default."""
+    cache_type_k: str = "f16"
+    """The KV cache's type for keys (KV_CACHE_TYPES): f16, or quantized to save memory."""
+    cache_type_v: str = "f16"
+    """The KV cache's type for values (quantized values need flash attention)."""
+    flash_attn: str = "auto"
+    """Flash attention: "on", "off", or "auto" (llama.cpp uses it where the backend has it)."""
+
+
+KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+"""The KV cache types llama.cpp takes (`--cache-type-k/-v`): q8_0 is about half of f16's memory, q4_0 about 0.28."""
+FLASH_ATTN_MODES = ("on", "off", "auto")
 
 
 EFFORTS: dict[str, bool | str] = {

@@ -120,6 +120,8 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
         ([], {"LMSERVE_ENABLE_TORCH_COMPILE": "maybe"}, "LMSERVE_ENABLE_TORCH_COMPILE must be one of 1, true"),
         (["--chunked-prefill-size", "0"], {}, "--prefill-chunk must be at least 1 (or -1), got 0"),
         (["-tp", "0"], {}, "--tensor-parallel-size must be at least 1, got 0"),
+        (["-ctk", "q3_k"], {}, "--cache-type-k must be one of f32, f16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"),
+        ([], {"LMSERVE_FLASH_ATTN": "yes"}, "LMSERVE_FLASH_ATTN must be one of on, off, auto, got 'yes'"),
     ],
 )
 def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -136,6 +138,8 @@ def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: d
     (["-ngl", "99"], {}, "vllm", "--n-gpu-layers is a llama.cpp option, but"),
     (["--mmproj", "/p.gguf"], {}, "vllm", "--mmproj is a llama.cpp option"),
     (["-b", "64"], {}, "vllm", "--batch-size is a llama.cpp option"),
+    (["-ctk", "q8_0"], {}, "vllm", "--cache-type-k is a llama.cpp option"),
+    ([], {"LMSERVE_FLASH_ATTN": "on"}, "vllm", "--flash-attn is a llama.cpp option"),
 ])
 def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str], env: dict[str, str], engine: str,
                                                                message: str) -> None:
@@ -148,6 +152,13 @@ def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str],
 def test_options_both_engines_understand_are_accepted_by_each(argv: list[str]) -> None:
     config = resolve(flags(*argv), env={})
     assert config.refused_by("vllm") is None and config.refused_by("llamacpp") is None
+
+
+def test_kv_cache_flags_and_variables_reach_the_load_options() -> None:
+    options = resolve(flags("-ctk", "q8_0", "--cache-type-v", "q4_0", "-fa", "on"), env={}).load_options
+    assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q8_0", "q4_0", "on")
+    options = resolve(flags(), env={"LMSERVE_CACHE_TYPE_K": "q5_1", "LMSERVE_FLASH_ATTN": "off"}).load_options
+    assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q5_1", "f16", "off")
 
 
 def test_every_field_is_one_entry_with_its_own_variable() -> None:

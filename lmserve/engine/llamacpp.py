@@ -86,6 +86,27 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+GGML_TYPES = {
+    "f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0,
+    "q4_1": lc.GGML_TYPE_Q4_1, "iq4_nl": lc.GGML_TYPE_IQ4_NL, "q5_0": lc.GGML_TYPE_Q5_0, "q5_1": lc.GGML_TYPE_Q5_1,
+}
+"""types.KV_CACHE_TYPES as ggml's type ids."""
+FLASH_ATTN_TYPES = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                    "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO}
+
+
+def check_kv_options(options: LoadOptions) -> None:
+    """InvalidRequest for a KV cache type or flash-attention mode llama.cpp does not take, or a quantized value
+    cache with flash attention off (llama.cpp reads quantized values only in its flash-attention kernels)."""
+    for name, value in (("--cache-type-k", options.cache_type_k), ("--cache-type-v", options.cache_type_v)):
+        if value not in GGML_TYPES:
+            raise InvalidRequest(f"{name} {value} is not a KV cache type; choose one of {', '.join(GGML_TYPES)}")
+    if options.flash_attn not in FLASH_ATTN_TYPES:
+        raise InvalidRequest(f"--flash-attn {options.flash_attn}: choose on, off or auto")
+    if options.flash_attn == "off" and options.cache_type_v not in ("f16", "f32"):
+        raise InvalidRequest(f"--cache-type-v {options.cache_type_v} needs flash attention: drop --flash-attn off")
+
+
 def load_mode(options: LoadOptions) -> int:
     """llama.cpp's load mode for use_mmap (None: its own choice) and use_mlock."""
     if options.use_mlock:
@@ -100,6 +121,7 @@ class LlamaCppBackend:
 
     def __init__(self, path: str | Path, options: LoadOptions) -> None:
         init_llama_backend()
+        check_kv_options(options)
         path = Path(path)
         if not path.is_file():
             raise EngineFailure(f"model file not found: {path}")
@@ -124,11 +146,16 @@ class LlamaCppBackend:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = False
+        cparams.type_k = GGML_TYPES[options.cache_type_k]
+        cparams.type_v = GGML_TYPES[options.cache_type_v]
+        cparams.flash_attn_type = FLASH_ATTN_TYPES[options.flash_attn]
         cparams.no_perf = True
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
-            raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}")
+            kv = f" with a {options.cache_type_k}/{options.cache_type_v} KV cache and flash attention " \
+                 f"{options.flash_attn}" if (options.cache_type_k, options.cache_type_v) != ("f16", "f16") else ""
+            raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}{kv}")
         self._ctx = ctx
         self._adapters: list[Any] = []  # llama_adapter_lora pointers (the bindings annotate them as c_void_p)
         try:

@@ -12,7 +12,7 @@ import pytest
 
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend, load_mode
-from lmserve.errors import ContextOverflow
+from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 
 PROMPTS = [
@@ -188,3 +188,33 @@ async def test_weights_load_with_each_mmap_mode(model_path: Path, given: dict[st
         assert backend.tokenize("Hello", add_special=False, parse_special=False)
     finally:
         backend.close()
+
+
+async def kv_state_bytes_and_answer(model_path: Path, **kv: str) -> tuple[int, str]:
+    """The size of one slot's saved state (its KV cells) after a greedy answer, and the answer, with `kv` options."""
+    engine = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1, num_batch=64, **kv)))
+    try:
+        _, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=16)
+        backend = engine.backend
+        assert isinstance(backend, LlamaCppBackend)
+        return len(backend.save_state(0)), text
+    finally:
+        engine.close()
+
+
+async def test_a_quantized_kv_cache_takes_less_memory_and_still_answers(model_path: Path) -> None:
+    f16, plain = await kv_state_bytes_and_answer(model_path)
+    q8, eight = await kv_state_bytes_and_answer(model_path, cache_type_k="q8_0", cache_type_v="q8_0")
+    q4, four = await kv_state_bytes_and_answer(model_path, cache_type_k="q4_0", cache_type_v="q4_0", flash_attn="on")
+    assert q8 <= 0.55 * f16 and q4 <= 0.3 * f16  # q8_0: 34 bytes per 32 values, q4_0: 18, f16: 64
+    assert "Paris" in plain and "Paris" in eight and four
+
+
+@pytest.mark.parametrize(("kv", "message"), [
+    ({"cache_type_k": "q3_k"}, "--cache-type-k q3_k is not a KV cache type"),
+    ({"flash_attn": "maybe"}, "--flash-attn maybe: choose on, off or auto"),
+    ({"cache_type_v": "q8_0", "flash_attn": "off"}, "--cache-type-v q8_0 needs flash attention"),
+])  # fmt: skip
+async def test_unusable_kv_options_are_refused_naming_them(model_path: Path, kv: dict[str, str], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=1, num_batch=64, **kv))  # type: ignore[arg-type]
