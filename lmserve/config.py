@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
 
 from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
-from lmserve.types import FLASH_ATTN_MODES, KV_CACHE_TYPES, LoadOptions
+from lmserve.types import FLASH_ATTN_MODES, KV_CACHE_TYPES, THREAD_POLICIES, LoadOptions
 
 ENV_PREFIX = "LMSERVE_"
 T = TypeVar("T")
@@ -210,6 +210,10 @@ class ServerConfig:
     flash_attn: str = option("auto", "-fa", "--flash-attn", env="FLASH_ATTN", choices=FLASH_ATTN_MODES,
                              engine="llamacpp",
                              help="flash attention: on, off, or auto (where llama.cpp's backend has it)")
+    thread_policy: str = option("adaptive", "--thread-policy", env="THREAD_POLICY", choices=THREAD_POLICIES,
+                                engine="llamacpp",
+                                help="adaptive: compute with the cores other programs leave free (at most "
+                                "--threads), so a busy machine does not stall every step; fixed: always --threads")
     snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
                               help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
@@ -264,6 +268,7 @@ class ServerConfig:
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             flash_attn=self.flash_attn,
+            thread_policy=self.thread_policy,
         )
 
 

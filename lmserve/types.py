@@ -121,11 +121,16 @@ class LoadOptions:
     """The KV cache's type for values (quantized values need flash attention)."""
     flash_attn: str = "auto"
     """Flash attention: "on", "off", or "auto" (llama.cpp uses it where the backend has it)."""
+    thread_policy: str = "adaptive"
+    """"adaptive": llama.cpp computes with the cores the rest of the machine leaves free, up to `num_threads`
+    (engine/cpu_load.py); "fixed": always with `num_threads`."""
 
 
 KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 """The KV cache types llama.cpp takes (`--cache-type-k/-v`): q8_0 is about half of f16's memory, q4_0 about 0.28."""
 FLASH_ATTN_MODES = ("on", "off", "auto")
+THREAD_POLICIES = ("adaptive", "fixed")
+"""`--thread-policy`: adaptive follows the outside load (engine/cpu_load.py); fixed always uses all the threads."""
 
 
 EFFORTS: dict[str, bool | str] = {

@@ -140,6 +140,7 @@ def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: d
     (["-b", "64"], {}, "vllm", "--batch-size is a llama.cpp option"),
     (["-ctk", "q8_0"], {}, "vllm", "--cache-type-k is a llama.cpp option"),
     ([], {"LMSERVE_FLASH_ATTN": "on"}, "vllm", "--flash-attn is a llama.cpp option"),
+    (["--thread-policy", "fixed"], {}, "vllm", "--thread-policy is a llama.cpp option"),
 ])
 def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str], env: dict[str, str], engine: str,
                                                                message: str) -> None:
@@ -159,6 +160,14 @@ def test_kv_cache_flags_and_variables_reach_the_load_options() -> None:
     assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q8_0", "q4_0", "on")
     options = resolve(flags(), env={"LMSERVE_CACHE_TYPE_K": "q5_1", "LMSERVE_FLASH_ATTN": "off"}).load_options
     assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q5_1", "f16", "off")
+
+
+def test_the_thread_policy_is_adaptive_unless_fixed() -> None:
+    assert resolve(flags(), env={}).load_options.thread_policy == "adaptive"
+    assert resolve(flags("--thread-policy", "fixed"), env={}).load_options.thread_policy == "fixed"
+    assert resolve(flags(), env={"LMSERVE_THREAD_POLICY": "fixed"}).load_options.thread_policy == "fixed"
+    with pytest.raises(ConfigError, match="--thread-policy must be one of adaptive, fixed"):
+        resolve(flags("--thread-policy", "spin"), env={})
 
 
 def test_every_field_is_one_entry_with_its_own_variable() -> None:

@@ -23,6 +23,7 @@ from llama_cpp import mtmd_cpp as mtmd
 
 from lmserve.engine import fim
 from lmserve.engine.backend import BatchEntry
+from lmserve.engine.cpu_load import ThreadGovernor
 from lmserve.engine.logprobs import Ranked, rank_candidates
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
@@ -182,6 +183,8 @@ class LlamaCppBackend:
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
         self._num_threads = threads
+        self._governor = ThreadGovernor(threads) if options.thread_policy == "adaptive" else None
+        self._step_threads = threads
         self._embed_ctx: lc.llama_context_p | None = None
         self._embed_batch: Any = None  # a llama_batch (untyped in the bindings)
         self._mtmd: Any = None  # an mtmd_context pointer, when the model has a vision projector
@@ -399,6 +402,8 @@ class LlamaCppBackend:
         batch.n_tokens = n
         if n == 0:
             return [None] * len(entries)
+        if self._governor is not None:
+            self._set_threads(self._governor.threads())
         rc = lc.llama_decode(self._ctx, batch)
         if rc != 0:
             raise EngineFailure(f"llama_decode failed with code {rc}")
@@ -406,6 +411,17 @@ class LlamaCppBackend:
         self._last_rows = {entry.slot: output for entry, output in zip(entries, outputs, strict=True) if output >= 0}
         return [None if output < 0 else self._sample(entry.slot, output) for entry, output in zip(entries, outputs,
                                                                                                    strict=True)]
+
+    def _set_threads(self, threads: int) -> None:
+        """Compute the next steps with `threads` threads (ThreadGovernor's choice)."""
+        if threads != self._step_threads:
+            lc.llama_set_n_threads(self._ctx, threads, threads)
+            self._step_threads = threads
+
+    @property
+    def step_threads(self) -> int:
+        """The threads the last step computed with."""
+        return self._step_threads
 
     def _sample(self, slot: int, output: int) -> int:
         """Sample the slot's next token from batch row `output`; a slot that asked for logprobs gets them ranked."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import llama_cpp as lc
 import pytest
 
+from lmserve.engine import cpu_load
 from lmserve.engine.batching import BatchingEngine
+from lmserve.engine.cpu_load import CpuTimes, read_cpu_times
 from lmserve.engine.llamacpp import LlamaCppBackend, load_mode
 from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
@@ -218,3 +221,35 @@ async def test_a_quantized_kv_cache_takes_less_memory_and_still_answers(model_pa
 async def test_unusable_kv_options_are_refused_naming_them(model_path: Path, kv: dict[str, str], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=1, num_batch=64, **kv))  # type: ignore[arg-type]
+
+
+class BusyMachine:
+    """/proc/stat of a machine whose other programs keep `outside` cores busy (this process's time is real)."""
+
+    def __init__(self, outside: float) -> None:
+        self.outside = outside
+        self.started = time.monotonic()
+
+    def read(self) -> CpuTimes:
+        real = read_cpu_times()
+        own = real.own if real is not None else 0.0
+        now = time.monotonic()
+        return CpuTimes(busy=own + self.outside * (now - self.started), own=own, wall=now)
+
+
+@pytest.mark.parametrize(("policy", "outside", "threads"), [
+    ("adaptive", 1.5, 1), ("adaptive", 0.0, 2), ("fixed", 1.5, 2),
+])  # fmt: skip
+async def test_steps_compute_with_the_cores_the_machine_leaves_free(model_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    policy: str, outside: float, threads: int) -> None:
+    monkeypatch.setattr(cpu_load, "read_cpu_times", BusyMachine(outside).read)
+    options = LoadOptions(num_ctx=512, num_parallel=1, num_batch=64, num_threads=2, thread_policy=policy)
+    engine = BatchingEngine(LlamaCppBackend(model_path, options))
+    try:
+        await asyncio.sleep(0.6)  # the governor reads the machine at most every 0.25 s
+        _, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=24, ignore_eos=True)
+        backend = engine.backend
+        assert isinstance(backend, LlamaCppBackend)
+        assert backend.step_threads == threads and "Paris" in text
+    finally:
+        engine.close()
