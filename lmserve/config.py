@@ -214,6 +214,11 @@ class ServerConfig:
                                 engine="llamacpp",
                                 help="adaptive: compute with the cores other programs leave free (at most "
                                 "--threads), so a busy machine does not stall every step; fixed: always --threads")
+    draft_max: int = option(0, "--draft-max", "--spec-ngram", env="DRAFT_MAX", kind="int", minimum=0, maximum=64,
+                            metavar="N", engine="llamacpp", shown="0, off",
+                            help="speculative decoding: draft up to N tokens per step from the sequence's own "
+                            "context (prompt lookup) and keep what the model agrees with; the output is unchanged "
+                            "(a request's draft_max overrides it; hybrid models never draft)")
     snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
                               help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")

@@ -86,6 +86,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no log-probabilities; 0..20: each generated token's log-probability and this many likeliest
     alternatives (`Chunk.logprobs`; the distribution is described in engine/logprobs.py)."""
+    draft_max: int | None = None
+    """Speculative decoding: at most this many tokens drafted from the context and verified per step (the output
+    is the same as without); 0: off; None: the engine's default (`--draft-max`)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -202,6 +205,10 @@ class Usage:
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     """Of the completion tokens, those of the thinking (the thinking text tokenized again)."""
+    draft_tokens: int = 0
+    """Tokens drafted for speculative decoding (SamplingParams.draft_max), verified by the model."""
+    draft_accepted_tokens: int = 0
+    """Of the drafted tokens, those the model agreed with (each saved a step)."""
 
     @property
     def total_tokens(self) -> int:

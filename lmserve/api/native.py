@@ -147,6 +147,8 @@ def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[
         "eval_count": usage.completion_tokens if usage else 0,
         "eval_duration": timings.eval_ns if timings else 0,
     }
+    if usage is not None and usage.draft_tokens:  # speculative decoding (lmserve's own fields)
+        fields.update(draft_count=usage.draft_tokens, draft_accepted_count=usage.draft_accepted_tokens)
     return fields
 
 

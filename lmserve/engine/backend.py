@@ -22,6 +22,9 @@ class BatchEntry:
     pos: int
     wants_sample: bool
     image: PromptImage | None = None
+    draft: int = 0
+    """The last `draft` tokens are drafted (speculative decoding): the backend samples after the first token, then
+    after each drafted token while its samples agree with the draft (`take_drafted`), and forgets the rest."""
 
     @property
     def num_positions(self) -> int:
@@ -66,6 +69,12 @@ class Backend(Protocol):
     def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
 
     def release(self, slot: int) -> None: ...
+
+    def take_drafted(self, slot: int) -> list[int]:
+        """The tokens the last `step` sampled for `slot` after its first one, verifying its entry's draft: the i-th
+        was sampled after the i-th drafted token, because every earlier sample equalled the draft. The slot's memory
+        keeps the pending token and the drafted tokens those samples accepted, nothing after them."""
+        ...
 
     def take_logprobs(self, slot: int) -> Ranked | None:
         """The ranked log-probabilities (engine/logprobs.py) of the token the last `step` sampled for `slot`, when

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from lmserve.engine.backend import Backend
 from lmserve.engine.detokenize import IncrementalDecoder
+from lmserve.engine.drafting import NgramDrafter
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling, unit_vector
 from lmserve.engine.scheduler import Scheduler, Sequence
@@ -75,6 +76,10 @@ class _Tracker:
     is_stop_hit: bool = False
     logprobs: LogprobAligner | None = None
     """With `SamplingParams.logprobs`: the tokens whose text is not out yet (made at the first token)."""
+    drafter: NgramDrafter | None = None
+    """With speculative decoding: the n-gram index of the prompt and output (made at the first draft)."""
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -95,9 +100,11 @@ class BatchingEngine:
 
     def __init__(
         self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512,
-        snapshot_bytes: int = 256 * 2**20,
+        snapshot_bytes: int = 256 * 2**20, draft_max: int = 0,
     ) -> None:
         self.backend = backend
+        self.draft_max = draft_max
+        """Speculative decoding's draft cap for requests that do not set their own (SamplingParams.draft_max)."""
         self.max_queue = max_queue
         """Requests allowed to wait for a slot; beyond it `submit` raises Overloaded (503)."""
         self.info: ModelInfo = backend.info
@@ -175,6 +182,10 @@ class BatchingEngine:
         _check_prompt(prompt, images, num_vocab)
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
+        if sampling.draft_max and not self.info.can_cut_memory:
+            raise InvalidRequest("speculative decoding (draft_max) needs a model whose memory can be cut back after a "
+                                 f"rejected draft; {self.info.architecture}'s hybrid memory cannot: use draft_max 0",
+                                 param="draft_max")
         if sampling.grammar is not None:
             if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
                 raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
@@ -343,6 +354,9 @@ class BatchingEngine:
                 self.scheduler.reused(seq, length)
             else:
                 self.scheduler.reused(seq, self._restore_snapshot(seq, seq.num_prefilled))
+        for seq in self.scheduler.running:
+            if not seq.is_prefilling:
+                seq.draft = self._draft(seq)
         plan = self.scheduler.schedule()
         if not plan:
             return
@@ -360,10 +374,37 @@ class BatchingEngine:
                 if not seq.is_prefilling:
                     forked += self._fork(seq)
             if token is not None:
-                self._take(seq, token, now, outbox)
+                tokens = [token, *self.backend.take_drafted(seq.slot)] if entry.draft else [token]
+                if entry.draft:
+                    self._drafted(seq, entry.draft, len(tokens) - 1)
+                for taken in tokens:
+                    if seq not in self._trackers:  # finished by an earlier one (its end, a stop, the limit)
+                        break
+                    self._take(seq, taken, now, outbox)
         for seq, token in forked:
             self._take(seq, token, now, outbox)
         self._deliver(outbox)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Tokens to draft after `seq`'s pending one (engine/drafting.py): none unless speculative decoding is on
+        for it, the model's memory can be cut (a rejected draft is cut off), and no logprobs or images are asked."""
+        most = self.draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
+        if most <= 0 or not self.info.can_cut_memory or seq.sampling.logprobs is not None or seq.images:
+            return []
+        tracker = self._trackers[seq]
+        held = len(seq.prompt) + len(seq.output)
+        if tracker.drafter is None:
+            tracker.drafter = NgramDrafter(seq.prompt + seq.output, most)
+        elif tracker.drafter.size < held:
+            tracker.drafter.extend(seq.output[tracker.drafter.size - held:])
+        return tracker.drafter.draft(seq.max_new_tokens - len(seq.output) - 1)
+
+    def _drafted(self, seq: Sequence, drafted: int, taken: int) -> None:
+        tracker = self._trackers[seq]
+        tracker.num_drafted += drafted
+        tracker.num_accepted += taken
+        if tracker.drafter is not None:
+            tracker.drafter.accepted(drafted, taken)
 
     def _fork(self, seq: Sequence) -> list[tuple[Sequence, int]]:
         """Fork the choices waiting for `seq`, which has just prefilled their prompt: (choice, its first token).
@@ -449,7 +490,8 @@ class BatchingEngine:
         if not tracker.is_stop_hit:
             tail = tracker.stops.push(tracker.decoder.flush())[0] + tracker.stops.flush()
         logprobs = tracker.logprobs.finish(len(tail)) if tracker.logprobs is not None else []
-        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), cached_tokens=seq.num_cached)
+        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), cached_tokens=seq.num_cached,
+                      draft_tokens=tracker.num_drafted, draft_accepted_tokens=tracker.num_accepted)
         first = tracker.first_token_ns or now
         timings = Timings(
             prompt_eval_ns=first - tracker.admitted_ns,

@@ -32,6 +32,8 @@ class EngineSettings:
     """Requests that may wait for a slot; beyond it Overloaded (503)."""
     snapshot_bytes: int = 256 * 2**20
     """Memory for prompt-end state snapshots of hybrid models; 0 turns them off."""
+    draft_max: int = 0
+    """Speculative decoding on llama.cpp: most tokens drafted per step for requests that do not say; 0: off."""
     vllm: VllmOptions = field(default_factory=VllmOptions)
     """vLLM's launch options; its per-model fields (context, sequences, prefill, queue) are filled in per load."""
 
@@ -61,7 +63,8 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
     backend = LlamaCppBackend(path, options)
     return BatchingEngine(backend, max_batch_tokens=options.num_batch,
                           max_prefill_tokens=options.num_ctx if chunk == -1 else chunk,
-                          max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes)
+                          max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes,
+                          draft_max=settings.draft_max if backend.info.can_cut_memory else 0)
 
 
 def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:

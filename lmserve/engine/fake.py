@@ -52,6 +52,7 @@ class FakeBackend:
         self.forks: list[tuple[int, list[int]]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
+        self._drafted: dict[int, list[int]] = {}
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
@@ -90,7 +91,23 @@ class FakeBackend:
         self.steps.append(entries)
         if self.step_delay:
             time.sleep(self.step_delay)
-        return [self._next(entry.slot) if entry.wants_sample else None for entry in entries]
+        sampled: list[int | None] = []
+        for entry in entries:
+            if not entry.wants_sample:
+                sampled.append(None)
+                continue
+            first = token = self._next(entry.slot)
+            draft = entry.tokens[len(entry.tokens) - entry.draft:]
+            taken: list[int] = []
+            while len(taken) < entry.draft and token == draft[len(taken)]:  # verify as a model would
+                token = self._next(entry.slot)
+                taken.append(token)
+            self._drafted[entry.slot] = taken
+            sampled.append(first)
+        return sampled
+
+    def take_drafted(self, slot: int) -> list[int]:
+        return self._drafted.pop(slot, [])
 
     def _next(self, slot: int) -> int:
         """The slot's next token: a function of its prompt length, its seed and how many it produced."""

@@ -179,6 +179,8 @@ class LlamaCppBackend:
         self._logprob_slots: dict[int, int] = {}
         """Slots whose request asked for logprobs → how many alternatives."""
         self._ranked: dict[int, Ranked] = {}
+        self._drafted: dict[int, list[int]] = {}
+        """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
@@ -397,8 +399,9 @@ class LlamaCppBackend:
                 batch.logits[n] = False
                 n += 1
             if entry.wants_sample:
-                batch.logits[n - 1] = True
-                outputs[index] = n - 1
+                for row in range(n - 1 - entry.draft, n):  # a drafted entry samples after each of its tokens
+                    batch.logits[row] = True
+                outputs[index] = n - 1 - entry.draft
         batch.n_tokens = n
         if n == 0:
             return [None] * len(entries)
@@ -408,9 +411,36 @@ class LlamaCppBackend:
         if rc != 0:
             raise EngineFailure(f"llama_decode failed with code {rc}")
         self._ranked.clear()
+        self._drafted.clear()
         self._last_rows = {entry.slot: output for entry, output in zip(entries, outputs, strict=True) if output >= 0}
-        return [None if output < 0 else self._sample(entry.slot, output) for entry, output in zip(entries, outputs,
-                                                                                                   strict=True)]
+        sampled: list[int | None] = []
+        for entry, output in zip(entries, outputs, strict=True):
+            if output < 0:
+                sampled.append(None)
+                continue
+            token = self._sample(entry.slot, output)
+            if entry.draft:
+                self._verify(entry, token, output)
+            sampled.append(token)
+        return sampled
+
+    def _verify(self, entry: BatchEntry, first: int, output: int) -> None:
+        """Sample after each drafted token of `entry` while the samples agree with the draft (the first sample,
+        `first`, came from row `output`); keep the agreed tokens in the slot's memory and forget the rest."""
+        draft = entry.tokens[1:]
+        taken: list[int] = []
+        token = first
+        while len(taken) < len(draft) and token == draft[len(taken)]:
+            token = self._sample(entry.slot, output + len(taken) + 1)
+            taken.append(token)
+        self._drafted[entry.slot] = taken
+        self._last_rows[entry.slot] = output + len(taken)
+        agreed = entry.pos + 1 + len(taken)  # the pending token, then the drafted tokens the samples agreed with
+        if agreed < entry.pos + len(entry.tokens):
+            lc.llama_memory_seq_rm(self._memory, entry.slot, agreed, -1)
+
+    def take_drafted(self, slot: int) -> list[int]:
+        return self._drafted.pop(slot, [])
 
     def _set_threads(self, threads: int) -> None:
         """Compute the next steps with `threads` threads (ThreadGovernor's choice)."""

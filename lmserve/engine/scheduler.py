@@ -60,6 +60,8 @@ class Sequence:
     share_len: int = 0
     checkpoints: list[int] = field(default_factory=list)
     """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens the engine drafted to follow the pending one (speculative decoding), verified in the next step."""
     fork_of: Sequence | None = None
     """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
     this one waits, then takes a whole copy of its memory and samples its first token from the same logits."""
@@ -240,13 +242,16 @@ class Scheduler:
         return False
 
     def schedule(self) -> list[tuple[Sequence, BatchEntry]]:
-        """Plan one step: one token per decoding sequence, then prefill chunks within the budget."""
+        """Plan one step: one token per decoding sequence (and the tokens drafted after it), then prefill chunks
+        within the budget."""
         plan: list[tuple[Sequence, BatchEntry]] = []
         budget = self.max_batch_tokens
         for seq in self.running:
             if not seq.is_prefilling and budget > 0:
-                plan.append((seq, BatchEntry(seq.slot, [seq.output[-1]], seq.num_tokens, True)))
-                budget -= 1
+                draft = seq.draft[: budget - 1]
+                plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
+                                             draft=len(draft))))
+                budget -= 1 + len(draft)
         budget = min(budget, self.max_prefill_tokens)
         has_prefill = False
         for seq in self.running:

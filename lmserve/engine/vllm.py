@@ -184,6 +184,9 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
     if sampling.typical_p < 1.0:
         raise InvalidRequest("the vLLM engine has no locally typical sampling; leave typical_p at 1",
                              param="typical_p")
+    if sampling.draft_max:
+        raise InvalidRequest("per-request speculative decoding (draft_max) is the llama.cpp engine's; vLLM drafts "
+                             "only as configured when it loads: leave draft_max at 0", param="draft_max")
     kwargs: dict[str, Any] = {
         "temperature": max(sampling.temperature, 0.0),
         "top_p": min(max(sampling.top_p, 1e-6), 1.0) if sampling.top_p > 0 else 1.0,

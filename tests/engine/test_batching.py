@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -189,3 +190,78 @@ async def test_requests_sharing_a_long_prompt_copy_it_from_the_first() -> None:
 async def _last(stream: AsyncIterator[Chunk]) -> Chunk:
     chunks = [c async for c in stream]
     return chunks[-1]
+
+
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+"""The fake's own text: a prompt of it makes every later sentence a repeat, so prompt lookup drafts well."""
+
+
+async def test_drafted_tokens_the_model_agrees_with_are_taken_in_one_step() -> None:
+    backend = FakeBackend(num_ctx=512, num_parallel=1)
+    eng = BatchingEngine(backend, draft_max=8)
+    try:
+        text, last = await collect(eng, SENTENCE * 2, max_tokens=120, temperature=0)
+        assert text == FakeBackend.expected(len(SENTENCE) * 2, 120)  # the output of plain decoding
+        usage = last.usage
+        assert usage is not None and usage.completion_tokens == 120
+        assert usage.draft_accepted_tokens > 80 and usage.draft_tokens >= usage.draft_accepted_tokens
+        decode_steps = [step for step in backend.steps if any(entry.wants_sample for entry in step)]
+        assert len(decode_steps) < 40  # 120 tokens in far fewer steps
+        assert max(entry.draft for step in backend.steps for entry in step) == 8
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("engine_most", "asked", "drafts"), [(0, None, False), (0, 8, True), (8, 0, False),
+                                                               (8, None, True)])
+async def test_a_request_turns_drafting_on_or_off_over_the_engines_default(engine_most: int, asked: int | None,
+                                                                           drafts: bool) -> None:
+    eng = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=1), draft_max=engine_most)
+    try:
+        text, last = await collect(eng, SENTENCE * 2, max_tokens=60, draft_max=asked)
+        assert text == FakeBackend.expected(len(SENTENCE) * 2, 60)
+        assert last.usage is not None and (last.usage.draft_tokens > 0) == drafts
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("limits", [{"max_tokens": 37}, {"stop": ["lazy"]}, {"max_tokens": 200, "stop": ["fox j"]}])
+async def test_limits_and_stops_inside_an_accepted_draft_end_the_reply_where_plain_decoding_does(
+        limits: dict[str, object]) -> None:
+    plain = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=1))
+    drafted = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=1), draft_max=16)
+    try:
+        prompt = SENTENCE * 3 + "The quick"
+        expected = await collect(plain, prompt, **limits)
+        got = await collect(drafted, prompt, **limits)
+        assert got[0] == expected[0] and got[1].finish_reason == expected[1].finish_reason
+        assert got[1].usage is not None and expected[1].usage is not None
+        assert got[1].usage.completion_tokens == expected[1].usage.completion_tokens
+    finally:
+        plain.close()
+        drafted.close()
+
+
+async def test_concurrent_drafting_sequences_each_get_their_own_output() -> None:
+    eng = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=2), draft_max=8, max_batch_tokens=12)
+    try:
+        prompts = [SENTENCE * 2 + "x" * i for i in range(4)]
+        results = await asyncio.gather(*(collect(eng, p, max_tokens=50, seed=i) for i, p in enumerate(prompts)))
+        for i, (prompt, (text, _)) in enumerate(zip(prompts, results, strict=True)):
+            assert text == FakeBackend.expected(len(prompt), 50, seed=i)
+    finally:
+        eng.close()
+
+
+async def test_a_hybrid_model_never_drafts_and_refuses_a_request_asking_to() -> None:
+    backend = FakeBackend(num_ctx=512, num_parallel=1)
+    backend.info = dataclasses.replace(backend.info, can_cut_memory=False)
+    hybrid = BatchingEngine(backend, draft_max=8)
+    try:
+        _, last = await collect(hybrid, SENTENCE * 2, max_tokens=30)  # the server-wide default: quietly off
+        assert last.usage is not None and last.usage.draft_tokens == 0
+        with pytest.raises(InvalidRequest, match="hybrid memory cannot") as caught:
+            hybrid.submit(hybrid.tokenize("hi"), SamplingParams(draft_max=4))
+        assert caught.value.param == "draft_max"
+    finally:
+        hybrid.close()

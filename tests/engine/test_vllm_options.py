@@ -67,6 +67,7 @@ def test_sampling_maps_once_with_top_k_zero_as_disabled() -> None:
 @pytest.mark.parametrize(("sampling", "param"), [
     (SamplingParams(mirostat=2), "mirostat"),
     (SamplingParams(typical_p=0.5), "typical_p"),
+    (SamplingParams(draft_max=4), "draft_max"),
 ])
 def test_samplers_vllm_lacks_are_a_400(sampling: SamplingParams, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Speculative decoding (prompt lookup): decode speed with and without it, side by side with llama-server.
+
+Peers, each started in turn on the same model file with the same ``--threads`` and ``--parallel`` (8) slots of
+``-c`` 2048 tokens: lmserve with ``--draft-max`` (8), lmserve without it, and llama-server from the same llama.cpp
+(``make llama-server``; left out when its binary is missing) with its own prompt-lookup drafting on when it has one
+(``--spec-type ngram-simple`` where ``llama-server --help`` lists it; else plain, and said so).
+
+Workloads (greedy chat completions of ``--max-tokens`` (200) tokens, streamed):
+- copy: "Copy this text exactly" with a 180-word document: speculation helps (the reply repeats the prompt);
+- story: "Write a story about …": it does not (little to look up).
+At 1 and 8 concurrent streams (each stream its own document or topic), ``--rounds`` (2) rounds, best of them:
+aggregate decode tokens/s (each stream's tokens after its first, over its time after its first token). Printed:
+per workload and stream count, each peer's tokens/s, the ratios to lmserve without drafts and to llama-server
+(goal: at least 1.3 x llama-server's single stream on copy, 1.0 x on story), and whether lmserve's greedy text
+with drafts equals its text without.
+
+    python bench/speculative.py [--model PATH] [--threads N] [--draft-max 8] [--max-tokens 200] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts share code
+import throughput
+
+SUBJECTS = ["lighthouse", "glacier", "printing press", "river delta", "steam engine", "coral reef", "library",
+            "volcano"]
+
+
+def document(subject: str) -> str:
+    sentence = (f"The {subject} was first described in a survey of 1872, which counted its parts, measured its size "
+                f"and noted who looked after it. ")
+    return sentence * 6 + f"Today the {subject} is studied by students who compare it with the old survey."
+
+
+def prompts(workload: str, streams: int) -> list[str]:
+    if workload == "copy":
+        return [f"Copy this text exactly:\n{document(SUBJECTS[i % 8])}" for i in range(streams)]
+    return [f"Write a story about a {SUBJECTS[i % 8]}." for i in range(streams)]
+
+
+async def stream_one(client: httpx.AsyncClient, base: str, model: str, prompt: str,
+                     max_tokens: int) -> tuple[str, int, float]:
+    """(text, tokens, decode seconds after the first token) of one streamed greedy reply."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    first = 0.0
+    tokens = 0
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    parts.append(piece)
+    return "".join(parts), tokens, time.perf_counter() - first
+
+
+async def level(base: str, workload: str, streams: int, max_tokens: int) -> tuple[float, list[str]]:
+    """Aggregate decode tokens/s of `streams` concurrent replies, and their texts."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(base + "/v1/models")).json()["data"][0]["id"]
+        results = await asyncio.gather(*(stream_one(client, base, model, prompt, max_tokens)
+                                         for prompt in prompts(workload, streams)))
+    rate = sum((tokens - 1) / seconds for _, tokens, seconds in results if tokens > 1 and seconds > 0)
+    return rate, [text for text, _, _ in results]
+
+
+def llama_server_spec_flags(binary: str) -> list[str]:
+    """llama-server's prompt-lookup flags where this build has them."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+        if "ngram-simple" in help_text:
+            return ["--spec-type", "ngram-simple", "--draft-max", "8"]
+    return []
+
+
+@contextlib.contextmanager
+def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
+    common = ["-np", str(args.parallel), "-c", "2048"]
+    if name == "lmserve":
+        with throughput.lmserve(args, *common, "--draft-max", str(args.draft_max), name="spec") as started:
+            yield started.base
+        return
+    if name == "lmserve plain":
+        with throughput.lmserve(args, *common, name="spec") as started:
+            yield started.base
+        return
+    port = throughput.free_port()
+    argv = [args.llama_server_bin, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port), "-t",
+            str(args.threads), "-tb", str(args.threads), "-np", str(args.parallel), "-c", str(2048 * args.parallel),
+            *args.llama_spec]
+    with tempfile.TemporaryDirectory(prefix="lmserve-bench-spec-") as tmp, \
+            throughput.running(argv, port, "/health", Path(tmp) / "server.log", 120) as started:
+        yield started.base
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=throughput.default_model())
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--draft-max", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--streams", type=lambda text: [int(x) for x in text.split(",")], default=[1, 8])
+    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
+    parser.add_argument("--llama-server-bin",
+                        default=os.environ.get("LLAMA_SERVER_BIN") or str(throughput.DEFAULT_LLAMA_SERVER_BIN))
+    args = parser.parse_args()
+    if args.model is None:
+        print("no model: pass --model PATH.gguf", file=sys.stderr)
+        return 1
+    names = ["lmserve", "lmserve plain"]
+    args.llama_spec = []
+    if os.access(args.llama_server_bin, os.X_OK):
+        names.append("llama-server")
+        args.llama_spec = llama_server_spec_flags(args.llama_server_bin)
+    else:
+        print(f"llama-server left out: no {args.llama_server_bin} (make llama-server)", file=sys.stderr)
+    cases = [(workload, streams) for workload in ("copy", "story") for streams in args.streams]
+    rates: dict[tuple[str, str, int], float] = {}
+    texts: dict[tuple[str, str, int], list[str]] = {}
+    for _ in range(args.rounds):
+        for name in names:
+            with peer(name, args) as base:
+                asyncio.run(level(base, "story", 1, 8))  # warm-up
+                for workload, streams in cases:
+                    rate, replies = asyncio.run(level(base, workload, streams, args.max_tokens))
+                    key = (name, workload, streams)
+                    rates[key] = max(rates.get(key, 0.0), rate)
+                    texts[key] = replies
+    spec = "its prompt lookup on" if args.llama_spec else "plain (this build has no prompt lookup)"
+    print(f"model {args.model.name}, {args.threads} threads, draft-max {args.draft_max}, {args.max_tokens} tokens, "
+          f"best of {args.rounds}; llama-server {spec if 'llama-server' in names else 'not run'}")
+    for workload, streams in cases:
+        row = "  ".join(f"{name} {rates[name, workload, streams]:6.1f}" for name in names)
+        ours = rates["lmserve", workload, streams]
+        ratios = f"vs plain {ours / rates['lmserve plain', workload, streams]:.2f}x"
+        if "llama-server" in names:
+            ratios += f", vs llama-server {ours / rates['llama-server', workload, streams]:.2f}x"
+        same = texts["lmserve", workload, streams] == texts["lmserve plain", workload, streams]
+        print(f"  {workload:5s} {streams} stream(s): {row} tok/s; {ratios}; same greedy text: {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

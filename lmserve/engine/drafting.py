@@ -1,0 +1,66 @@
+"""Draft tokens for speculative decoding, looked up in the sequence's own context (prompt lookup, no second model).
+
+A reply often repeats its context: a rewritten text, an extracted field, code that reuses names. `NgramDrafter`
+keeps, for each n-gram of 2 to 4 tokens of the prompt and the output so far, where it last occurred; the draft is
+what followed the latest earlier occurrence of the sequence's last n tokens (longest n first). The engine decodes
+the draft with the sequence's pending token in one step and keeps the longest prefix the model agrees with
+(engine/batching.py), so a draft costs one wider step and never changes the output.
+
+The draft length adapts per sequence: it doubles (up to the cap) after a draft is accepted whole, and shrinks to
+one more than what was accepted after a miss, so a sequence whose drafts keep failing drafts one token at a time.
+"""
+
+from __future__ import annotations
+
+NGRAM_SIZES = (4, 3, 2)
+"""The n-gram lengths looked up, longest first (a longer match predicts better)."""
+FIRST_DRAFT = 4
+"""A sequence's first draft length (at most the cap)."""
+
+
+class NgramDrafter:
+    """The n-gram index of one sequence's tokens, and its adaptive draft length."""
+
+    def __init__(self, tokens: list[int], most: int) -> None:
+        self.most = most
+        self.length = min(FIRST_DRAFT, most)
+        """The next draft's length (adapted by `accepted`)."""
+        self._tokens: list[int] = []
+        self._seen: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        """n → n-gram → the position just after its latest occurrence that is not the sequence's end."""
+        self.extend(tokens)
+
+    @property
+    def size(self) -> int:
+        """Tokens of the sequence indexed so far."""
+        return len(self._tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens to the sequence."""
+        for token in tokens:
+            self._tokens.append(token)
+            end = len(self._tokens) - 1  # index n-grams ending before the newest token: the suffix is never a hit
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    self._seen[n][tuple(self._tokens[end - n:end])] = end
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to min(`length`, `limit`) tokens that followed the latest earlier occurrence of the sequence's last
+        n tokens; empty when none occurred or the limit is 0."""
+        size = min(self.length, limit)
+        if size <= 0:
+            return []
+        tokens = self._tokens
+        for n in NGRAM_SIZES:
+            if len(tokens) <= n:
+                continue
+            after = self._seen[n].get(tuple(tokens[-n:]))
+            if after is not None:
+                return tokens[after:after + size]
+        return []
+
+    def accepted(self, drafted: int, taken: int) -> None:
+        """Adapt the draft length: `taken` of `drafted` draft tokens were accepted."""
+        if drafted <= 0:
+            return
+        self.length = min(self.most, 2 * self.length) if taken == drafted else max(1, taken + 1)
