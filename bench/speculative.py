@@ -4,7 +4,8 @@
 Peers, each started in turn on the same model file with the same ``--threads`` and ``--parallel`` (8) slots of
 ``-c`` 2048 tokens: lmserve with ``--draft-max`` (8), lmserve without it, and llama-server from the same llama.cpp
 (``make llama-server``; left out when its binary is missing) with its own prompt-lookup drafting on when it has one
-(``--spec-type ngram-simple`` where ``llama-server --help`` lists it; else plain, and said so).
+(``--spec-type ngram-simple``, lookup 4, drafts of 8, where ``llama-server --help`` lists it; else plain, and
+said so).
 
 Workloads (greedy chat completions of ``--max-tokens`` (200) tokens, streamed):
 - copy: "Copy this text exactly" with a 180-word document: speculation helps (the reply repeats the prompt);
@@ -91,8 +92,9 @@ def llama_server_spec_flags(binary: str) -> list[str]:
     """llama-server's prompt-lookup flags where this build has them."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
-        if "ngram-simple" in help_text:
-            return ["--spec-type", "ngram-simple", "--draft-max", "8"]
+        if "ngram-simple" in help_text:  # lookup of 4 tokens, drafts of 8: lmserve's longest lookup and its cap
+            return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                    "--spec-ngram-simple-size-m", "8"]
     return []
 
 
