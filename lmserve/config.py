@@ -214,7 +214,7 @@ class ServerConfig:
                                 engine="llamacpp",
                                 help="adaptive: compute with the cores other programs leave free (at most "
                                 "--threads), so a busy machine does not stall every step; fixed: always --threads")
-    draft_max: int = option(0, "--draft-max", "--spec-ngram", env="DRAFT_MAX", kind="int", minimum=0, maximum=64,
+    draft_max: int = option(0, "--draft-max", env="DRAFT_MAX", kind="int", minimum=0, maximum=64,
                             metavar="N", engine="llamacpp", shown="0, off",
                             help="speculative decoding: draft up to N tokens per step from the sequence's own "
                             "context (prompt lookup) and keep what the model agrees with; the output is unchanged "

@@ -179,9 +179,9 @@ class LlamaCppBackend:
         self._logprob_slots: dict[int, int] = {}
         """Slots whose request asked for logprobs → how many alternatives."""
         self._ranked: dict[int, Ranked] = {}
+        """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._drafted: dict[int, list[int]] = {}
         """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
-        """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
         self._num_threads = threads
