@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,11 +91,7 @@ def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
         with throughput.lmserve(args, "-np", "1", "-c", "2048", "--thread-policy", policy, name="busy") as started:
             yield started.base
         return
-    port = throughput.free_port()
-    argv = [args.llama_server_bin, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port), "-t",
-            str(args.threads), "-tb", str(args.threads), "-np", "1", "-c", "2048"]
-    with tempfile.TemporaryDirectory(prefix="lmserve-bench-busy-") as tmp, \
-            throughput.running(argv, port, "/health", Path(tmp) / "server.log", 120) as started:
+    with throughput.llama_server(args, "-np", "1", "-c", "2048", name="busy") as started:
         yield started.base
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,12 +108,8 @@ def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
         with throughput.lmserve(args, *common, name="spec") as started:
             yield started.base
         return
-    port = throughput.free_port()
-    argv = [args.llama_server_bin, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port), "-t",
-            str(args.threads), "-tb", str(args.threads), "-np", str(args.parallel), "-c", str(2048 * args.parallel),
-            *args.llama_spec]
-    with tempfile.TemporaryDirectory(prefix="lmserve-bench-spec-") as tmp, \
-            throughput.running(argv, port, "/health", Path(tmp) / "server.log", 120) as started:
+    with throughput.llama_server(args, "-np", str(args.parallel), "-c", str(2048 * args.parallel), *args.llama_spec,
+                                 name="spec") as started:
         yield started.base
 
 

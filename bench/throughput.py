@@ -181,6 +181,18 @@ def lmserve(args: argparse.Namespace, *flags: str, name: str) -> Iterator[Starte
             yield started
 
 
+@contextlib.contextmanager
+def llama_server(args: argparse.Namespace, *flags: str, name: str) -> Iterator[Started]:
+    """llama-server (args.llama_server_bin over args.model, args.threads and `flags`) on a free loopback port; its
+    log in a temporary folder."""
+    port = free_port()
+    argv = [args.llama_server_bin, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port), "-t",
+            str(args.threads), "-tb", str(args.threads), *flags]
+    with tempfile.TemporaryDirectory(prefix=f"lmserve-bench-{name}-") as tmp, \
+            running(argv, port, "/health", Path(tmp) / "server.log", 120) as started:
+        yield started
+
+
 async def model_id(client: httpx.AsyncClient, base: str) -> str:
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
         r = await client.get(base + "/v1/models")
