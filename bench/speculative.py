@@ -4,8 +4,8 @@
 Peers, each started in turn on the same model file with the same ``--threads`` and ``--parallel`` (8) slots of
 ``-c`` 2048 tokens: lmserve with ``--draft-max`` (8), lmserve without it, and llama-server from the same llama.cpp
 (``make llama-server``; left out when its binary is missing) with its own prompt-lookup drafting on when it has one
-(``--spec-type ngram-simple``, lookup 4, drafts of 8, where ``llama-server --help`` lists it; else plain, and
-said so).
+(``--spec-type ngram-simple``, lookup 4, drafts of ``--draft-max``, where ``llama-server --help`` lists it; else
+plain, and said so).
 
 Workloads (greedy chat completions of ``--max-tokens`` (200) tokens, streamed):
 - copy: "Copy this text exactly" with a 180-word document: speculation helps (the reply repeats the prompt);
@@ -87,13 +87,14 @@ async def level(base: str, workload: str, streams: int, max_tokens: int) -> tupl
     return rate, [text for text, _, _ in results]
 
 
-def llama_server_spec_flags(binary: str) -> list[str]:
-    """llama-server's prompt-lookup flags where this build has them."""
+def llama_server_spec_flags(binary: str, draft_max: int) -> list[str]:
+    """llama-server's prompt-lookup flags where this build has them: a lookup of 4 tokens (lmserve's longest) and
+    drafts of `draft_max` (lmserve's cap)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
-        if "ngram-simple" in help_text:  # lookup of 4 tokens, drafts of 8: lmserve's longest lookup and its cap
+        if "ngram-simple" in help_text:
             return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
-                    "--spec-ngram-simple-size-m", "8"]
+                    "--spec-ngram-simple-size-m", str(draft_max)]
     return []
 
 
@@ -133,7 +134,7 @@ def main() -> int:
     args.llama_spec = []
     if os.access(args.llama_server_bin, os.X_OK):
         names.append("llama-server")
-        args.llama_spec = llama_server_spec_flags(args.llama_server_bin)
+        args.llama_spec = llama_server_spec_flags(args.llama_server_bin, args.draft_max)
     else:
         print(f"llama-server left out: no {args.llama_server_bin} (make llama-server)", file=sys.stderr)
     cases = [(workload, streams) for workload in ("copy", "story") for streams in args.streams]
