@@ -96,20 +96,12 @@ def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=throughput.default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = throughput.bench_parser(__doc__)
     parser.add_argument("--burners", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=9)
     parser.add_argument("--idle-tokens", type=int, default=128)
-    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
-    parser.add_argument("--llama-server-bin",
-                        default=os.environ.get("LLAMA_SERVER_BIN") or str(throughput.DEFAULT_LLAMA_SERVER_BIN))
-    args = parser.parse_args()
-    if args.model is None:
-        print("no model: pass --model PATH.gguf", file=sys.stderr)
-        return 1
+    args = throughput.parse_bench_args(parser)
     names = ["lmserve adaptive", "lmserve fixed"]
     if os.access(args.llama_server_bin, os.X_OK):
         names.append("llama-server")

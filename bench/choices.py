@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -75,17 +74,11 @@ async def bench(base: str, args: argparse.Namespace) -> list[tuple[float, float,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=throughput.default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = throughput.bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=500)
-    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
-    args = parser.parse_args()
-    if args.model is None:
-        print("no model: pass --model PATH.gguf", file=sys.stderr)
-        return 1
+    args = throughput.parse_bench_args(parser)
     with throughput.lmserve(args, "--parallel", "4", "-c", "2048", name="choices") as started:
         rounds = asyncio.run(bench(started.base, args))
     n4, separate, single = (statistics.median(column) for column in zip(*rounds, strict=True))

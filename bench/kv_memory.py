@@ -13,7 +13,6 @@ f16's (goal for q8_0: ≤ 0.55).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -36,17 +35,11 @@ def resident_mib(args: argparse.Namespace, cache_type: str, slots: int) -> float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=throughput.default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = throughput.bench_parser(__doc__)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--types", type=lambda text: text.split(","), default=["f16", "q8_0", "q4_0"])
-    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
-    args = parser.parse_args()
-    if args.model is None:
-        print("no model: pass --model PATH.gguf", file=sys.stderr)
-        return 1
+    args = throughput.parse_bench_args(parser)
     per_slot: dict[str, float] = {}
     for cache_type in args.types:
         one = resident_mib(args, cache_type, 1)

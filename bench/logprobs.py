@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -68,17 +67,11 @@ async def bench(base: str, args: argparse.Namespace) -> dict[tuple[int, bool], l
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=throughput.default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = throughput.bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--streams", type=lambda text: [int(x) for x in text.split(",")], default=[1, 8])
-    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
-    args = parser.parse_args()
-    if args.model is None:
-        print("no model: pass --model PATH.gguf", file=sys.stderr)
-        return 1
+    args = throughput.parse_bench_args(parser)
     with throughput.lmserve(args, "--parallel", "8", "-c", "1024", name="logprobs") as started:
         results = asyncio.run(bench(started.base, args))
     print(f"model {args.model.name}, {args.threads} threads, {args.max_tokens} tokens per request, "

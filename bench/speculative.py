@@ -115,21 +115,13 @@ def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=throughput.default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = throughput.bench_parser(__doc__)
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--draft-max", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=lambda text: [int(x) for x in text.split(",")], default=[1, 8])
-    parser.add_argument("--python", default=str(throughput.ROOT / ".venv" / "bin" / "python"))
-    parser.add_argument("--llama-server-bin",
-                        default=os.environ.get("LLAMA_SERVER_BIN") or str(throughput.DEFAULT_LLAMA_SERVER_BIN))
-    args = parser.parse_args()
-    if args.model is None:
-        print("no model: pass --model PATH.gguf", file=sys.stderr)
-        return 1
+    args = throughput.parse_bench_args(parser)
     names = ["lmserve", "lmserve plain"]
     args.llama_spec = []
     if os.access(args.llama_server_bin, os.X_OK):

@@ -168,6 +168,26 @@ def running(
         stop(proc)
 
 
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark script beside this one, with the options they share: --model (default
+    the embedded SmolLM2), --threads, --python (lmserve's interpreter) and --llama-server-bin."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=default_model())
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    parser.add_argument("--llama-server-bin",
+                        default=os.environ.get("LLAMA_SERVER_BIN") or str(DEFAULT_LLAMA_SERVER_BIN))
+    return parser
+
+
+def parse_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed arguments; without a model the script stops, saying so."""
+    args = parser.parse_args()
+    if args.model is None:
+        parser.error("no model: pass --model PATH.gguf")
+    return args
+
+
 @contextlib.contextmanager
 def lmserve(args: argparse.Namespace, *flags: str, name: str) -> Iterator[Started]:
     """`lmserve serve` (args.python, args.model, args.threads and `flags`) on a free loopback port, with an empty
