@@ -104,7 +104,8 @@ TABLE: dict[str, Option] = {o.name: o for o in (
     _refused("f16_kv", bool, "the KV cache type is not an option", "load", neutral=(True,)),
     _refused("logits_all", bool, "lmserve returns no logits", "load", neutral=(False,)),
     _refused("vocab_only", bool, "a vocabulary-only model cannot generate", "load", neutral=(False,)),
-    _refused("n", int, "only one choice per request is supported (n=1)", openai=("n",), native=False, neutral=(1,)),
+    _refused("n", int, "several choices (n > 1) are for /v1/chat/completions and /v1/completions", openai=("n",),
+             native=False, neutral=(1,)),
     _refused("best_of", int, "only one completion per request is supported (best_of=1)", openai=("best_of",),
              native=False, neutral=(1,)),
 )}  # fmt: skip

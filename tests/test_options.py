@@ -108,7 +108,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("native", {"num_ctx": 0}, "num_ctx", "at least 1"),
     ("native", {"num_batch": 10**6}, "num_batch", "at most 8192"),
     ("native", {"mirostat": 3}, "mirostat", "at most 2"),
-    ("openai", {"n": 2}, "n", "one choice"),
+    ("openai", {"n": 2}, "n", "several choices (n > 1) are for /v1/chat/completions"),
     ("openai", {"best_of": 3}, "best_of", "one completion"),
     ("openai", {"num_ctx": 4096}, "num_ctx", "load-time option"),
     ("openai", {"num_keep": 5}, "num_keep", "never shifts"),

@@ -64,7 +64,7 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
     return BatchingEngine(backend, max_batch_tokens=options.num_batch,
                           max_prefill_tokens=options.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes,
-                          draft_max=settings.draft_max if backend.info.can_cut_memory else 0)
+                          draft_max=settings.draft_max)
 
 
 def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
