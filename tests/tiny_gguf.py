@@ -69,7 +69,7 @@ def write_tiny_llama(
         raise ValueError("write_tiny_llama writes F32 or F16; quantize the result for anything else")
     path = Path(path)
     writer = gguf.GGUFWriter(path, "llama")
-    _write_metadata(writer, n_vocab, ftype, name, chat_template, fim)
+    write_llama_metadata(writer, n_vocab, ftype, name, chat_template, fim)
     if fim:
         _add_fim_tokens(writer, n_vocab)
     tensors = _tensors(n_vocab, seed)
@@ -103,7 +103,7 @@ def _add_fim_tokens(writer: gguf.GGUFWriter, n_vocab: int) -> None:
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
 
 
-def _write_metadata(
+def write_llama_metadata(
     writer: gguf.GGUFWriter, n_vocab: int, ftype: gguf.LlamaFileType, name: str, chat_template: str | None,
     fim: bool = False,
 ) -> None:
