@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt lookup): decode speed with and without it, side by side with llama-server.
+"""Speculative decoding (prompt lookup or a draft model): decode speed with and without it, beside llama-server.
 
 Peers, each started in turn on the same model file with the same ``--threads`` and ``--parallel`` (8) slots of
 ``-c`` 2048 tokens: lmserve with ``--draft-max`` (8), lmserve without it, and llama-server from the same llama.cpp
@@ -16,7 +16,13 @@ per workload and stream count, each peer's tokens/s, the ratios to lmserve witho
 (goal: at least 1.3 x llama-server's single stream on copy, 1.0 x on story), and whether lmserve's greedy text
 with drafts equals its text without.
 
+With ``--model-draft PATH`` both lmserve and llama-server (``-md PATH --spec-draft-n-max N``) draft with that model
+instead (drafts of up to ``--draft-max``, 16 by default then). ``--draft-pair`` is a pair this machine has: the
+embedded SmolLM2-135M Q4_1 drafting for its own weights in F32 (written once by llama.cpp's requantizer under
+~/.cache/lmserve/bench), a target about 3x slower per token than its draft that agrees with it almost always.
+
     python bench/speculative.py [--model PATH] [--threads N] [--draft-max 8] [--max-tokens 200] [--rounds 2]
+    python bench/speculative.py --draft-pair --streams 1
 """
 
 from __future__ import annotations
@@ -87,22 +93,47 @@ async def level(base: str, workload: str, streams: int, max_tokens: int) -> tupl
     return rate, [text for text, _, _ in results]
 
 
-def llama_server_spec_flags(binary: str, draft_max: int) -> list[str]:
-    """llama-server's prompt-lookup flags where this build has them: a lookup of 4 tokens (lmserve's longest) and
-    drafts of `draft_max` (lmserve's cap)."""
+def llama_server_spec_flags(binary: str, draft_max: int, model_draft: Path | None) -> list[str]:
+    """llama-server's speculative flags where this build has them: its draft model with drafts of up to `draft_max`,
+    or prompt lookup of 4 tokens (lmserve's longest) with drafts of `draft_max` (lmserve's cap)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+        if model_draft is not None:
+            length = "--spec-draft-n-max" if "--spec-draft-n-max" in help_text else "--draft-max"
+            return ["-md", str(model_draft), length, str(draft_max)]
         if "ngram-simple" in help_text:
             return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                     "--spec-ngram-simple-size-m", str(draft_max)]
     return []
 
 
+def draft_pair() -> tuple[Path, Path]:
+    """(target, draft): the embedded SmolLM2 Q4_1 as the draft of its own weights in F32 (written once)."""
+    import llama_cpp as lc
+
+    from lmserve.store.embedded import embedded_model_path
+
+    draft = embedded_model_path()
+    target = Path.home() / ".cache" / "lmserve" / "bench" / f"{draft.stem}.F32.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lc.llama_backend_init()
+        params = lc.llama_model_quantize_default_params()
+        params.ftype = lc.LLAMA_FTYPE_ALL_F32
+        params.allow_requantize = True
+        partial = target.with_suffix(".partial")
+        if lc.llama_model_quantize(str(draft).encode(), str(partial).encode(), params) != 0:
+            raise SystemExit(f"llama.cpp could not write {target}")
+        partial.rename(target)
+    return target, draft
+
+
 @contextlib.contextmanager
 def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
     common = ["-np", str(args.parallel), "-c", "2048"]
     if name == "lmserve":
-        with throughput.lmserve(args, *common, "--draft-max", str(args.draft_max), name="spec") as started:
+        drafting = ["--model-draft", str(args.model_draft)] if args.model_draft else []
+        with throughput.lmserve(args, *common, *drafting, "--draft-max", str(args.draft_max), name="spec") as started:
             yield started.base
         return
     if name == "lmserve plain":
@@ -117,16 +148,22 @@ def peer(name: str, args: argparse.Namespace) -> Iterator[str]:
 def main() -> int:
     parser = throughput.bench_parser(__doc__)
     parser.add_argument("--parallel", type=int, default=8)
-    parser.add_argument("--draft-max", type=int, default=8)
+    parser.add_argument("--draft-max", type=int, default=None, help="8, or 16 with a draft model")
+    parser.add_argument("--model-draft", type=Path, default=None)
+    parser.add_argument("--draft-pair", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=lambda text: [int(x) for x in text.split(",")], default=[1, 8])
     args = throughput.parse_bench_args(parser)
+    if args.draft_pair:
+        args.model, args.model_draft = draft_pair()
+    if args.draft_max is None:
+        args.draft_max = 16 if args.model_draft else 8
     names = ["lmserve", "lmserve plain"]
     args.llama_spec = []
     if os.access(args.llama_server_bin, os.X_OK):
         names.append("llama-server")
-        args.llama_spec = llama_server_spec_flags(args.llama_server_bin, args.draft_max)
+        args.llama_spec = llama_server_spec_flags(args.llama_server_bin, args.draft_max, args.model_draft)
     else:
         print(f"llama-server left out: no {args.llama_server_bin} (make llama-server)", file=sys.stderr)
     cases = [(workload, streams) for workload in ("copy", "story") for streams in args.streams]
@@ -141,8 +178,10 @@ def main() -> int:
                     key = (name, workload, streams)
                     rates[key] = max(rates.get(key, 0.0), rate)
                     texts[key] = replies
-    spec = "its prompt lookup on" if args.llama_spec else "plain (this build has no prompt lookup)"
-    print(f"model {args.model.name}, {args.threads} threads, draft-max {args.draft_max}, {args.max_tokens} tokens, "
+    kind = f"draft model {args.model_draft.name}" if args.model_draft else "prompt lookup"
+    spec = f"its {kind} on" if args.llama_spec else f"plain (this build has no {kind})"
+    print(f"model {args.model.name}, {kind}, {args.threads} threads, draft-max {args.draft_max}, "
+          f"{args.max_tokens} tokens, "
           f"best of {args.rounds}; llama-server {spec if 'llama-server' in names else 'not run'}")
     for workload, streams in cases:
         row = "  ".join(f"{name} {rates[name, workload, streams]:6.1f}" for name in names)

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
 
 from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
-from lmserve.types import FLASH_ATTN_MODES, KV_CACHE_TYPES, THREAD_POLICIES, LoadOptions
+from lmserve.types import DRAFT_P_MIN, FLASH_ATTN_MODES, KV_CACHE_TYPES, THREAD_POLICIES, LoadOptions
 
 ENV_PREFIX = "LMSERVE_"
 T = TypeVar("T")
+DRAFT_MODEL_MAX = 16
+"""The draft cap with --model-draft when --draft-max is not given: drafts start at 4 tokens and double up to it while
+they are accepted whole (engine/drafting.py `DraftLength`)."""
 Kind = Literal["str", "int", "float", "bool", "list", "duration"]
 EngineName = Literal["llamacpp", "vllm"]
 
@@ -210,15 +213,28 @@ class ServerConfig:
     flash_attn: str = option("auto", "-fa", "--flash-attn", env="FLASH_ATTN", choices=FLASH_ATTN_MODES,
                              engine="llamacpp",
                              help="flash attention: on, off, or auto (where llama.cpp's backend has it)")
+    kv_unified: bool = option(False, "-kvu", "--kv-unified", env="KV_UNIFIED", kind="bool", engine="llamacpp",
+                              help="one KV pool of --ctx-size tokens shared by all --parallel slots, each growing "
+                              "up to all of it, instead of --ctx-size tokens reserved per slot; when the pool is "
+                              "full, idle slots' prefix caches go first, then the newest sequences pause and are "
+                              "recomputed later (their output unchanged)")
     thread_policy: str = option("adaptive", "--thread-policy", env="THREAD_POLICY", choices=THREAD_POLICIES,
                                 engine="llamacpp",
                                 help="adaptive: compute with the cores other programs leave free (at most "
                                 "--threads), so a busy machine does not stall every step; fixed: always --threads")
     draft_max: int = option(0, "--draft-max", env="DRAFT_MAX", kind="int", minimum=0, maximum=64,
-                            metavar="N", engine="llamacpp", shown="0, off",
+                            metavar="N", engine="llamacpp", shown=f"0, off; {DRAFT_MODEL_MAX} with --model-draft",
                             help="speculative decoding: draft up to N tokens per step from the sequence's own "
-                            "context (prompt lookup) and keep what the model agrees with; the output is unchanged "
-                            "(a request's draft_max overrides it; hybrid models never draft)")
+                            "context (prompt lookup) or the draft model, and keep what the model agrees with; the "
+                            "output is unchanged (a request's draft_max overrides it; hybrid models never draft)")
+    model_draft: str | None = option(None, "-md", "--model-draft", env="MODEL_DRAFT", metavar="PATH",
+                                     engine="llamacpp",
+                                     help="speculative decoding with a small GGUF of the same vocabulary (e.g. a "
+                                     "smaller model of the family) drafting for each served GGUF model")
+    draft_p_min: float = option(DRAFT_P_MIN, "--draft-p-min", env="DRAFT_P_MIN", kind="float", minimum=0.0,
+                                maximum=1.0, metavar="P", engine="llamacpp",
+                                shown="0, no floor",
+                                help="the draft model's draft stops before a token it gives less probability than P")
     snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
                               help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
@@ -273,8 +289,19 @@ class ServerConfig:
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             flash_attn=self.flash_attn,
+            kv_unified=self.kv_unified,
             thread_policy=self.thread_policy,
+            draft_model=self.model_draft,
+            draft_p_min=self.draft_p_min,
         )
+
+    @property
+    def speculative_draft_max(self) -> int:
+        """The draft cap for requests that do not set their own: --draft-max, else DRAFT_MODEL_MAX with a draft
+        model (a draft model means speculative decoding), else 0 (off)."""
+        if "draft_max" in self.given or self.model_draft is None:
+            return self.draft_max
+        return DRAFT_MODEL_MAX
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(ServerConfig) if "option" in f.metadata}

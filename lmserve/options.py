@@ -87,8 +87,9 @@ TABLE: dict[str, Option] = {o.name: o for o in (
               native=False),
     _sampling("ignore_eos", bool, "keep generating past the end-of-generation token", openai=("ignore_eos",),
               native=False),
-    _sampling("draft_max", int, "speculative decoding: most tokens drafted from the context per step, the output "
-              "unchanged; 0: off (default: the server's --draft-max)", low=0, high=64, openai=("draft_max",)),
+    _sampling("draft_max", int, "speculative decoding: most tokens drafted (from the context or the draft model) per "
+              "step, the output unchanged; 0: off (default: the server's --draft-max)", low=0, high=64,
+              openai=("draft_max",)),
     _load("num_ctx", int, "context tokens per sequence", low=1),
     _load("num_batch", int, "most tokens decoded in one step", low=1, high=8192),
     _load("num_gpu", int, "layers offloaded to a GPU; -1: all", "num_gpu_layers", low=-1),

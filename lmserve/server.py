@@ -152,7 +152,8 @@ def engine_settings(config: ServerConfig) -> EngineSettings:
         master_port=config.master_port, executor=config.distributed_executor_backend,
     )
     return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-                          snapshot_bytes=config.snapshot_mb * 2**20, draft_max=config.draft_max, vllm=launch)
+                          snapshot_bytes=config.snapshot_mb * 2**20, draft_max=config.speculative_draft_max,
+                          vllm=launch)
 
 
 class GracefulServer(uvicorn.Server):

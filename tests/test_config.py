@@ -141,6 +141,7 @@ def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: d
     (["-ctk", "q8_0"], {}, "vllm", "--cache-type-k is a llama.cpp option"),
     ([], {"LMSERVE_FLASH_ATTN": "on"}, "vllm", "--flash-attn is a llama.cpp option"),
     (["--thread-policy", "fixed"], {}, "vllm", "--thread-policy is a llama.cpp option"),
+    ([], {"LMSERVE_KV_UNIFIED": "1"}, "vllm", "--kv-unified is a llama.cpp option"),
 ])
 def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str], env: dict[str, str], engine: str,
                                                                message: str) -> None:
@@ -162,12 +163,30 @@ def test_kv_cache_flags_and_variables_reach_the_load_options() -> None:
     assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q5_1", "f16", "off")
 
 
+def test_one_shared_kv_pool_is_off_unless_asked() -> None:
+    assert resolve(flags(), env={}).load_options.kv_unified is False
+    assert resolve(flags("--kv-unified"), env={}).load_options.kv_unified is True
+    assert resolve(flags("-kvu"), env={}).load_options.kv_unified is True
+    assert resolve(flags(), env={"LMSERVE_KV_UNIFIED": "yes"}).load_options.kv_unified is True
+
+
 def test_the_thread_policy_is_adaptive_unless_fixed() -> None:
     assert resolve(flags(), env={}).load_options.thread_policy == "adaptive"
     assert resolve(flags("--thread-policy", "fixed"), env={}).load_options.thread_policy == "fixed"
     assert resolve(flags(), env={"LMSERVE_THREAD_POLICY": "fixed"}).load_options.thread_policy == "fixed"
     with pytest.raises(ConfigError, match="--thread-policy must be one of adaptive, fixed"):
         resolve(flags("--thread-policy", "spin"), env={})
+
+
+def test_a_draft_model_turns_speculative_decoding_on_unless_draft_max_says_otherwise() -> None:
+    assert resolve(flags(), env={}).speculative_draft_max == 0
+    config = resolve(flags("-md", "small.gguf"), env={})
+    assert config.speculative_draft_max == 16 and config.load_options.draft_model == "small.gguf"
+    assert resolve(flags("--model-draft", "small.gguf", "--draft-max", "0"), env={}).speculative_draft_max == 0
+    config = resolve(flags(), env={"LMSERVE_MODEL_DRAFT": "small.gguf", "LMSERVE_DRAFT_MAX": "4",
+                                   "LMSERVE_DRAFT_P_MIN": "0.5"})
+    assert (config.speculative_draft_max, config.load_options.draft_p_min) == (4, 0.5)
+    assert "--model-draft is a llama.cpp option" in str(resolve(flags("-md", "x"), env={}).refused_by("vllm"))
 
 
 def test_every_field_is_one_entry_with_its_own_variable() -> None:

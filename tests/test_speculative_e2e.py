@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from lmserve.store.embedded import embedded_model_path
 from tests.engine.test_speculative import DOCUMENT
 from tests.test_server import MODEL, Server
 
@@ -51,3 +52,17 @@ def test_a_bad_draft_max_is_a_400_naming_it(server: Server) -> None:
     bad = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
                      json={"model": MODEL, "messages": COPY, "draft_max": 65})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft_max"
+
+
+def test_a_draft_model_drafts_through_the_server_and_keeps_the_text(server: Server) -> None:
+    draft = Server("--model-draft", str(embedded_model_path()), "-np", "1")  # the model drafting for itself
+    try:
+        body = {"model": MODEL, "messages": COPY, "stream": False, "options": {"temperature": 0, "num_predict": 40}}
+        done = httpx.post(draft.base_url + "/api/chat", json=body, timeout=120).json()
+        assert done["draft_count"] >= done["draft_accepted_count"] > 10  # drafted without --draft-max: 16 by default
+        plain = httpx.post(server.base_url + "/api/chat", timeout=120,
+                           json={**body, "options": {**body["options"], "draft_max": 0}}).json()
+        assert done["message"]["content"] == plain["message"]["content"]
+        assert metric(draft, "lmserve_draft_accepted_tokens_total") == done["draft_accepted_count"]
+    finally:
+        draft.stop()

@@ -31,6 +31,14 @@ class BatchEntry:
         return self.image.length if self.image is not None else len(self.tokens)
 
 
+class PoolFull(Exception):
+    """`Backend.step` found no room for the batch in a KV pool shared by the slots (`--kv-unified`).
+
+    The backend left every slot's memory as it was before the step and sampled nothing: the engine may free
+    memory (`clear` idle slots, or pause a sequence) and step again.
+    """
+
+
 class Backend(Protocol):
     """A model that decodes batches of several sequences, one slot per sequence.
 
@@ -38,7 +46,8 @@ class Backend(Protocol):
     `num_reused` positions of the slot's memory (a prefix the slot already holds) when the model can cut its
     memory there, drops the rest, builds a fresh sampler from `sampling` primed with `prompt`, and returns
     how many positions it kept. `step` decodes one batch and returns, for each entry that wants a sample,
-    the token sampled after its last token (image entries are decoded first, each on its own). `release`
+    the token sampled after its last token (image entries are decoded first, each on its own), or raises
+    PoolFull when the slots' shared memory has no room for the batch (nothing changed then). `release`
     frees the slot's sampler; its memory stays as a prefix cache for the next request in that slot. `embed`
     pools one text's hidden states into a vector without touching any slot.
     """
@@ -70,10 +79,19 @@ class Backend(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def clear(self, slot: int) -> None:
+        """Drop everything the slot's memory holds; its sampler (a running sequence's) stays as it is."""
+        ...
+
     def take_drafted(self, slot: int) -> list[int]:
         """The tokens the last `step` sampled for `slot` after its first one, verifying its entry's draft: the i-th
         was sampled after the i-th drafted token, because every earlier sample equalled the draft. The slot's memory
         keeps the pending token and the drafted tokens those samples accepted, nothing after them."""
+        ...
+
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """With a draft model (`info.draft_model`): for each slot → (its sequence's tokens, the last one not yet
+        decoded; most tokens to draft), the tokens the draft model predicts next (maybe fewer, or none)."""
         ...
 
     def take_logprobs(self, slot: int) -> Ranked | None:

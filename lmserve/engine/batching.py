@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from lmserve.engine.backend import Backend
+from lmserve.engine.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.detokenize import IncrementalDecoder
-from lmserve.engine.drafting import NgramDrafter
+from lmserve.engine.drafting import DraftLength, NgramDrafter
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling, unit_vector
 from lmserve.engine.scheduler import Scheduler, Sequence
@@ -76,8 +76,9 @@ class _Tracker:
     is_stop_hit: bool = False
     logprobs: LogprobAligner | None = None
     """With `SamplingParams.logprobs`: the tokens whose text is not out yet (made at the first token)."""
-    drafter: NgramDrafter | None = None
-    """With speculative decoding: the n-gram index of the prompt and output (made at the first draft)."""
+    drafter: DraftLength | None = None
+    """With speculative decoding: the adaptive draft length, and with prompt lookup (an NgramDrafter) the n-gram
+    index of the prompt and output (made at the first draft)."""
     num_drafted: int = 0
     num_accepted: int = 0
 
@@ -123,6 +124,10 @@ class BatchingEngine:
         """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
         self.decode_ns = 0
         """The part of `step_ns` inside the backend's batch decode and sampling: the rest is Python overhead."""
+        self.num_evicted = 0
+        """Idle slots' prefix caches dropped to make room in a shared KV pool (`--kv-unified`)."""
+        self.num_parked = 0
+        """Running sequences paused (and later recomputed) to make room in a shared KV pool."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -354,23 +359,21 @@ class BatchingEngine:
                 self.scheduler.reused(seq, length)
             else:
                 self.scheduler.reused(seq, self._restore_snapshot(seq, seq.num_prefilled))
-        for seq in self.scheduler.running:
-            if not seq.is_prefilling:
-                seq.draft = self._draft(seq)
-        plan = self.scheduler.schedule()
-        if not plan:
-            return
-        entries = [entry for _, entry in plan]
+        self._draft([seq for seq in self.scheduler.running if not seq.is_prefilling])
         decode_started = time.perf_counter_ns()
-        sampled = self.backend.step(entries)
+        decoded = self._decode(outbox)
         now = time.perf_counter_ns()
         self.decode_ns += now - decode_started
+        if decoded is None:
+            self._deliver(outbox)
+            return
+        plan, sampled = decoded
         forked: list[tuple[Sequence, int]] = []
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
                 if self.snapshots.budget_bytes and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
-                    self.snapshots.put(seq.prompt[: seq.num_prefilled], self.backend.save_state(seq.slot))
+                    self.snapshots.put(seq.prefill_tokens[: seq.num_prefilled], self.backend.save_state(seq.slot))
                 if not seq.is_prefilling:
                     forked += self._fork(seq)
             if token is not None:
@@ -385,19 +388,80 @@ class BatchingEngine:
             self._take(seq, token, now, outbox)
         self._deliver(outbox)
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """Tokens to draft after `seq`'s pending one (engine/drafting.py): none unless speculative decoding is on
-        for it, the model's memory can be cut (a rejected draft is cut off), and no logprobs or images are asked."""
-        most = self.draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
-        if most <= 0 or not self.info.can_cut_memory or seq.sampling.logprobs is not None or seq.images:
-            return []
+    def _decode(
+        self, outbox: list[tuple[RequestStream, Chunk]]
+    ) -> tuple[list[tuple[Sequence, BatchEntry]], list[int | None]] | None:
+        """Plan a step and decode it: the plan and the sampled tokens, or None when there is nothing to decode.
+
+        When the slots' shared KV pool (`--kv-unified`) has no room for the step, make room and plan again: the
+        prefix cache of an idle slot goes first, then the newest running sequence is parked (engine/scheduler.py);
+        a sequence that does not fit even alone ends, with finish reason "length" (its context could not grow).
+        """
+        while True:
+            plan = self.scheduler.schedule()
+            if not plan:
+                return None
+            try:
+                return plan, self.backend.step([entry for _, entry in plan])
+            except PoolFull:
+                self._make_room(plan, outbox)
+
+    def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: list[tuple[RequestStream, Chunk]]) -> None:
+        """Free memory in the shared KV pool for a step it could not take (see `_decode`)."""
+        slot = self.scheduler.evict_idle()
+        if slot is not None:
+            self.backend.clear(slot)
+            self.num_evicted += 1
+            return
+        parked = self.scheduler.park()
+        if parked is not None:
+            self.backend.clear(parked.slot)
+            self.num_parked += 1
+            log.info("the KV pool is full: a sequence of %d tokens pauses, to be recomputed",
+                     len(parked.prefill_tokens))
+            return
+        seq = plan[0][0]  # only one sequence can run, and it does not fit alone
+        log.warning("the KV pool is full with one sequence of %d tokens: it ends", seq.num_tokens)
         tracker = self._trackers[seq]
-        held = len(seq.prompt) + len(seq.output)
-        if tracker.drafter is None:
-            tracker.drafter = NgramDrafter(seq.prompt + seq.output, most)
-        elif tracker.drafter.size < held:
-            tracker.drafter.extend(seq.output[tracker.drafter.size - held:])
-        return tracker.drafter.draft(seq.max_new_tokens - len(seq.output) - 1)
+        outbox.append((tracker.stream, self._final_chunk(seq, tracker, "length", time.perf_counter_ns())))
+        self._drop(seq)
+
+    def _draft(self, decoding: list[Sequence]) -> None:
+        """Set the tokens each decoding sequence drafts after its pending one: from the draft model when the backend
+        has one (engine/draft_model.py), else looked up in its own context (engine/drafting.py). None unless
+        speculative decoding is on for it, the model's memory can be cut (a rejected draft is cut off), and no
+        logprobs or images are asked."""
+        caps: dict[Sequence, tuple[int, int]] = {}
+        for seq in decoding:
+            seq.draft = []
+            most = self.draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
+            limit = min(most, seq.max_new_tokens - len(seq.output) - 1)
+            if limit > 0 and self.info.can_cut_memory and seq.sampling.logprobs is None and not seq.images:
+                caps[seq] = most, limit
+        if not caps:
+            return
+        if self.info.draft_model is not None:
+            contexts: dict[int, tuple[list[int], int]] = {}
+            for seq, (most, limit) in caps.items():
+                pace = self._trackers[seq].drafter
+                if pace is None:
+                    pace = self._trackers[seq].drafter = DraftLength(most)
+                size = pace.next(limit)
+                if size > 0:
+                    contexts[seq.slot] = (seq.prompt + seq.output, size)
+            drafts = self.backend.draft(contexts) if contexts else {}
+            for seq in caps:
+                seq.draft = drafts.get(seq.slot, [])
+            return
+        for seq, (most, limit) in caps.items():
+            tracker = self._trackers[seq]
+            held = len(seq.prompt) + len(seq.output)
+            drafter = tracker.drafter
+            if not isinstance(drafter, NgramDrafter):
+                drafter = tracker.drafter = NgramDrafter(seq.prompt + seq.output, most)
+            elif drafter.size < held:
+                drafter.extend(seq.output[drafter.size - held:])
+            seq.draft = drafter.draft(limit)
 
     def _drafted(self, seq: Sequence, drafted: int, taken: int) -> None:
         tracker = self._trackers[seq]

@@ -6,10 +6,11 @@ what followed the latest earlier occurrence of the sequence's last n tokens (lon
 the draft with the sequence's pending token in one step and keeps the longest prefix the model agrees with
 (engine/batching.py), so a draft costs one wider step and never changes the output.
 
-The draft length adapts per sequence: it doubles (up to the cap) after a draft is accepted whole, and shrinks to
-one more than what was accepted after a miss. A draft rejected from its first token pauses drafting for a number
-of steps that doubles with each such miss (up to MAX_PAUSE) and resets when a draft is accepted again: a wider step
-costs more than a plain one on a CPU, so a reply that does not repeat its context (free writing) drafts rarely.
+The draft length adapts per sequence (`DraftLength`, which paces a draft model's drafts too): it doubles (up to
+the cap) after a draft is accepted whole, and shrinks to one more than what was accepted after a miss. A draft
+rejected from its first token pauses drafting for a number of steps that doubles with each such miss (up to
+MAX_PAUSE) and resets when a draft is accepted again: a wider step costs more than a plain one on a CPU, so a reply
+that does not repeat its context (free writing) drafts rarely.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ MAX_PAUSE = 32
 """Most steps drafting pauses after drafts rejected from their first token."""
 
 
-class NgramDrafter:
-    """The n-gram index of one sequence's tokens, and its adaptive draft length."""
+class DraftLength:
+    """A sequence's adaptive draft length: doubling (up to `most`) after a draft accepted whole, shrinking to one
+    more than what was accepted after a miss, pausing after drafts rejected from their first token."""
 
-    def __init__(self, tokens: list[int], most: int) -> None:
+    def __init__(self, most: int) -> None:
         self.most = most
         self.length = min(FIRST_DRAFT, most)
         """The next draft's length (adapted by `accepted`)."""
@@ -35,6 +37,31 @@ class NgramDrafter:
         """Steps left without drafting."""
         self._next_pause = 1
         """The pause after the next draft rejected from its first token."""
+
+    def next(self, limit: int) -> int:
+        """How many tokens to draft in this step: min(`length`, `limit`), or 0 while paused (one step of the pause
+        passes)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return 0
+        return max(0, min(self.length, limit))
+
+    def accepted(self, drafted: int, taken: int) -> None:
+        """Adapt the draft length: `taken` of `drafted` draft tokens were accepted."""
+        if drafted <= 0:
+            return
+        self.length = min(self.most, 2 * self.length) if taken == drafted else max(1, taken + 1)
+        if taken == 0:
+            self._pause, self._next_pause = self._next_pause, min(MAX_PAUSE, 2 * self._next_pause)
+        else:
+            self._next_pause = 1
+
+
+class NgramDrafter(DraftLength):
+    """The n-gram index of one sequence's tokens, and its adaptive draft length."""
+
+    def __init__(self, tokens: list[int], most: int) -> None:
+        super().__init__(most)
         self._tokens: list[int] = []
         self._seen: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
         """n → n-gram → the position just after its latest occurrence that is not the sequence's end."""
@@ -56,11 +83,8 @@ class NgramDrafter:
 
     def draft(self, limit: int) -> list[int]:
         """Up to min(`length`, `limit`) tokens that followed the latest earlier occurrence of the sequence's last
-        n tokens; empty when none occurred or the limit is 0."""
-        size = min(self.length, limit)
-        if self._pause > 0:
-            self._pause -= 1
-            return []
+        n tokens; empty when none occurred, the limit is 0 or drafting pauses."""
+        size = self.next(limit)
         if size <= 0:
             return []
         tokens = self._tokens
@@ -71,13 +95,3 @@ class NgramDrafter:
             if after is not None:
                 return tokens[after:after + size]
         return []
-
-    def accepted(self, drafted: int, taken: int) -> None:
-        """Adapt the draft length: `taken` of `drafted` draft tokens were accepted."""
-        if drafted <= 0:
-            return
-        self.length = min(self.most, 2 * self.length) if taken == drafted else max(1, taken + 1)
-        if taken == 0:
-            self._pause, self._next_pause = self._next_pause, min(MAX_PAUSE, 2 * self._next_pause)
-        else:
-            self._next_pause = 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import zlib
 
-from lmserve.engine.backend import BatchEntry
+from lmserve.engine.backend import BatchEntry, PoolFull
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.errors import InvalidRequest
 from lmserve.types import Bitmap, SamplingParams
@@ -33,6 +33,8 @@ class FakeBackend:
         step_delay: float = 0.0,
         script: str | None = None,
         vision: bool = False,
+        draft_model: bool = False,
+        pool_size: int | None = None,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
@@ -42,6 +44,7 @@ class FakeBackend:
             num_vocab=257,
             chat_template=None,
             image_marker=IMAGE_MARKER if vision else None,
+            draft_model="fake-draft" if draft_model else None,
         )
         self.eog_after = eog_after
         self.step_delay = step_delay
@@ -53,6 +56,14 @@ class FakeBackend:
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
         self._drafted: dict[int, list[int]] = {}
+        self.pool_size = pool_size
+        """When set, the slots share a KV pool of this many positions (`--kv-unified`): a step that would hold more
+        raises PoolFull and changes nothing."""
+        self.held: dict[int, int] = {}
+        """Positions each slot's memory holds (kept for every slot, counted against `pool_size`)."""
+        self.num_full = 0
+        """Steps refused with PoolFull."""
+        self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
@@ -80,6 +91,7 @@ class FakeBackend:
     def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
         self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
         self._counts[slot] = 0
+        self.held[slot] = num_reused
         return num_reused
 
     def check_grammar(self, grammar: str) -> None:
@@ -88,6 +100,13 @@ class FakeBackend:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        after = dict(self.held)
+        for entry in entries:
+            after[entry.slot] = entry.pos + entry.num_positions
+        if self.pool_size is not None and sum(after.values()) > self.pool_size:
+            self.num_full += 1
+            raise PoolFull(f"{sum(after.values())} positions do not fit in a pool of {self.pool_size}")
+        self.held = after
         self.steps.append(entries)
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -103,11 +122,22 @@ class FakeBackend:
                 token = self._next(entry.slot)
                 taken.append(token)
             self._drafted[entry.slot] = taken
+            self.held[entry.slot] = entry.pos + len(entry.tokens) - entry.draft + len(taken)  # rejected: forgotten
             sampled.append(first)
         return sampled
 
     def take_drafted(self, slot: int) -> list[int]:
         return self._drafted.pop(slot, [])
+
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """With `draft_model`: guess that the sentence goes on after the first place the last token occurs in it
+        (right after a unique letter, wrong after a repeated one, as a small model would be)."""
+        self.draft_requests.append(requests)
+        drafts: dict[int, list[int]] = {}
+        for slot, (tokens, most) in requests.items():
+            at = _TEXT.find(bytes([tokens[-1]])) if 0 <= tokens[-1] < 256 else -1
+            drafts[slot] = [] if at < 0 else [_TEXT[(at + 1 + i) % len(_TEXT)] for i in range(most)]
+        return drafts
 
     def _next(self, slot: int) -> int:
         """The slot's next token: a function of its prompt length, its seed and how many it produced."""
@@ -123,14 +153,19 @@ class FakeBackend:
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
+    def clear(self, slot: int) -> None:
+        self.held[slot] = 0
+
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
-        """The fake's memory is nothing; copies are recorded for tests (`copies`)."""
+        """The fake's memory is positions counted (`held`); copies are recorded for tests (`copies`)."""
         self.copies.append((source, slot, length))
+        self.held[slot] = length
         return True
 
     def fork(self, source: int, slots: list[int]) -> list[int | None]:
         """Each slot answers as a fresh sequence would (its own seed); forks are recorded for tests (`forks`)."""
         self.forks.append((source, list(slots)))
+        self.held.update({slot: self.held.get(source, 0) for slot in slots})
         return [self._next(slot) for slot in slots]
 
     def save_state(self, slot: int) -> bytes:

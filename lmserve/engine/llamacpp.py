@@ -2,6 +2,8 @@
 
 Each slot is a llama.cpp sequence id with its own KV stream (`kv_unified = false`), so a request computes
 exactly the same numbers whether it runs alone or beside others: temperature 0 is deterministic under load.
+With `--kv-unified` the slots share one pool of `num_ctx` cells instead (each may grow to all of it); a batch that
+finds no room raises PoolFull and the engine makes room (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
 from lmserve.engine import fim
-from lmserve.engine.backend import BatchEntry
+from lmserve.engine.backend import BatchEntry, PoolFull
 from lmserve.engine.cpu_load import ThreadGovernor
+from lmserve.engine.draft_model import DraftModel
 from lmserve.engine.logprobs import Ranked, rank_candidates
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
@@ -141,12 +144,14 @@ class LlamaCppBackend:
         num_ctx = min(options.num_ctx, trained) if trained > 0 else options.num_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = options.num_parallel
-        cparams.n_ctx = num_ctx * options.num_parallel
+        # One pool of num_ctx tokens for all slots (each may grow to all of it, as llama-server's -c with
+        # --kv-unified), or num_ctx tokens of its own per slot.
+        cparams.n_ctx = num_ctx if options.kv_unified else num_ctx * options.num_parallel
         cparams.n_batch = options.num_batch
         cparams.n_ubatch = options.num_batch
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = False
+        cparams.kv_unified = options.kv_unified
         cparams.type_k = GGML_TYPES[options.cache_type_k]
         cparams.type_v = GGML_TYPES[options.cache_type_v]
         cparams.flash_attn_type = FLASH_ATTN_TYPES[options.flash_attn]
@@ -192,12 +197,15 @@ class LlamaCppBackend:
         self._mtmd: Any = None  # an mtmd_context pointer, when the model has a vision projector
         self._mtmd_lock = threading.Lock()
         self._image_marker: str | None = None
-        if options.projector:
-            try:
+        self._draft_model: DraftModel | None = None
+        try:
+            if options.projector:
                 self._load_projector(options)
-            except EngineFailure:
-                self.close()
-                raise
+            if options.draft_model:
+                self._load_draft_model(options, num_ctx, threads, path.name)
+        except EngineFailure:
+            self.close()
+            raise
         metadata = self._read_metadata()
         template = lc.llama_model_chat_template(model, None)
         self.info = ModelInfo(
@@ -216,6 +224,7 @@ class LlamaCppBackend:
             image_marker=self._image_marker,
             can_cut_memory=not (lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model)),
             fim=self._fim_tokens(),
+            draft_model=self._draft_model.name if self._draft_model is not None else None,
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------
@@ -370,6 +379,9 @@ class LlamaCppBackend:
             raise InvalidRequest("the output grammar is invalid: llama.cpp could not parse it (see the server log)")
         lc.llama_sampler_free(sampler)
 
+    def clear(self, slot: int) -> None:
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+
     def release(self, slot: int) -> None:
         self._logprob_slots.pop(slot, None)
         sampler = self._samplers.pop(slot, None)
@@ -377,9 +389,13 @@ class LlamaCppBackend:
             lc.llama_sampler_free(sampler)
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
-        for entry in entries:
-            if entry.image is not None:
+        images = [entry for entry in entries if entry.image is not None]
+        for i, entry in enumerate(images):
+            try:
                 self._decode_image(entry)
+            except PoolFull:
+                self._forget(images[: i + 1])
+                raise
         batch = self._batch
         n = 0
         outputs = [-1] * len(entries)
@@ -408,6 +424,9 @@ class LlamaCppBackend:
         if self._governor is not None:
             self._set_threads(self._governor.threads())
         rc = lc.llama_decode(self._ctx, batch)
+        if rc == 1:  # no room in the KV pool: llama.cpp placed nothing of the batch (its prepare undoes every cell)
+            self._forget(images)
+            raise PoolFull(f"no room for a batch of {n} tokens in the KV pool")
         if rc != 0:
             raise EngineFailure(f"llama_decode failed with code {rc}")
         self._ranked.clear()
@@ -423,6 +442,11 @@ class LlamaCppBackend:
                 self._verify(entry, token, output)
             sampled.append(token)
         return sampled
+
+    def _forget(self, images: list[BatchEntry]) -> None:
+        """Drop what image entries of a step that failed for room put in their slots (from each one's position)."""
+        for entry in images:
+            lc.llama_memory_seq_rm(self._memory, entry.slot, entry.pos, -1)
 
     def _verify(self, entry: BatchEntry, first: int, output: int) -> None:
         """Sample after each drafted token of `entry` while the samples agree with the draft (the first sample,
@@ -442,11 +466,20 @@ class LlamaCppBackend:
     def take_drafted(self, slot: int) -> list[int]:
         return self._drafted.pop(slot, [])
 
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        if self._draft_model is None:
+            return {}
+        if self._governor is not None:
+            self._set_threads(self._governor.threads())
+        return self._draft_model.draft(requests)
+
     def _set_threads(self, threads: int) -> None:
-        """Compute the next steps with `threads` threads (ThreadGovernor's choice)."""
+        """Compute the next steps with `threads` threads (ThreadGovernor's choice), the draft model's too."""
         if threads != self._step_threads:
             lc.llama_set_n_threads(self._ctx, threads, threads)
             self._step_threads = threads
+        if self._draft_model is not None:
+            self._draft_model.set_threads(threads)
 
     @property
     def step_threads(self) -> int:
@@ -515,6 +548,8 @@ class LlamaCppBackend:
             self._mtmd, self._ctx, chunk.pointer, embeddings, entry.pos, entry.slot, self._batch_capacity,
             ctypes.byref(new_pos), mtmd.mtmd_helper_post_decode_callback(), None,
         )
+        if rc == 1:
+            raise PoolFull(f"no room for an image of {entry.num_positions} positions in the KV pool")
         if rc != 0:
             raise EngineFailure(f"decoding an image failed with code {rc}")
 
@@ -580,6 +615,9 @@ class LlamaCppBackend:
         return ctx, self._embed_batch
 
     def close(self) -> None:
+        if self._draft_model is not None:
+            self._draft_model.close()
+            self._draft_model = None
         if self._mtmd is not None:
             mtmd.mtmd_free(self._mtmd)
             self._mtmd = None
@@ -630,6 +668,24 @@ class LlamaCppBackend:
         if mtmd.mtmd_decode_use_mrope(context):
             raise EngineFailure("vision models with M-RoPE positions (Qwen2-VL and kin) are not supported yet")
         self._image_marker = marker
+
+    def _load_draft_model(self, options: LoadOptions, num_ctx: int, threads: int, name: str) -> None:
+        """Load `options.draft_model` to draft for this model; a model that cannot cut its memory (hybrid) never
+        drafts, so it gets none (with a warning)."""
+        assert options.draft_model is not None
+        if lc.llama_model_is_hybrid(self._model) or lc.llama_model_is_recurrent(self._model):
+            log.warning("%s has hybrid memory, which cannot be cut back after a rejected draft: it decodes without "
+                        "the draft model %s", name, Path(options.draft_model).name)
+            return
+        draft = DraftModel(options.draft_model, num_slots=options.num_parallel, num_ctx=num_ctx,
+                           num_batch=options.num_batch, threads=threads, num_gpu_layers=options.num_gpu_layers,
+                           p_min=options.draft_p_min)
+        try:
+            draft.pair(self._vocab, name)
+        except EngineFailure:
+            draft.close()
+            raise
+        self._draft_model = draft
 
     @staticmethod
     def _bitmap(image: Bitmap) -> Any:

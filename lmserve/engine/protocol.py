@@ -56,6 +56,9 @@ class ModelInfo:
     """`SamplingParams.grammar` (GBNF) is honoured: structured output and forced tool calls."""
     fim: FimTokens | None = None
     """The vocabulary's fill-in-the-middle tokens (engine/fim.py); None: the model cannot fill in (no `suffix`)."""
+    draft_model: str | None = None
+    """The name of the model that drafts for speculative decoding (`--model-draft`); None: drafts come from the
+    sequence's own context (prompt lookup)."""
 
     @property
     def has_vision(self) -> bool:

@@ -25,6 +25,14 @@ restores the snapshot.
 The n choices of one request (the OpenAI `n`) prefill their prompt once: the first choice prefills it, and the
 others admitted meanwhile wait for it (`fork_of`) and are forked from it when it is done (`forks`/`forked`). A
 choice admitted later, when no slot was free, shares the prompt as any other request does.
+
+When the slots share one KV pool (`--kv-unified`) and a step does not fit in it, the engine asks for room: first
+the prefix caches of idle slots go (`evict_idle`, oldest first), then the newest running sequence is parked
+(`park`, preemption by recompute as in vLLM): its memory is dropped but it keeps its slot and sampler, and when it
+resumes it prefills its prompt and the tokens it has output so far (`num_refill`), samples the token after them
+and goes on as if nothing happened. Parked sequences resume oldest first, one each time a running sequence leaves
+(its memory becomes an evictable prefix cache), or when nothing else could run; no new sequence is admitted while
+one is parked, so the pool is not refilled behind it.
 """
 
 from __future__ import annotations
@@ -65,16 +73,26 @@ class Sequence:
     fork_of: Sequence | None = None
     """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
     this one waits, then takes a whole copy of its memory and samples its first token from the same logits."""
+    is_parked: bool = False
+    """Its memory was dropped to make room in a shared KV pool; it waits to prefill again (`Scheduler.park`)."""
+    num_refill: int = 0
+    """Output tokens prefilled after the prompt, once parked: the prefill recomputes what the slot lost."""
 
     @property
     def held(self) -> list[int]:
         """The tokens whose state this sequence's slot holds now."""
-        decoded = self.output[:-1] if not self.is_prefilling else []
-        return self.prompt[: self.num_prefilled] + decoded
+        if self.is_prefilling:
+            return self.prefill_tokens[: self.num_prefilled]
+        return self.prompt + self.output[:-1]
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What prefill puts in the slot: the prompt, and after a park the output tokens sampled before it."""
+        return self.prompt + self.output[: self.num_refill] if self.num_refill else self.prompt
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt)
+        return self.num_prefilled < len(self.prompt) + self.num_refill
 
     def image_at(self, pos: int) -> PromptImage | None:
         """The image starting at prompt position `pos`, if any."""
@@ -87,7 +105,7 @@ class Sequence:
         """Where the run of text tokens starting at `pos` ends: the next image or checkpoint, or the prompt's end."""
         stops = [image.start for image in self.images if image.start >= pos]
         stops += [checkpoint for checkpoint in self.checkpoints if checkpoint > pos]
-        return min(stops, default=len(self.prompt))
+        return min(stops, default=len(self.prompt) + self.num_refill)
 
     def cut_outside_images(self, pos: int) -> int:
         """`pos`, moved back to an image's start when it falls inside that image (an image is decoded whole)."""
@@ -133,7 +151,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def can_admit(self) -> bool:
-        return bool(self.waiting and self._free_slots)
+        """A sequence waits and a slot is free (and no parked sequence waits for room before it)."""
+        return bool(self.waiting and self._free_slots) and not any(seq.is_parked for seq in self.running)
 
     def admit(self) -> Sequence:
         """Move the oldest waiting sequence into the free slot holding the longest prefix of its prompt.
@@ -238,14 +257,56 @@ class Scheduler:
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
             self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
+            self._resume(1)
             return True
         return False
+
+    def evict_idle(self) -> int | None:
+        """Forget the prefix cache of the free slot that has held it longest; return that slot (its memory must be
+        cleared), or None when no free slot holds anything."""
+        for slot in self._free_slots:
+            if self.slot_tokens[slot]:
+                self.slot_tokens[slot] = []
+                return slot
+        return None
+
+    def park(self) -> Sequence | None:
+        """Park the newest running sequence that could run (its slot's memory must be cleared) and return it; None
+        when at most one could run: it does not fit alone, and parking it would free nothing lasting.
+
+        It keeps its slot (and so its sampler's state); when it resumes it prefills its prompt and its output so
+        far, and the token sampled after them is its next one. Sequences waiting to copy from it prefill alone.
+        """
+        active = [seq for seq in self.running if not seq.is_parked and seq.fork_of is None]
+        if len(active) <= 1:
+            return None
+        seq = active[-1]
+        seq.is_parked = True
+        seq.num_refill = len(seq.output)
+        seq.num_prefilled = 0
+        seq.draft = []
+        seq.leader, seq.share_len = None, 0
+        for other in self.running:
+            if other.leader is seq:
+                other.leader, other.share_len = None, 0
+        return seq
+
+    def _resume(self, count: int) -> None:
+        """Let the `count` oldest parked sequences prefill again."""
+        for seq in self.running:
+            if count <= 0:
+                return
+            if seq.is_parked:
+                seq.is_parked = False
+                count -= 1
 
     def schedule(self) -> list[tuple[Sequence, BatchEntry]]:
         """Plan one step: one token per decoding sequence (and the tokens drafted after it), then prefill chunks
         within the budget."""
         plan: list[tuple[Sequence, BatchEntry]] = []
         budget = self.max_batch_tokens
+        if all(seq.is_parked or seq.fork_of is not None for seq in self.running):
+            self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
         for seq in self.running:
             if not seq.is_prefilling and budget > 0:
                 draft = seq.draft[: budget - 1]
@@ -257,7 +318,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.is_prefilling or seq.leader is not None or seq.fork_of is not None:
+            if not seq.is_prefilling or seq.leader is not None or seq.fork_of is not None or seq.is_parked:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)
@@ -267,8 +328,9 @@ class Scheduler:
                 plan.append((seq, BatchEntry(seq.slot, [], start, False, image=image)))
                 budget -= image.length
             else:
-                chunk = seq.prompt[start : min(start + budget, seq.text_end(start))]
-                is_last = start + len(chunk) == len(seq.prompt)
+                tokens = seq.prefill_tokens
+                chunk = tokens[start : min(start + budget, seq.text_end(start))]
+                is_last = start + len(chunk) == len(tokens)
                 plan.append((seq, BatchEntry(seq.slot, chunk, start, is_last)))
                 budget -= len(chunk)
             has_prefill = True

@@ -253,6 +253,28 @@ async def test_concurrent_drafting_sequences_each_get_their_own_output() -> None
         eng.close()
 
 
+async def test_a_draft_model_drafts_for_every_decoding_sequence_in_one_call() -> None:
+    backend = FakeBackend(num_ctx=512, num_parallel=2, draft_model=True)
+    eng = BatchingEngine(backend, draft_max=6)
+    try:
+        prompts = ["no repeats here", "zebra"]  # nothing to look up: every draft comes from the draft model
+        replies = await asyncio.gather(*(collect(eng, prompt, max_tokens=40) for prompt in prompts))
+        for prompt, (text, last) in zip(prompts, replies, strict=True):
+            assert text == FakeBackend.expected(len(prompt), 40)  # the output of plain decoding
+            assert last.usage is not None and last.usage.draft_accepted_tokens > 10
+        assert any(len(requests) == 2 for requests in backend.draft_requests)  # both sequences in one call
+        for requests in backend.draft_requests:
+            for tokens, most in requests.values():  # the prompt, the output so far (its last token still pending)
+                prompt = next(p.encode() for p in prompts if bytes(tokens).startswith(p.encode()))
+                made = len(tokens) - len(prompt)
+                assert bytes(tokens[len(prompt):]).decode() == FakeBackend.expected(len(prompt), made)
+                assert 0 < most <= min(6, 40 - made)
+        _, off = await collect(eng, "zebra", max_tokens=20, draft_max=0)
+        assert off.usage is not None and off.usage.draft_tokens == 0
+    finally:
+        eng.close()
+
+
 async def test_a_hybrid_model_never_drafts_and_refuses_a_request_asking_to() -> None:
     backend = FakeBackend(num_ctx=512, num_parallel=1)
     backend.info = dataclasses.replace(backend.info, can_cut_memory=False)
