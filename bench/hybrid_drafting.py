@@ -2,11 +2,12 @@
 """Speculative decoding on a hybrid LFM2: would restoring the state after a rejected draft beat refusing to draft?
 
 A hybrid model's convolution state exists only for its last position, so a rejected draft cannot be cut off its
-memory: the engine refuses drafts for it (a 400 for a request asking). The alternative is the state restore path:
-save the slot's state before a drafted step, and after a rejection restore it and decode the pending and accepted
-tokens again. This measures, with the llama.cpp backend directly (`LlamaCppBackend`, one slot, greedy, ``--threads``
-threads, fixed), on random LFM2s written by the tests' generator (tests/tiny_lfm2.py: the tiny one, and the
-LFM2-350M-shaped ``SMALL`` quantized to Q4_0; ``--shapes``), at a context of ``--context`` (512) tokens:
+memory: the engine could refuse drafts for it (as it first did), or take the state restore path (as it does now,
+engine/recurrent_state.py): save the slot's state before a drafted step, and after a rejection restore it and decode
+the pending and accepted tokens again. This measures, with the llama.cpp backend directly (`LlamaCppBackend`, one
+slot, greedy, ``--threads`` threads, fixed), on random LFM2s written by the tests' generator (tests/tiny_lfm2.py:
+the tiny one, and the LFM2-350M-shaped ``SMALL`` quantized to Q4_0; ``--shapes``), at a context of ``--context``
+(512) tokens:
 
 - plain: one decode step of 1 token (what refusing costs per token);
 - drafted(k): one step of the pending token and k drafted ones, logits on every row (k = 1 … 8; the draft is
@@ -123,6 +124,7 @@ class Slot:
         draft = draft or []
         sampled = self.backend.step([BatchEntry(self.slot, [self.pending, *draft], self.pos, True, draft=len(draft))])
         self.backend.take_drafted(self.slot)
+        self.backend._redo.pop(self.slot, None)  # the backend rewound a rejected draft itself: this script redecodes
         self.pos += 1  # drafted tokens stay in the memory (a hybrid one refuses the cut) until restore_partial
         self.pending = sampled[0] or 0
         return self.pending

@@ -226,7 +226,7 @@ class ServerConfig:
                             metavar="N", engine="llamacpp", shown=f"0, off; {DRAFT_MODEL_MAX} with --model-draft",
                             help="speculative decoding: draft up to N tokens per step from the sequence's own "
                             "context (prompt lookup) or the draft model, and keep what the model agrees with; the "
-                            "output is unchanged (a request's draft_max overrides it; hybrid models never draft)")
+                            "output is unchanged (a request's draft_max overrides it)")
     model_draft: str | None = option(None, "-md", "--model-draft", env="MODEL_DRAFT", metavar="PATH",
                                      engine="llamacpp",
                                      help="speculative decoding with a small GGUF of the same vocabulary (e.g. a "

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import llama_cpp as lc
 import ollama
 import pytest
@@ -215,6 +216,17 @@ def test_streamed_chat_equals_the_whole_reply(server: Server) -> None:
         chunks = list(client.chat.completions.create(model=SERVED, messages=messages, temperature=0, max_tokens=10,
                                                      stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+
+def test_a_hybrid_model_drafts_on_request_and_answers_the_same(server: Server) -> None:
+    """Speculative decoding on hybrid memory (engine/recurrent_state.py), asked per request through the native API."""
+    body = {"model": SERVED, "stream": False, "messages": [{"role": "user", "content": "abc abc abc abc abc abc"}],
+            "options": {"temperature": 0, "num_predict": 60}}
+    plain = httpx.post(server.base_url + "/api/chat", json=body, timeout=60).json()
+    drafted = httpx.post(server.base_url + "/api/chat", timeout=60,
+                         json={**body, "options": {**body["options"], "draft_max": 8}}).json()
+    assert drafted["message"]["content"] == plain["message"]["content"]
+    assert drafted["draft_count"] > 0 and "draft_count" not in plain
 
 
 def test_tiny_model_is_hybrid_and_tokenizes_specials(model_dir: Path) -> None:

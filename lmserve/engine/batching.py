@@ -187,10 +187,6 @@ class BatchingEngine:
         _check_prompt(prompt, images, num_vocab)
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
-        if sampling.draft_max and not self.info.can_cut_memory:
-            raise InvalidRequest("speculative decoding (draft_max) needs a model whose memory can be cut back after a "
-                                 f"rejected draft; {self.info.architecture}'s hybrid memory cannot: use draft_max 0",
-                                 param="draft_max")
         if sampling.grammar is not None:
             if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
                 raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
@@ -429,14 +425,14 @@ class BatchingEngine:
     def _draft(self, decoding: list[Sequence]) -> None:
         """Set the tokens each decoding sequence drafts after its pending one: from the draft model when the backend
         has one (engine/draft_model.py), else looked up in its own context (engine/drafting.py). None unless
-        speculative decoding is on for it, the model's memory can be cut (a rejected draft is cut off), and no
-        logprobs or images are asked."""
+        speculative decoding is on for it and no logprobs or images are asked (a rejected draft is cut off the
+        slot's memory, or a hybrid model's is rewound: engine/recurrent_state.py)."""
         caps: dict[Sequence, tuple[int, int]] = {}
         for seq in decoding:
             seq.draft = []
             most = self.draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
             limit = min(most, seq.max_new_tokens - len(seq.output) - 1)
-            if limit > 0 and self.info.can_cut_memory and seq.sampling.logprobs is None and not seq.images:
+            if limit > 0 and seq.sampling.logprobs is None and not seq.images:
                 caps[seq] = most, limit
         if not caps:
             return

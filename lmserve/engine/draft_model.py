@@ -5,7 +5,8 @@ Each step, for every sequence that may draft, it brings its memory of that slot 
 what changed since the last step: the common prefix stays, a rejected tail is cut), then extends all of them
 greedily together, one batch per drafted position, while its top token's probability is at least `p_min`. The
 target verifies the drafts in its own step, beside the other sequences' tokens (engine/llamacpp.py `_verify`), so
-drafts never change the output: a sequence keeps the drafted tokens the target itself samples.
+drafts never change the output: a sequence keeps the drafted tokens the target itself samples. A draft model with
+recurrent memory (LFM2) is rewound to the context after each draft (engine/recurrent_state.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
+from lmserve.engine import recurrent_state
 from lmserve.errors import EngineFailure
 from lmserve.types import DRAFT_P_MIN
 
@@ -41,11 +43,8 @@ class DraftModel:
         self.name = path.name
         self.p_min = p_min
         self._model = model
-        self._ctx: lc.llama_context_p | None = None
-        if lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model):
-            self.close()
-            raise EngineFailure(f"the draft model {path.name} has recurrent memory, which cannot be cut back after "
-                                "a rejected draft: draft with a transformer model")
+        self._recurrent = bool(lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model))
+        """Its memory cannot be cut (LFM2): each draft is rewound after it is made (engine/recurrent_state.py)."""
         self.vocab = lc.llama_model_get_vocab(model)
         self.num_vocab = lc.llama_vocab_n_tokens(self.vocab)
         cparams = lc.llama_context_default_params()
@@ -59,7 +58,7 @@ class DraftModel:
         cparams.no_perf = True
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
-            self.close()
+            lc.llama_model_free(model)
             raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for the draft model "
                                 f"{path.name}")
         self._ctx = ctx
@@ -106,7 +105,9 @@ class DraftModel:
         """For each slot → (its sequence's tokens, the last one not yet decoded by the target; most tokens to
         draft): the greedy continuation, up to that many tokens, stopping before a token below `p_min`."""
         limits = {slot: min(most, self.num_ctx - len(tokens)) for slot, (tokens, most) in requests.items()}
-        rows = self._sync({slot: tokens for slot, (tokens, _) in requests.items() if limits[slot] > 0})
+        contexts = {slot: tokens for slot, (tokens, _) in requests.items() if limits[slot] > 0}
+        rows = self._sync(contexts)
+        saved = {slot: recurrent_state.save(self._ctx, slot) for slot in rows} if self._recurrent else {}
         drafts: dict[int, list[int]] = {slot: [] for slot in requests}
         while rows:
             step: list[tuple[int, int]] = []
@@ -121,7 +122,18 @@ class DraftModel:
             for slot, token in step:
                 self._held[slot].append(token)
             rows = self._decode(batch)
+        for slot, state in saved.items():  # back to the context alone: a drafted tail could not be cut later
+            if len(self._held[slot]) > len(contexts[slot]):
+                self._forget(slot, state, len(contexts[slot]))
         return drafts
+
+    def _forget(self, slot: int, state: bytes, pos: int) -> None:
+        """Rewind a recurrent slot to its first `pos` positions, whose recurrent state is `state`."""
+        if recurrent_state.rewind(self._ctx, slot, state, pos):
+            del self._held[slot][pos:]
+        else:
+            lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            self._held[slot] = []
 
     def _sync(self, contexts: dict[int, list[int]]) -> dict[int, int]:
         """Make each slot's memory hold its context (cutting what differs, decoding what is new, at least the last
@@ -135,7 +147,9 @@ class DraftModel:
             while common < most and held[common] == tokens[common]:
                 common += 1
             if common < len(held):
-                lc.llama_memory_seq_rm(self._memory, slot, common, -1)
+                if not lc.llama_memory_seq_rm(self._memory, slot, common, -1):  # recurrent memory: start over
+                    lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+                    common = 0
                 del held[common:]
             pending += [(slot, pos, tokens[pos], False) for pos in range(common, len(tokens) - 1)]
             last.append((slot, len(tokens) - 1, tokens[-1], True))
@@ -176,7 +190,7 @@ class DraftModel:
         return token if probability >= self.p_min else None
 
     def close(self) -> None:
-        if self._ctx is not None:
+        if self._ctx:
             lc.llama_batch_free(self._batch)
             lc.llama_free(self._ctx)
             self._ctx = None

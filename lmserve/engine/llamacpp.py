@@ -23,7 +23,7 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
-from lmserve.engine import fim
+from lmserve.engine import fim, recurrent_state
 from lmserve.engine.backend import BatchEntry, PoolFull
 from lmserve.engine.cpu_load import ThreadGovernor
 from lmserve.engine.draft_model import DraftModel
@@ -186,6 +186,9 @@ class LlamaCppBackend:
         self._ranked: dict[int, Ranked] = {}
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._drafted: dict[int, list[int]] = {}
+        self._redo: dict[int, tuple[int, list[int]]] = {}
+        """Slots of a hybrid model rewound after a rejected draft → (position, the accepted tokens to decode again
+        there), decoded before anything else touches the memory (`_redecode`)."""
         """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
@@ -309,6 +312,7 @@ class LlamaCppBackend:
     # ---- slots ----------------------------------------------------------------------------------
 
     def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+        self._redecode()
         if num_reused <= 0 or not lc.llama_memory_seq_rm(self._memory, slot, num_reused, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)  # hybrid/recurrent memory cannot be cut
             num_reused = 0
@@ -331,6 +335,7 @@ class LlamaCppBackend:
         """
         if not self.info.can_cut_memory:
             return False
+        self._redecode()
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         lc.llama_memory_seq_cp(self._memory, source, slot, -1, -1)
         if not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
@@ -355,12 +360,14 @@ class LlamaCppBackend:
         return tokens
 
     def save_state(self, slot: int) -> bytes:
+        self._redecode()
         size = lc.llama_state_seq_get_size(self._ctx, slot)
         buf = (ctypes.c_uint8 * size)()
         written = lc.llama_state_seq_get_data(self._ctx, buf, size, slot)
         return ctypes.string_at(buf, written)
 
     def restore_state(self, slot: int, state: bytes) -> bool:
+        self._redo.pop(slot, None)
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0:
@@ -380,6 +387,7 @@ class LlamaCppBackend:
         lc.llama_sampler_free(sampler)
 
     def clear(self, slot: int) -> None:
+        self._redo.pop(slot, None)
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
 
     def release(self, slot: int) -> None:
@@ -396,6 +404,9 @@ class LlamaCppBackend:
             except PoolFull:
                 self._forget(images[: i + 1])
                 raise
+        self._redecode()
+        rewinds = {} if self.info.can_cut_memory else \
+            {entry.slot: recurrent_state.save(self._ctx, entry.slot) for entry in entries if entry.draft}
         batch = self._batch
         n = 0
         outputs = [-1] * len(entries)
@@ -439,7 +450,7 @@ class LlamaCppBackend:
                 continue
             token = self._sample(entry.slot, output)
             if entry.draft:
-                self._verify(entry, token, output)
+                self._verify(entry, token, output, rewinds.get(entry.slot))
             sampled.append(token)
         return sampled
 
@@ -448,9 +459,11 @@ class LlamaCppBackend:
         for entry in images:
             lc.llama_memory_seq_rm(self._memory, entry.slot, entry.pos, -1)
 
-    def _verify(self, entry: BatchEntry, first: int, output: int) -> None:
+    def _verify(self, entry: BatchEntry, first: int, output: int, recurrent: bytes | None) -> None:
         """Sample after each drafted token of `entry` while the samples agree with the draft (the first sample,
-        `first`, came from row `output`); keep the agreed tokens in the slot's memory and forget the rest."""
+        `first`, came from row `output`); keep the agreed tokens in the slot's memory and forget the rest: cut
+        them off, or for a hybrid model put back the `recurrent` state saved before the step and decode the agreed
+        tokens again (engine/recurrent_state.py)."""
         draft = entry.tokens[1:]
         taken: list[int] = []
         token = first
@@ -460,8 +473,36 @@ class LlamaCppBackend:
         self._drafted[entry.slot] = taken
         self._last_rows[entry.slot] = output + len(taken)
         agreed = entry.pos + 1 + len(taken)  # the pending token, then the drafted tokens the samples agreed with
-        if agreed < entry.pos + len(entry.tokens):
+        if agreed == entry.pos + len(entry.tokens):
+            return
+        if recurrent is None:
             lc.llama_memory_seq_rm(self._memory, entry.slot, agreed, -1)
+        elif recurrent_state.rewind(self._ctx, entry.slot, recurrent, entry.pos):
+            self._redo[entry.slot] = entry.pos, entry.tokens[: 1 + len(taken)]
+        else:
+            raise EngineFailure("llama.cpp could not put back a hybrid sequence's state after a rejected draft")
+
+    def _redecode(self) -> None:
+        """Decode again what rewinds after rejected drafts took back (`_redo`), every such slot in one batch. Its
+        logits are not needed: the next tokens were sampled in the drafted step."""
+        rows = [(slot, pos + i, token) for slot, (pos, tokens) in sorted(self._redo.items())
+                for i, token in enumerate(tokens)]
+        batch = self._batch
+        for start in range(0, len(rows), self._batch_capacity):
+            chunk = rows[start:start + self._batch_capacity]
+            for n, (slot, pos, token) in enumerate(chunk):
+                batch.token[n] = token
+                batch.pos[n] = pos
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = slot
+                batch.logits[n] = False
+            batch.n_tokens = len(chunk)
+            rc = lc.llama_decode(self._ctx, batch)
+            if rc == 1 and start == 0:  # nothing of it placed: the engine makes room and steps again
+                raise PoolFull(f"no room to decode {len(rows)} rewound tokens again in the KV pool")
+            if rc != 0:
+                raise EngineFailure(f"llama_decode failed with code {rc} decoding rewound tokens again")
+        self._redo.clear()
 
     def take_drafted(self, slot: int) -> list[int]:
         return self._drafted.pop(slot, [])
@@ -670,13 +711,8 @@ class LlamaCppBackend:
         self._image_marker = marker
 
     def _load_draft_model(self, options: LoadOptions, num_ctx: int, threads: int, name: str) -> None:
-        """Load `options.draft_model` to draft for this model; a model that cannot cut its memory (hybrid) never
-        drafts, so it gets none (with a warning)."""
+        """Load `options.draft_model` to draft for this model (EngineFailure unless they share the vocabulary)."""
         assert options.draft_model is not None
-        if lc.llama_model_is_hybrid(self._model) or lc.llama_model_is_recurrent(self._model):
-            log.warning("%s has hybrid memory, which cannot be cut back after a rejected draft: it decodes without "
-                        "the draft model %s", name, Path(options.draft_model).name)
-            return
         draft = DraftModel(options.draft_model, num_slots=options.num_parallel, num_ctx=num_ctx,
                            num_batch=options.num_batch, threads=threads, num_gpu_layers=options.num_gpu_layers,
                            p_min=options.draft_p_min)

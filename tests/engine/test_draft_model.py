@@ -95,20 +95,32 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(model_path: 
         LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(tiny[0])))
 
 
-def test_a_draft_model_with_recurrent_memory_or_no_file_is_refused(tiny: tuple[Path, Path], tmp_path: Path) -> None:
-    hybrid = write_tiny_lfm2(tmp_path / "lfm2.gguf")
-    with pytest.raises(EngineFailure, match="recurrent memory, which cannot be cut"):
-        LlamaCppBackend(tiny[0], LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(hybrid)))
+def test_a_missing_draft_model_is_refused(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(EngineFailure, match="draft model file not found"):
         LlamaCppBackend(tiny[0], LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(tmp_path / "none.gguf")))
 
 
-def test_a_hybrid_target_loads_without_its_draft_model(tiny: tuple[Path, Path], tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    backend = LlamaCppBackend(write_tiny_lfm2(tmp_path / "lfm2.gguf"),
-                              LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(tiny[0])))
+@ASYNC
+async def test_an_lfm2_drafts_for_an_lfm2_and_both_rewind_their_state(tmp_path: Path) -> None:
+    """Hybrid memory on both sides: the draft model rewinds to the context after each draft, the target after each
+    rejected draft (engine/recurrent_state.py); the output is plain decoding's."""
+    target = write_tiny_lfm2(tmp_path / "target.gguf")
+    other = write_tiny_lfm2(tmp_path / "other.gguf", seed=1)
+    plain = open_engine(target)
     try:
-        assert backend.info.draft_model is None
-        assert "decodes without the draft model target.gguf" in caplog.text
+        for draft in (target, other):
+            drafting = open_engine(target, draft, parallel=2)
+            try:
+                prompts = ["abcabcabc", "hello hello"]
+                expected = [(await reply(plain, prompt, temperature=0, max_tokens=60))[0] for prompt in prompts]
+                got = await asyncio.gather(*(reply(drafting, prompt, temperature=0, max_tokens=60)
+                                             for prompt in prompts))
+                assert [tokens for tokens, _ in got] == expected
+                usages = [last.usage for _, last in got if last.usage is not None]
+                assert sum(usage.draft_tokens for usage in usages) > 0
+                if draft == target:  # the same weights, greedy: every draft is the target's own choice
+                    assert all(usage.draft_accepted_tokens == usage.draft_tokens for usage in usages)
+            finally:
+                drafting.close()
     finally:
-        backend.close()
+        plain.close()

@@ -18,6 +18,7 @@ from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
+from tests.tiny_lfm2 import write_tiny_lfm2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -113,6 +114,29 @@ async def test_a_tiny_random_model_decodes_the_same_with_drafts(tmp_path: Path) 
             got, last = await reply(drafting_engine, prompt, **sampling)
             assert got == expected
             assert last.usage is not None and (last.usage.draft_accepted_tokens > 0 or seed is not None)
+    finally:
+        plain_engine.close()
+        drafting_engine.close()
+
+
+async def test_a_hybrid_lfm2_drafts_and_rewinds_to_the_same_output(tmp_path: Path) -> None:
+    """LFM2's convolution state cannot be cut: a rejected draft rewinds it (engine/recurrent_state.py) and the
+    accepted tokens are decoded again; alone and two at once, greedy and seeded, the output is plain decoding's."""
+    path = write_tiny_lfm2(tmp_path / "lfm2.gguf")
+    plain_engine, drafting_engine = open_engine(path, 0, parallel=2), open_engine(path, 8, parallel=2)
+    try:
+        prompts = ["abcabcabc", "hello hello hello"]
+        drafted = accepted = 0
+        for seed in (None, 7):
+            sampling = {"temperature": 0 if seed is None else 1.0, "seed": seed, "max_tokens": 100}
+            expected = [(await reply(plain_engine, prompt, **sampling))[0] for prompt in prompts]
+            got = await asyncio.gather(*(reply(drafting_engine, prompt, **sampling) for prompt in prompts))
+            assert [tokens for tokens, _ in got] == expected
+            for _, last in got:
+                assert last.usage is not None
+                drafted += last.usage.draft_tokens
+                accepted += last.usage.draft_accepted_tokens
+        assert drafted > accepted > 0  # drafts both taken and rejected (rewound)
     finally:
         plain_engine.close()
         drafting_engine.close()
