@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.test_server import MODEL, Server
+from tests.test_speculative_e2e import metric
 
 TOPICS = ["a dragon", "a robot", "the sea", "a lighthouse", "a cat", "the moon", "a forest", "a city"]
 
@@ -40,6 +41,7 @@ def test_chats_outgrowing_the_shared_pool_all_finish(server: Server) -> None:
     with ThreadPoolExecutor(len(TOPICS)) as pool:
         replies = list(pool.map(lambda topic: chat(server, topic), TOPICS))
     assert sum(prompt + completion for _, _, prompt, completion in replies) > 1024  # more than the pool holds
+    assert metric(server, "lmserve_preemptions_total") > 0  # paused for room, recomputed, and finished
     for text, finish, _, completion in replies:
         assert finish in ("length", "stop")
         assert completion > 40 and len(text) > 100

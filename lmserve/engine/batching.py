@@ -281,7 +281,7 @@ class BatchingEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns)
+        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, preemptions=self.num_parked)
 
     def close(self) -> None:
         with self._cond:
