@@ -53,10 +53,16 @@ def init_llama_backend() -> None:
             _backend_ready = True
 
 
+_HANDLED_ERRORS = ("failed to prepare attention ubatches",)
+"""llama.cpp errors the engine handles: a hybrid model's batch finding no room in a shared KV pool (PoolFull)."""
+
+
 @lc.llama_log_callback  # type: ignore[untyped-decorator]
 def _silent_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     if level == _GGML_LOG_LEVEL_ERROR:
-        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+        message = text.decode("utf-8", "replace").rstrip()
+        log.log(logging.DEBUG if any(part in message for part in _HANDLED_ERRORS) else logging.ERROR,
+                "llama.cpp: %s", message)
 
 
 class _ImageChunk:
