@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/lmserve serve $(ARGS)
 
-test: $(STAMP) browser $(FAL_STAMP)
+test: $(STAMP) browser $(FAL_STAMP) converter
 	$(PY) -m pytest
 
 # The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its

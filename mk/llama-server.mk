@@ -39,22 +39,27 @@ LLAMA_SERVER_CMAKE_FLAGS ?= \
 
 BENCH_DEPS ?= sse-starlette 'starlette-context>=0.3.6,<0.4' pydantic-settings PyYAML
 
-.PHONY: llama-server llama-server-clean bench-deps
+.PHONY: llama-server llama-server-clean bench-deps converter
 
 llama-server: $(LLAMA_SERVER_BIN)
 
-$(LLAMA_SERVER_BIN):
+# `make converter` fetches the same sources only: their convert_hf_to_gguf.py turns the tests' tiny LFM2
+# repositories into GGUFs (tests/hf_repos.py), so `make test` needs it and no build.
+converter: $(LLAMA_SERVER_SRC)/CMakeLists.txt
+
+$(LLAMA_SERVER_SRC)/CMakeLists.txt:
 	@set -e; \
-	if [ ! -f "$(LLAMA_SERVER_SRC)/CMakeLists.txt" ]; then \
-		mkdir -p "$(LLAMA_SERVER_SDIST_DIR)" "$(LLAMA_SERVER_CACHE)/src"; \
-		sdist="$(LLAMA_SERVER_SDIST_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz"; \
-		if [ ! -f "$$sdist" ]; then \
-			echo "llama-server: downloading llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) sdist"; \
-			$(VENV_PYTHON) -m pip download --no-deps --no-binary :all: \
-				"llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" -d "$(LLAMA_SERVER_SDIST_DIR)"; \
-		fi; \
-		tar -xzf "$$sdist" -C "$(LLAMA_SERVER_CACHE)/src"; \
-	fi
+	mkdir -p "$(LLAMA_SERVER_SDIST_DIR)" "$(LLAMA_SERVER_CACHE)/src"; \
+	sdist="$(LLAMA_SERVER_SDIST_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz"; \
+	if [ ! -f "$$sdist" ]; then \
+		echo "llama.cpp sources: downloading llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) sdist"; \
+		$(VENV_PYTHON) -m pip download --no-deps --no-binary :all: \
+			"llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" -d "$(LLAMA_SERVER_SDIST_DIR)"; \
+	fi; \
+	tar -xzf "$$sdist" -C "$(LLAMA_SERVER_CACHE)/src"; \
+	touch "$@"
+
+$(LLAMA_SERVER_BIN): $(LLAMA_SERVER_SRC)/CMakeLists.txt
 	cmake -S "$(LLAMA_SERVER_SRC)" -B "$(LLAMA_SERVER_BUILD)" $(LLAMA_SERVER_CMAKE_FLAGS)
 	cmake --build "$(LLAMA_SERVER_BUILD)" --config Release --target llama-server -j$(LLAMA_SERVER_JOBS)
 	@test -x "$@" && echo "llama-server: built $@"

@@ -6,12 +6,24 @@
   small enough to compare token for token with transformers, and its heads split over tensor-parallel ranks
   (SmolLM2's 9 heads do not split in 2).
 - `tiny_lfm2_repo()`: a random LFM2 (hybrid: conv, conv, attention, conv; hidden 64, head_dim 32 — vLLM's CPU
-  attention refuses smaller heads) with SmolLM2's tokenizer and LFM2's chat template: plumbing, not wording.
+  attention refuses smaller heads, FFN 128) with SmolLM2's tokenizer and LFM2's chat template: plumbing, not wording.
+- `tiny_lfm2_attention_repo()`: the same LFM2 with attention in all four layers (no convolution).
+- `tiny_lfm2_moe_repo()`: a random LFM2-MoE (transformers' Lfm2MoeForCausalLM: conv, conv, attention, conv; layer 0
+  a dense FFN, the others 4 experts of 64 with top-2 sigmoid routing and a random expert bias).
 - `tiny_lfm2_vl_repo()`: a random LFM2-VL (that LFM2 plus a 3-layer SigLIP2 encoder, hidden 64, and the projector)
   with SmolLM2's tokenizer and LFM2-VL's image tokens added (`<image>` first, 49152) and its image processor's
   settings: vLLM serves it where torchvision works (its LFM2-VL image processor needs it).
 
-Both are built once per machine under the temporary directory (`lmserve-test-repos/<name>-v<N>`, written to a
+Each LFM2 member is self-consistent: config.json is the built config's own (`block_auto_adjust_ff_dim=False`,
+`block_multiple_of=32`, so the FFN really is `intermediate_size` wide, and the keys vLLM reads: `block_dim`,
+`conv_dim`…), the one the weights were made with. (Version 2 kept transformers' default rounding, saved a 256-wide
+FFN and patched config.json to say 128: transformers and llama.cpp refused it, vLLM used half of each FFN.)
+
+`lfm2_gguf(repo)`: the GGUF form of a member's text model (float32, tensors unchanged; a vision member's projector
+with `projector=True`), converted from the repository by llama.cpp's own `convert_hf_to_gguf.py` from the
+llama-cpp-python source distribution (`make llama-server` fetches it; `ConverterMissing` says so where it is absent).
+
+All are built once per machine under the temporary directory (`lmserve-test-repos/<name>-v<N>`, written to a
 temporary sibling and renamed into place, so concurrent test runs never see half a repository). Run as a script
 (`python -m tests.hf_repos`) to print their paths, building them first.
 """
@@ -21,13 +33,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from lmserve.store.embedded import embedded_model_path
 
-VERSION = 2
+VERSION = 3
 """Bump when a repository's recipe changes, so cached copies are rebuilt."""
 
 LFM2_TEMPLATE = (
@@ -58,9 +72,57 @@ def tiny_lfm2_repo() -> Path:
     return _cached("tiny-lfm2", _write_tiny_lfm2)
 
 
+def tiny_lfm2_attention_repo() -> Path:
+    """A tiny random LFM2 repository with attention in every layer (SmolLM2's tokenizer)."""
+    return _cached("tiny-lfm2-attention", _write_tiny_lfm2_attention)
+
+
+def tiny_lfm2_moe_repo() -> Path:
+    """A tiny random LFM2-MoE repository (experts, top-k routing, expert bias; SmolLM2's tokenizer)."""
+    return _cached("tiny-lfm2-moe", _write_tiny_lfm2_moe)
+
+
 def tiny_lfm2_vl_repo() -> Path:
     """A tiny random LFM2-VL repository (SmolLM2's tokenizer with LFM2-VL's image tokens)."""
     return _cached("tiny-lfm2-vl", _write_tiny_lfm2_vl)
+
+
+class ConverterMissing(RuntimeError):
+    """llama.cpp's `convert_hf_to_gguf.py` is not on this machine."""
+
+
+def converter_script() -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` in the llama-cpp-python source distribution of the installed version,
+    where `make llama-server` unpacks it; ConverterMissing (saying how to get it) where it is absent."""
+    import llama_cpp
+
+    cache = Path(os.environ.get("LLAMA_SERVER_CACHE", Path.home() / ".cache" / "lmserve" / "llama-server"))
+    source = cache / "src" / f"llama_cpp_python-{llama_cpp.__version__}" / "vendor" / "llama.cpp"
+    script = source / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise ConverterMissing(
+            f"llama.cpp's converter is not at {script}: `make llama-server` downloads the llama-cpp-python "
+            f"{llama_cpp.__version__} source distribution and unpacks it there (needs the network once)")
+    return script
+
+
+def lfm2_gguf(repo: Path, *, projector: bool = False) -> Path:
+    """The GGUF form of an LFM2 repository (float32), converted by llama.cpp's converter, cached beside it: the text
+    model, or with `projector` a vision repository's projector (mmproj)."""
+    final = repo.parent / f"{repo.name}{'-mmproj' if projector else ''}.gguf"
+    if final.is_file():
+        return final
+    script = converter_script()
+    work = final.parent / f".{final.name}-{os.getpid()}"
+    command = [sys.executable, str(script), str(repo), "--outfile", str(work), "--outtype", "f32"]
+    try:
+        subprocess.run(command + (["--mmproj"] if projector else []), check=True, capture_output=True, text=True)
+        os.replace(work, final)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {repo}:\n{exc.stderr[-2000:]}") from None
+    finally:
+        work.unlink(missing_ok=True)
+    return final
 
 
 def _cached(name: str, write: Callable[[Path], None]) -> Path:
@@ -108,31 +170,67 @@ def _write_tiny_llama(out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def _write_tiny_lfm2(out: Path) -> None:
-    import torch
-    from transformers import Lfm2Config, Lfm2ForCausalLM
+LFM2_HYBRID = ("conv", "conv", "full_attention", "conv")
 
+
+def lfm2_text_config(vocab: int, layer_types: tuple[str, ...]) -> dict[str, object]:
+    """The tiny LFM2 text model's config keywords: what transformers builds from and the keys vLLM reads
+    (`block_dim`, `conv_dim`…, which Lfm2Config keeps and saves), all describing the same weights."""
+    return dict(
+        model_type="lfm2", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=2, num_key_value_heads=1, layer_types=list(layer_types), max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        block_auto_adjust_ff_dim=False, block_multiple_of=32,  # the FFN is intermediate_size wide, not rounded up
+        block_dim=64, block_ffn_dim_multiplier=1.0, conv_dim=64, conv_dim_out=64, conv_L_cache=3, conv_bias=False,
+        norm_eps=1e-5,
+        initializer_range=0.2,  # loud enough that a reply depends on its prompt (the default gives one newline)
+    )
+
+
+def _copy_tokenizer(out: Path) -> int:
+    """SmolLM2's tokenizer and LFM2's chat template into `out`; the vocabulary size."""
     smol = smollm2_repo()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol / name, out / name)
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    layer_types = ["conv", "conv", "full_attention", "conv"]
-    config = Lfm2Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, layer_types=layer_types, max_position_embeddings=2048, bos_token_id=1,
-        eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-        initializer_range=0.2,  # loud enough that a reply depends on its prompt (the default gives one newline)
+    (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
+    return int(json.loads((smol / "config.json").read_text())["vocab_size"])
+
+
+def _write_lfm2(out: Path, layer_types: tuple[str, ...]) -> None:
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    keywords = lfm2_text_config(_copy_tokenizer(out), layer_types)
+    keywords.pop("model_type")
+    torch.manual_seed(0)
+    Lfm2ForCausalLM(Lfm2Config(**keywords)).to(torch.bfloat16).save_pretrained(out)
+
+
+def _write_tiny_lfm2(out: Path) -> None:
+    _write_lfm2(out, LFM2_HYBRID)
+
+
+def _write_tiny_lfm2_attention(out: Path) -> None:
+    _write_lfm2(out, ("full_attention",) * 4)
+
+
+def _write_tiny_lfm2_moe(out: Path) -> None:
+    import torch
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    config = Lfm2MoeConfig(
+        vocab_size=_copy_tokenizer(out), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, layer_types=list(LFM2_HYBRID),
+        num_dense_layers=1, num_experts=4, num_experts_per_tok=2, use_expert_bias=True, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True, initializer_range=0.2,
     )
     torch.manual_seed(0)
-    model = Lfm2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    # vLLM's LFM2 reads the original config keys, which transformers' Lfm2Config does not write.
-    saved = json.loads((out / "config.json").read_text())
-    saved.update(block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
-                 block_auto_adjust_ff_dim=False, conv_dim=64, conv_dim_out=64, conv_L_cache=3, conv_bias=False,
-                 norm_eps=1e-5, layer_types=layer_types)
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
-    (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
+    model = Lfm2MoeForCausalLM(config)
+    with torch.no_grad():  # a zero bias (the initial one) would leave the routing's bias path untested
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("expert_bias"):
+                tensor.copy_(torch.randn_like(tensor) * 0.5)
+    model.to(torch.bfloat16).save_pretrained(out)
 
 
 LFM2_VL_SPECIALS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
@@ -159,11 +257,8 @@ def _write_tiny_lfm2_vl(out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_repo())
     tokenizer.add_tokens(LFM2_VL_SPECIALS, special_tokens=True)
     tokenizer.save_pretrained(out)
-    layer_types = ["conv", "conv", "full_attention", "conv"]
-    text = dict(model_type="lfm2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, layer_types=layer_types,
-                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                initializer_range=0.2)  # layers louder than the (tied) embeddings: the reply follows the context
+    text = lfm2_text_config(len(tokenizer), LFM2_HYBRID)  # layers louder than the (tied) embeddings
+    text["architectures"] = ["Lfm2ForCausalLM"]  # as released; llama.cpp's converter finds the text model by it
     vision = dict(model_type="siglip2_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=2, patch_size=16, num_patches=256, vision_use_head=False)
     config = Lfm2VlConfig(text_config=text, vision_config=vision, projector_hidden_size=64, downsample_factor=2,
@@ -174,11 +269,6 @@ def _write_tiny_lfm2_vl(out: Path) -> None:
     weights = load_file(out / "model.safetensors")
     save_file({name.replace("model.vision_tower.", "model.vision_tower.vision_model.", 1): tensor
                for name, tensor in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    saved = json.loads((out / "config.json").read_text())
-    saved["text_config"].update(block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
-                                block_auto_adjust_ff_dim=False, conv_dim=64, conv_dim_out=64, conv_L_cache=3,
-                                conv_bias=False, norm_eps=1e-5, layer_types=layer_types)
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(LFM2_VL_PREPROCESSOR, indent=2))
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Lfm2VlProcessor"}, indent=2))
     (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
@@ -187,5 +277,7 @@ def _write_tiny_lfm2_vl(out: Path) -> None:
 if __name__ == "__main__":
     print(smollm2_repo())
     print(tiny_llama_repo())
-    print(tiny_lfm2_repo())
-    print(tiny_lfm2_vl_repo())
+    print(tiny_lfm2_repo(), lfm2_gguf(tiny_lfm2_repo()))
+    print(tiny_lfm2_attention_repo(), lfm2_gguf(tiny_lfm2_attention_repo()))
+    print(tiny_lfm2_moe_repo(), lfm2_gguf(tiny_lfm2_moe_repo()))
+    print(tiny_lfm2_vl_repo(), lfm2_gguf(tiny_lfm2_vl_repo()), lfm2_gguf(tiny_lfm2_vl_repo(), projector=True))

@@ -32,6 +32,7 @@ from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
+from lmserve.engine.weights_check import check_weights
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
@@ -104,11 +105,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "logprobs_mode": "processed_logprobs",  # the sampling distribution's, as on llama.cpp (engine/logprobs.py)
     }
     compilation: dict[str, Any] = {}
-    if options.is_cpu and is_hybrid(config):
-        # vLLM's CPU rotary kernel misplaces positions in a (tokens, heads, head_dim) query/key, which LFM2 passes
-        # (its RoPE follows per-head norms): every head but the first attends wrongly, and a reply depends on what
-        # else is in the batch. The op's PyTorch form is exact.
-        compilation["custom_ops"] = ["-rotary_embedding"]
+    if options.is_cpu and cpu_rope_kernel_wrong(config):
+        compilation["custom_ops"] = ["-rotary_embedding"]  # vLLM's PyTorch RoPE instead (CPU_ROPE_KERNEL_WRONG)
     if options.is_cpu and options.pipeline_parallel_size > 1 and not options.torch_compile:
         # vLLM's CPU build sets up the buffers a later pipeline stage reads only in its warm-up, which eager mode
         # skips: trace the graph once (no inductor) instead.
@@ -136,6 +134,27 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["enable_chunked_prefill"] = True
         args["max_num_batched_tokens"] = max(options.prefill_chunk, options.num_parallel)
     return args
+
+
+CPU_ROPE_KERNEL_WRONG: dict[str, str] = {
+    "lfm2": "its attention norms each head of q and k, then hands RoPE a (tokens, heads, head_dim) query and key",
+}
+"""Model families (a prefix of config.json's model_type, its text_config's, or, case aside, an architecture's) that
+vLLM's CPU `rotary_embedding` kernel computes wrongly, and why: lmserve turns the kernel off for them on CPU.
+
+The kernel (csrc/cpu/pos_encoding.cpp) takes a 3-D query for a 2-D one: it reads one head per row (the last
+dimension over head_size) and rotates only the first len(positions) rows, row r with positions[r]. Flattened,
+row t*heads+h gets token r's position or none: keys and queries are right only with one head each, and a prompt
+is exact only at position 0 (the identity). A tiny LFM2 is off by 0.1-4 nats from its second token on,
+LFM2-MoE and the all-attention LFM2 alike; with the PyTorch form it matches transformers to 2e-5."""
+
+
+def cpu_rope_kernel_wrong(config: dict[str, Any]) -> bool:
+    """Whether the model config.json describes is in CPU_ROPE_KERNEL_WRONG."""
+    text = config.get("text_config") or {}
+    names = [str(config.get("model_type") or ""), str(text.get("model_type") or "")]
+    names += [str(name).lower() for name in config.get("architectures") or []]
+    return any(name.startswith(family) for name in names if name for family in CPU_ROPE_KERNEL_WRONG)
 
 
 def is_hybrid(config: dict[str, Any]) -> bool:
@@ -466,6 +485,7 @@ class VllmEngine:
         missing = vision_support_missing(config)
         if missing is not None:
             raise InvalidRequest(f"vLLM cannot serve this vision-language model here: {missing}", param="model")
+        check_weights(path, config)
         self._stats = EngineStats()
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None

@@ -79,10 +79,27 @@ class _Reader:
 
 
 def check_gguf(path: Path) -> None:
-    """Raise InvalidRequest (param "from") with the reason when `path` is not a well-formed GGUF file."""
+    """Raise InvalidRequest (param "from") with the reason when `path` is not a well-formed GGUF file, or one this
+    llama.cpp would abort the process on (`unrunnable`)."""
     with _open(path) as r:
         tensor_count, alignment, _ = _header(r, max_array=-1)
         _check_tensors(r, tensor_count, alignment)
+    reason = unrunnable(gguf_metadata(path, max_array=1024))
+    if reason is not None:
+        raise InvalidRequest(f"{path.name} cannot be served: {reason}", param="from")
+
+
+def unrunnable(metadata: dict[str, Any]) -> str | None:
+    """Why llama.cpp (0c1e570) would abort the whole process on a model with this metadata, or None."""
+    arch = metadata.get("general.architecture")
+    if arch in ("lfm2", "lfm2moe"):
+        # An LFM2's convolution layers are those with no KV heads. Without any, llama.cpp still builds a hybrid
+        # memory whose recurrent part has no layers and no buffer, and its first decode fails GGML_ASSERT(buffer).
+        heads = metadata.get(f"{arch}.attention.head_count_kv")
+        if isinstance(heads, list) and heads and 0 not in heads:
+            return ("an LFM2 without convolution layers (every layer attention), which llama.cpp aborts on at its "
+                    "first decode (its hybrid memory needs a recurrent layer)")
+    return None
 
 
 def gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
