@@ -72,7 +72,12 @@ _DEEPSEEK_ASSISTANT = "<\uff5cAssistant\uff5c>"
 
 
 def detect_reasoning(chat_template: str | None) -> str | None:
-    """The thinking format a chat template teaches its model, from its tags; None when it has none (cannot think)."""
+    """The thinking format a chat template teaches its model, from its tags; None when it has none (cannot think).
+
+    A template that only cuts `</think>` out of earlier assistant turns and never writes `<think>` (LFM2.5's, shipped
+    alike with its Instruct and Thinking models) does not say that the model thinks: None, so that a forced tool
+    call or a schema constrains the reply from its first token instead of after a thinking the model never closes
+    (`--reasoning-parser qwen3` for the Thinking model)."""
     if not chat_template:
         return None
     t = chat_template
@@ -84,8 +89,10 @@ def detect_reasoning(chat_template: str | None) -> str | None:
         return "kimi"
     if "<|END_THINKING|>" in t:
         return "command"
-    if "</think>" in t or "<think>" in t:
-        return "deepseek_r1" if _DEEPSEEK_ASSISTANT in t else "qwen3"
+    if _DEEPSEEK_ASSISTANT in t and ("</think>" in t or "<think>" in t):
+        return "deepseek_r1"
+    if "<think>" in t:
+        return "qwen3"
     return None
 
 
