@@ -9,6 +9,7 @@ the same weights with the same load-time options plan the same WeightsKey, so th
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -118,14 +119,19 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 
 
 def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any]:
+    """`details` of a GGUF's metadata: its architecture, its parameter count as the local runner writes it (the
+    values in its tensors, gguf_metadata's `general.parameter_count`; the `general.size_label` only without it, a
+    label such as "4x3.3M" for experts) and its file type."""
     arch = str(metadata.get("general.architecture", ""))
     file_type = metadata.get("general.file_type")
+    count = metadata.get("general.parameter_count")
     return {
         "parent_model": parent,
         "format": "gguf",
         "family": arch,
         "families": [arch] if arch else None,
-        "parameter_size": str(metadata.get("general.size_label", "")),
+        "parameter_size": repository.parameter_size(count) if isinstance(count, int) and count > 0
+        else str(metadata.get("general.size_label", "")),
         "quantization_level": _FILE_TYPES.get(file_type, str(file_type or "")) if isinstance(file_type, int) else "",
     }
 
@@ -156,7 +162,8 @@ class StoreCatalog:
             directory = self.store.model_path(manifest)
             metadata = repository.model_info(directory)
             template = manifest.template or repository.chat_template(directory)
-            vision = repository.has_vision(repository.read_json(directory / repository.CONFIG))
+            config = repository.read_json(directory / repository.CONFIG)
+            vision = repository.has_vision(config) and _images_servable(config)
         else:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
@@ -164,7 +171,7 @@ class StoreCatalog:
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
-            parameters=dict(manifest.parameters),
+            parameters={**self.model_defaults(str(entry.name)), **manifest.parameters},
             template=template,
             system=manifest.system or "",
             license="\n".join(manifest.license),
@@ -207,7 +214,9 @@ class StoreCatalog:
         digest = manifest.model
         if digest not in self._model_defaults:  # a blob never changes: its header is read once
             try:
-                self._model_defaults[digest] = opts.model_defaults(gguf_metadata(self.store.blob_path(digest)))
+                metadata = gguf_metadata(self.store.blob_path(digest))
+                self._model_defaults[digest] = {name: _shortest_float32(value) if isinstance(value, float) else value
+                                                for name, value in opts.model_defaults(metadata).items()}
             except (OSError, LmserveError):
                 return {}  # a missing or broken blob recommends nothing; loading it says what is wrong
         return self._model_defaults[digest]
@@ -234,6 +243,9 @@ class StoreCatalog:
                     check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
                 return self._open_engine(path, full)
             except LmserveError as exc:
+                if isinstance(exc, InvalidRequest) and exc.param == "model":  # the engine refuses this model here
+                    raise InvalidRequest(f"model '{entry.name}' cannot be served here: {exc.message}",
+                                         param="model") from exc
                 raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
             except Exception as exc:
                 raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
@@ -276,6 +288,9 @@ class StoreCatalog:
                 raise InvalidRequest(f"{Path(modelfile.projector).name} is not a vision projector (an mmproj GGUF has "
                                      "architecture 'clip')", param="modelfile")
             manifest.projector = digest
+            families = list(manifest.details.get("families") or [])
+            manifest.details = {**manifest.details, "families": [*families, "clip"] if "clip" not in families
+                                else families}  # as the local runner lists a model with a projector
         manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
@@ -332,6 +347,23 @@ class StoreCatalog:
             name=str(entry.name), created=int(entry.manifest.modified_at), size=entry.size, digest=entry.digest,
             details=dict(entry.manifest.details),
         )
+
+
+def _shortest_float32(value: float) -> float:
+    """A GGUF float (float32) as the shortest decimal that is the same float32: 0.30000001192092896 is 0.3."""
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == value:
+            return float(text)
+    return value
+
+
+def _images_servable(config: dict[str, Any]) -> bool:
+    """Whether the vLLM engine can serve the images of the vision-language repository `config` describes here
+    (engine/vllm.py `vision_support_missing`: its image processor needs a working torchvision)."""
+    from lmserve.engine.vllm import vision_support_missing
+
+    return vision_support_missing(config) is None
 
 
 def _repository_dir(text: str, base_dir: Path | None) -> Path | None:
@@ -447,6 +479,4 @@ def _details(model: LoadedModel) -> dict[str, Any]:
 
 
 def _parameter_size(num_params: int) -> str:
-    if num_params >= 10**9:
-        return f"{num_params / 10**9:.1f}B"
-    return f"{num_params / 10**6:.0f}M" if num_params else ""
+    return repository.parameter_size(num_params)

@@ -104,9 +104,15 @@ def unrunnable(metadata: dict[str, Any]) -> str | None:
 
 def gguf_metadata(path: Path, *, max_array: int = 64) -> dict[str, Any]:
     """The key/values of a GGUF file's header, read with `check_gguf`'s checks; arrays of more than `max_array`
-    items (the vocabulary) are left out. InvalidRequest (param "from") when the header is malformed."""
+    items (the vocabulary) are left out. InvalidRequest (param "from") when the header is malformed.
+
+    `general.parameter_count`, when the file does not say it, is the number of values in its tensors (as the local
+    runner counts them: every expert of a mixture of experts, whatever the quantization)."""
     with _open(path) as r:
-        return _header(r, max_array=max_array)[2]
+        tensor_count, alignment, values = _header(r, max_array=max_array)
+        parameters = _check_tensors(r, tensor_count, alignment)
+    values.setdefault("general.parameter_count", parameters)
+    return values
 
 
 class _open:
@@ -198,8 +204,10 @@ def _value(r: _Reader, kind: int, key: str, max_array: int) -> Any:
     return _SKIPPED
 
 
-def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
+def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> int:
+    """Check the tensor infos; the number of values in all the tensors."""
     tensors: list[tuple[int, int, str]] = []  # (offset, size, name)
+    total = 0
     names: set[str] = set()
     for i in range(tensor_count):
         name = r.string(f"the name of tensor #{i}", MAX_TENSOR_NAME - 1).decode("utf-8", "replace")
@@ -228,6 +236,7 @@ def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
         if offset % alignment:
             raise r.fail(f"tensor {name!r} offset {offset} is not a multiple of the alignment {alignment}")
         tensors.append((offset, elements // block_size * type_size, name))
+        total += elements
     data_start = -(-r.pos // alignment) * alignment
     end_of_previous, previous = 0, ""
     for offset, nbytes, name in sorted(tensors):
@@ -238,3 +247,4 @@ def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> None:
             raise r.fail(f"tensor {name!r} data (offset {offset}, {nbytes} bytes) runs past the end of the file "
                          f"({r.size} bytes)")
         end_of_previous, previous = offset + nbytes, name
+    return total

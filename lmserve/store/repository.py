@@ -120,12 +120,19 @@ def safetensors_parameters(path: Path) -> int:
 
 
 def parameter_size(num_params: int) -> str:
-    """"135M", "1.2B" ("1K" for a tiny test model); "" for 0."""
+    """The count as the local runner writes it: "1.2B", "134.52M", "3.31M" (a whole number without decimals: "8B"),
+    "1K" below a million, the number itself below a thousand; "" for 0."""
     if num_params >= 10**9:
-        return f"{num_params / 10**9:.1f}B"
+        return _scaled(num_params / 10**9, 1) + "B"
     if num_params >= 10**6:
-        return f"{num_params / 10**6:.0f}M"
-    return f"{num_params / 10**3:.0f}K" if num_params else ""
+        return _scaled(num_params / 10**6, 2) + "M"
+    if num_params >= 10**3:
+        return f"{num_params / 10**3:.0f}K"
+    return str(num_params) if num_params else ""
+
+
+def _scaled(value: float, decimals: int) -> str:
+    return f"{value:.0f}" if value == math.floor(value) else f"{value:.{decimals}f}"
 
 
 def architecture(config: dict[str, Any]) -> str:
@@ -171,8 +178,11 @@ def model_info(directory: Path) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": arch, "general.format": FORMAT,
                             "general.parameter_count": parameter_count(directory)}
     info.update({f"{arch}.{key}": value for key, value in config.items()})
-    if isinstance(config.get("max_position_embeddings"), int):
-        info[f"{arch}.context_length"] = config["max_position_embeddings"]
+    text_config = config.get("text_config")  # a vision-language model's context is its text model's
+    for source in (config, text_config if isinstance(text_config, dict) else {}):
+        if isinstance(source.get("max_position_embeddings"), int):
+            info[f"{arch}.context_length"] = source["max_position_embeddings"]
+            break
     return info
 
 

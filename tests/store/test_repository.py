@@ -12,6 +12,7 @@ import pytest
 from lmserve import options as opts
 from lmserve.engine.factory import engine_kind
 from lmserve.engine.protocol import Engine
+from lmserve.engine.vllm import vision_support_missing
 from lmserve.errors import InvalidRequest
 from lmserve.service.catalog import StoreCatalog
 from lmserve.store import repository
@@ -116,7 +117,9 @@ def test_an_unreadable_header_counts_nothing(tmp_path: Path, data: bytes) -> Non
 
 
 @pytest.mark.parametrize(
-    ("num_params", "label"), [(0, ""), (TINY_PARAMETERS, "1K"), (134_515_008, "135M"), (1_170_340_608, "1.2B")]
+    ("num_params", "label"),
+    [(0, ""), (999, "999"), (TINY_PARAMETERS, "1K"), (3_306_688, "3.31M"), (8_000_000, "8M"), (134_515_008, "134.52M"),
+     (1_170_340_608, "1.2B"), (8_000_000_000, "8B")],
 )
 def test_parameter_size_labels(num_params: int, label: str) -> None:
     assert repository.parameter_size(num_params) == label
@@ -245,7 +248,9 @@ def test_a_vision_repository_sees_images(catalog: StoreCatalog, tmp_path: Path) 
     files["config.json"] = json.dumps({"model_type": "lfm2_vl", "vision_config": {"model_type": "siglip2"}}).encode()
     catalog.create("vl", Modelfile(from_=str(write_repository(tmp_path / "vl", files))))
     assert catalog.has_vision("vl:latest")
-    assert "vision" in catalog.describe("vl:latest").capabilities
+    # show lists "vision" where the vLLM engine can serve its images (its image processor needs torchvision)
+    servable = vision_support_missing({"vision_config": {}}) is None
+    assert ("vision" in catalog.describe("vl:latest").capabilities) == servable
 
 
 def test_template_system_and_parameters_over_a_repository(catalog: StoreCatalog, repo: Path) -> None:
@@ -254,7 +259,9 @@ def test_template_system_and_parameters_over_a_repository(catalog: StoreCatalog,
                                        parameters={"temperature": 0.1}))
 
     shown = catalog.describe("pirate:latest")
-    assert (shown.template, shown.system, shown.parameters) == ("{{ .Prompt }}", "Arr.", {"temperature": 0.1})
+    assert (shown.template, shown.system) == ("{{ .Prompt }}", "Arr.")
+    # show's parameters: the Modelfile's over the repository's generation_config.json recommendation
+    assert shown.parameters == {"temperature": 0.1, "top_p": 0.9, "repeat_penalty": 1.05}
     assert shown.listing.details["parent_model"] == "tiny:latest"
     assert shown.listing.details["format"] == "safetensors"
     assert catalog.parameters("pirate:latest") == {"temperature": 0.1}

@@ -1,0 +1,356 @@
+"""What a user of the LFM2 family gets, for each member (lfm2 hybrid, lfm2moe, lfm2-vl) in each form (the GGUF
+llama.cpp's converter makes, served by llama.cpp; the transformers repository, served by vLLM), through a real
+`lmserve serve`, the official `ollama` client and the `lmserve` CLI:
+
+- `show` reports the family, the real parameter count (as the local runner writes it), the quantization, the
+  context length and the capabilities;
+- the model card's sampling (lfm2.md: LFM2 text temperature 0.3, min_p 0.15, repetition_penalty 1.05; LFM2-VL
+  temperature 0.1) written into each member's generation_config.json — which the converter carries into the GGUF's
+  `general.sampling.*` — is shown as the model's parameters and applies where the request and Modelfile are silent;
+- the seed's LFM2 Modelfile, verbatim but for its FROM line, creates a model that chats, from either form.
+
+The expected facts are read independently of lmserve (gguf's GGUFReader, safetensors, config.json). The weights are
+random: replies are checked for structure, and sampling by equality of seeded replies. vLLM starts twice (one per
+text repository, one at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import ollama
+import pytest
+from safetensors import safe_open
+
+from lmserve.engine.vllm import vision_support_missing
+from lmserve.service.catalog import StoreCatalog
+from lmserve.service.defaults import Defaults
+from lmserve.store.modelfile import Modelfile
+from lmserve.store.modelfile import parse as parse_modelfile
+from lmserve.store.store import Store
+from tests.hf_repos import (
+    VERSION,
+    ConverterMissing,
+    cache_root,
+    lfm2_gguf,
+    tiny_lfm2_moe_repo,
+    tiny_lfm2_repo,
+    tiny_lfm2_vl_repo,
+)
+from tests.test_server import Server
+
+TIMEOUT = 300.0
+
+LFM2_CARD = {"temperature": 0.3, "min_p": 0.15, "repetition_penalty": 1.05}
+VL_CARD = {"temperature": 0.1, "min_p": 0.15, "repetition_penalty": 1.05}
+"""The model cards' recommended sampling (shared/reference/lfm2.md), as generation_config.json writes it."""
+
+SEED_MODELFILE = '''TEMPLATE """<|startoftext|><|im_start|>system
+{{ .System }}<|im_end|>
+<|im_start|>user
+{{ .Prompt }}<|im_end|>
+<|im_start|>assistant
+"""
+PARAMETER temperature 0.1
+PARAMETER top_k 50
+PARAMETER repeat_penalty 1.05
+PARAMETER stop "<|im_end|>"
+PARAMETER stop "<|endoftext|>"
+'''
+"""The seed's LFM2 Modelfile after its `FROM /path/to/model.gguf` line, verbatim."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of the family in both forms, with its card written into generation_config.json."""
+
+    key: str
+    family_gguf: str
+    card: dict[str, float]
+    repo: Path
+    gguf: Path
+    projector: Path | None = None
+
+
+MEMBERS = {"lfm2": ("lfm2", LFM2_CARD, tiny_lfm2_repo), "lfm2moe": ("lfm2moe", LFM2_CARD, tiny_lfm2_moe_repo),
+           "lfm2-vl": ("lfm2", VL_CARD, tiny_lfm2_vl_repo)}  # fmt: skip
+"""Member → the architecture llama.cpp names its GGUF, its card, its tiny repository."""
+
+
+def write_members(root: Path) -> None:
+    """Each member's repository with its card in generation_config.json, its GGUF (converted from it) and, for the
+    VL, its projector named as the local runner names one (`mmproj-…`, by which a second FROM is the projector)."""
+    for key, (_, card, make) in MEMBERS.items():
+        repo = root / key
+        shutil.copytree(make(), repo)
+        generation = json.loads((repo / "generation_config.json").read_text())
+        (repo / "generation_config.json").write_text(json.dumps({**generation, **card}, indent=2))
+        lfm2_gguf(repo)
+        if key == "lfm2-vl":
+            lfm2_gguf(repo, projector=True).rename(root / f"mmproj-{key}-F32.gguf")
+    (root / "complete").touch()
+
+
+@pytest.fixture(scope="module")
+def members() -> dict[str, Member]:
+    """The members, built once per machine (converting takes a while) as tests/hf_repos.py builds its own."""
+    root = cache_root() / f"lfm2-family-cards-v{VERSION}"
+    if not (root / "complete").is_file():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".lfm2-family-cards-", dir=root.parent))
+        try:
+            write_members(work)
+            os.replace(work, root)
+        except ConverterMissing as exc:
+            pytest.skip(str(exc))
+        except OSError:
+            if not (root / "complete").is_file():  # not a concurrent builder that won the rename
+                raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return {key: Member(key, family, card, root / key, root / f"{key}.gguf",
+                        root / f"mmproj-{key}-F32.gguf" if key == "lfm2-vl" else None)
+            for key, (family, card, _) in MEMBERS.items()}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    # One model loaded at a time: the two vLLM engines never run together.
+    srv = Server("-c", "512", "-np", "2", env={"LMSERVE_MAX_LOADED_MODELS": "1"})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def native(server: Server) -> Iterator[ollama.Client]:
+    with ollama.Client(host=server.base_url, timeout=TIMEOUT) as client:
+        yield client
+
+
+FORMS = [(key, form) for key in MEMBERS for form in ("gguf", "repo")]
+
+
+@pytest.fixture(scope="module")
+def stored(server: Server, members: dict[str, Member], tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Each member in each form created in the store by the CLI (a bare FROM: nothing but the model's own), named
+    `<member>-<form>`."""
+    directory = tmp_path_factory.mktemp("modelfiles")
+    for key, form in FORMS:
+        create(server, f"{key}-{form}", from_lines(members[key], form), directory)
+    return [f"{key}-{form}" for key, form in FORMS]
+
+
+def cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `lmserve` command against the server."""
+    env = {**os.environ, "LMSERVE_HOST": f"127.0.0.1:{server.port}"}
+    return subprocess.run([sys.executable, "-m", "lmserve", *args], env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+
+
+def create(server: Server, name: str, modelfile: str, directory: Path, *extra: str) -> None:
+    path = directory / f"Modelfile.{name}"
+    path.write_text(modelfile)
+    done = cli(server, "create", name, "-f", str(path), *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def from_lines(member: Member, form: str) -> str:
+    if form == "repo":
+        return f"FROM {member.repo}\n"
+    return f"FROM {member.gguf}\n" + (f"FROM {member.projector}\n" if member.projector else "")
+
+
+# ---- what the files say, read without lmserve ----------------------------------------------------------------------
+
+
+def local_runner_count(n: int) -> str:
+    """A parameter count as the local runner writes it (format.HumanNumber)."""
+    for scale, unit, decimals in ((10**9, "B", 1), (10**6, "M", 2)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.{decimals}f}{unit}"
+    return f"{n / 1000:.0f}K" if n >= 1000 else str(n)
+
+
+def gguf_facts(path: Path) -> tuple[str, int, str]:
+    """(architecture, number of values in its tensors, file type name) by gguf's own reader."""
+    reader = gguf.GGUFReader(path)
+    file_type = gguf.LlamaFileType(reader.fields["general.file_type"].contents())
+    count = sum(int(t.n_elements) for t in reader.tensors)
+    return reader.fields["general.architecture"].contents(), count, file_type.name.split("_", 1)[1]  # ALL_F32: F32
+
+
+def repo_facts(repo: Path) -> tuple[str, int, str, int]:
+    """(model_type, number of values in its safetensors, their one dtype, the text model's context length)."""
+    count, dtypes = 0, set()
+    with safe_open(repo / "model.safetensors", framework="numpy") as weights:
+        for name in weights.keys():  # noqa: SIM118 (safe_open is no mapping)
+            shape = weights.get_slice(name).get_shape()
+            count += math.prod(shape)
+            dtypes.add(weights.get_slice(name).get_dtype())
+    config = json.loads((repo / "config.json").read_text())
+    text = config.get("text_config", config)
+    [dtype] = dtypes
+    return config["model_type"], count, dtype, text["max_position_embeddings"]
+
+
+def shown_parameters(text: str) -> dict[str, str]:
+    """show's parameters text (`name   value` lines) as name → value text (a repeated name: its last value)."""
+    return dict(line.split(None, 1) for line in text.splitlines() if line.strip())
+
+
+# ---- show, for each member and form ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "form"), FORMS, ids=[f"{k}-{f}" for k, f in FORMS])
+def test_show_reports_family_size_quantization_context_and_capabilities(
+    server: Server, native: ollama.Client, members: dict[str, Member], stored: list[str], key: str, form: str
+) -> None:
+    member = members[key]
+    name = f"{key}-{form}"
+    shown = native.show(name)
+    assert shown.details is not None and shown.modelinfo is not None
+    info = shown.modelinfo
+    if form == "gguf":
+        family, count, quantization = gguf_facts(member.gguf)
+        assert family == member.family_gguf
+        context = info[f"{family}.context_length"]
+        assert context == repo_facts(member.repo)[3]
+        vision = member.projector is not None
+    else:
+        family, count, quantization, context = repo_facts(member.repo)
+        assert info[f"{family}.context_length"] == context
+        vision = "vision_config" in json.loads((member.repo / "config.json").read_text()) and vision_support_missing(
+            {"vision_config": {}}) is None  # vLLM serves the VL repository's images only with torchvision
+    assert (shown.details.family, shown.details.format) == (family, form if form == "gguf" else "safetensors")
+    assert info["general.parameter_count"] == count
+    assert shown.details.parameter_size == local_runner_count(count)
+    assert re.fullmatch(r"\d\.\d\dM", shown.details.parameter_size)  # 3.3 million values, not a label ("4x3.3M")
+    assert shown.details.quantization_level == quantization == ("F32" if form == "gguf" else "BF16")
+    capabilities = shown.capabilities or []
+    assert capabilities[:2] == ["completion", "tools"]
+    assert ("vision" in capabilities) == vision
+    if member.projector is not None and form == "gguf":
+        assert "clip" in (shown.details.families or [])
+    # The card's sampling, from generation_config.json or the GGUF's general.sampling.*, as the model's parameters.
+    assert shown_parameters(shown.parameters or "") == {
+        "temperature": str(member.card["temperature"]), "min_p": str(member.card["min_p"]),
+        "repeat_penalty": str(member.card["repetition_penalty"])}
+    summary = cli(server, "show", name)
+    assert summary.returncode == 0, summary.stderr
+    for row in (("architecture", family), ("parameters", local_runner_count(count)),
+                ("context length", str(context)), ("quantization", quantization)):
+        assert re.search(rf"^\s*{row[0]}\s+{re.escape(row[1])}$", summary.stdout, re.MULTILINE), summary.stdout
+    # listed alike
+    [tag] = [m for m in native.list().models if m.model == f"{name}:latest"]
+    assert tag.details is not None and tag.details.parameter_size == shown.details.parameter_size
+
+
+def test_a_quantized_gguf_shows_its_level(server: Server, native: ollama.Client, members: dict[str, Member],
+                                          tmp_path: Path) -> None:
+    member = members["lfm2"]
+    create(server, "lfm2-q8", from_lines(member, "gguf"), tmp_path, "-q", "q8_0")
+    shown = native.show("lfm2-q8")
+    assert shown.details is not None and shown.modelinfo is not None
+    _, count, _ = gguf_facts(member.gguf)
+    assert shown.details.quantization_level == "Q8_0"
+    assert shown.modelinfo["general.parameter_count"] == count  # the same values, fewer bits
+    assert shown.details.parameter_size == local_runner_count(count)
+
+
+# ---- the card's sampling applies where request and Modelfile are silent --------------------------------------------
+
+
+def test_the_gguf_carries_the_card_from_generation_config(members: dict[str, Member]) -> None:
+    """llama.cpp's converter writes generation_config.json's sampling into `general.sampling.*`."""
+    for member in members.values():
+        fields = gguf.GGUFReader(member.gguf).fields
+        for key, card in (("temp", "temperature"), ("min_p", "min_p"), ("penalty_repeat", "repetition_penalty")):
+            assert fields[f"general.sampling.{key}"].contents() == pytest.approx(member.card[card], rel=1e-6)
+
+
+@pytest.mark.parametrize("form", ["gguf", "repo"])
+async def test_option_layers_put_the_card_under_the_modelfile_and_over_the_server(
+    members: dict[str, Member], form: str, tmp_path: Path
+) -> None:
+    catalog = StoreCatalog(Store(tmp_path / "store"), lambda path, options: pytest.fail("nothing loads"))
+    member = members["lfm2"]
+    source = str(member.gguf if form == "gguf" else member.repo)
+    catalog.create("plain", Modelfile(from_=source))
+    catalog.create("seeded", Modelfile(from_=source, parameters={"temperature": 0.1, "top_k": 50}))
+    defaults = Defaults(catalog)
+    plain = await defaults.sampling_defaults("plain", "native")
+    assert (plain.temperature, plain.min_p, plain.repeat_penalty) == (0.3, 0.15, 1.05)
+    assert plain.top_k == 40  # what the card does not say: the local runner's default
+    seeded = await defaults.sampling_defaults("seeded", "native")
+    assert (seeded.temperature, seeded.top_k, seeded.min_p, seeded.repeat_penalty) == (0.1, 50, 0.15, 1.05)
+    openai_route = await defaults.sampling_defaults("plain", "openai")
+    assert (openai_route.temperature, openai_route.min_p) == (0.3, 0.15)
+
+
+RUNNER_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
+
+
+def seeded_replies(native: ollama.Client, name: str, card: dict[str, float]) -> tuple[str, str, str]:
+    """A seeded reply without sampling options, with the card's written out, and with the local runner's defaults."""
+    base: dict[str, Any] = {"seed": 7, "num_predict": 24}
+    explicit = {"temperature": card["temperature"], "min_p": card["min_p"],
+                "repeat_penalty": card["repetition_penalty"], "top_k": 40, "top_p": 0.9}
+    prompt = "Tell me a story about the sea and the wind."
+    return tuple(native.generate(model=name, prompt=prompt, options={**base, **extra}).response  # type: ignore[return-value]
+                 for extra in ({}, explicit, RUNNER_DEFAULTS))
+
+
+def test_a_request_without_options_samples_with_the_card_gguf(native: ollama.Client, members: dict[str, Member],
+                                                               stored: list[str]) -> None:
+    silent, card, runner = seeded_replies(native, "lfm2-gguf", members["lfm2"].card)
+    assert silent == card
+    assert silent != runner  # the check can fail: the card's sampling differs from the local runner's here
+
+
+# ---- the seed's Modelfile, verbatim, on each text member and form --------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["gguf", "repo"])
+@pytest.mark.parametrize("key", ["lfm2", "lfm2moe"])
+def test_the_seed_modelfile_creates_a_model_that_chats(server: Server, native: ollama.Client,
+                                                       members: dict[str, Member], stored: list[str], key: str,
+                                                       form: str, tmp_path: Path) -> None:
+    member = members[key]
+    name = f"seed-{key}-{form}"
+    create(server, name, from_lines(member, form) + SEED_MODELFILE, tmp_path)
+    shown = cli(server, "show", name, "--modelfile")
+    assert shown.returncode == 0, shown.stderr
+    assert parse_modelfile(shown.stdout).parameters == parse_modelfile(f"FROM {name}\n{SEED_MODELFILE}").parameters
+    reply = native.chat(model=name, messages=[{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hello there"}],
+                        options={"num_predict": 8, "seed": 1})
+    assert reply.done and reply.message.role == "assistant"
+    assert reply.eval_count is not None and 1 <= reply.eval_count <= 8
+    assert reply.prompt_eval_count is not None and reply.prompt_eval_count > 8
+    if key == "lfm2" and form == "repo":  # the repository's engine is loaded now: the card applies on vLLM too
+        silent, card, runner = seeded_replies(native, "lfm2-repo", member.card)
+        assert silent == card and silent != runner
+
+
+def test_the_vision_repository_is_refused_where_vllm_cannot_see(native: ollama.Client, members: dict[str, Member],
+                                                                 stored: list[str]) -> None:
+    missing = vision_support_missing(json.loads((members["lfm2-vl"].repo / "config.json").read_text()))
+    if missing is None:
+        pytest.skip("vLLM serves images here (torchvision works): the repository is a vision model, shown so")
+    with pytest.raises(ollama.ResponseError) as refused:
+        native.generate(model="lfm2-vl-repo", prompt="hi", options={"num_predict": 1})
+    assert refused.value.status_code == 400 and "torchvision" in str(refused.value.error)
+    assert "vision" not in (native.show("lfm2-vl-repo").capabilities or [])
