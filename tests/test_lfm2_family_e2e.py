@@ -16,6 +16,8 @@ text repository, one at a time).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
@@ -32,6 +34,7 @@ from typing import Any
 import gguf
 import ollama
 import pytest
+from PIL import Image
 from safetensors import safe_open
 
 from lmserve.engine.vllm import vision_support_missing
@@ -343,6 +346,54 @@ def test_the_seed_modelfile_creates_a_model_that_chats(server: Server, native: o
     if key == "lfm2" and form == "repo":  # the repository's engine is loaded now: the card applies on vLLM too
         silent, card, runner = seeded_replies(native, "lfm2-repo", member.card)
         assert silent == card and silent != runner
+    assert_forced_call(server, f"{key}-{form}")  # the same weights, so the same loaded engine: no second start
+
+
+SWITCH: Any = {"type": "function", "function": {
+    "name": "switch_lights", "description": "Switch the lights of a room on or off.",
+    "parameters": {"type": "object", "properties": {"room": {"type": "string", "enum": ["hall", "kitchen"]},
+                                                    "on": {"type": "boolean"}},
+                   "required": ["room", "on"]}}}
+
+
+def assert_forced_call(server: Server, name: str, image: str | None = None) -> None:
+    """A forced call to SWITCH (with an image in the user turn when given) comes back as a parsed tool call, in the
+    member's own format (its template's; tests/test_lfm2_tools_e2e.py checks the formats themselves), or lmserve's
+    JSON call format for a template that takes no tools (LFM2-VL's: the random weights spend tokens on whitespace
+    there, hence the room)."""
+    content: Any = "Turn on the hall lights."
+    if image is not None:
+        content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": content}]
+    with server.client() as client:
+        messages: Any = [{"role": "user", "content": content}]
+        reply = client.chat.completions.create(model=name, messages=messages,
+                                               tools=[SWITCH], tool_choice="required", max_tokens=400, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert call.function.name == "switch_lights"  # type: ignore[union-attr]
+    assert arguments["room"] in ("hall", "kitchen") and isinstance(arguments["on"], bool)
+
+
+def test_the_vision_gguf_sees_an_image_and_calls_tools(server: Server, stored: list[str]) -> None:
+    """LFM2-VL on llama.cpp (text model GGUF + mmproj): an image costs prompt tokens and changes the reply's
+    distribution, and a forced tool call with an image in the turn is parsed."""
+    pixels = Image.new("RGB", (64, 64), (200, 30, 30))
+    buffer = io.BytesIO()
+    pixels.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    with server.client() as client:
+        def ask(content: Any) -> Any:
+            messages: Any = [{"role": "user", "content": content}]
+            return client.chat.completions.create(model="lfm2-vl-gguf", temperature=0, max_tokens=4, logprobs=True,
+                                                  top_logprobs=3, messages=messages)
+        text = ask("What colour is it?")
+        seen = ask([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour is it?"}])
+    assert text.usage is not None and seen.usage is not None
+    assert seen.usage.prompt_tokens > text.usage.prompt_tokens  # the image's tokens
+    assert seen.choices[0].logprobs != text.choices[0].logprobs  # what the model computes depends on the image
+    assert_forced_call(server, "lfm2-vl-gguf", image=url)
 
 
 def test_the_vision_repository_is_refused_where_vllm_cannot_see(native: ollama.Client, members: dict[str, Member],
