@@ -52,6 +52,7 @@ from tests.hf_repos import (
     tiny_lfm2_repo,
     tiny_lfm2_vl_repo,
 )
+from tests.store.test_modelfile import LFM2_MODELFILE
 from tests.test_server import Server
 
 TIMEOUT = 300.0
@@ -60,18 +61,7 @@ LFM2_CARD = {"temperature": 0.3, "min_p": 0.15, "repetition_penalty": 1.05}
 VL_CARD = {"temperature": 0.1, "min_p": 0.15, "repetition_penalty": 1.05}
 """The model cards' recommended sampling (shared/reference/lfm2.md), as generation_config.json writes it."""
 
-SEED_MODELFILE = '''TEMPLATE """<|startoftext|><|im_start|>system
-{{ .System }}<|im_end|>
-<|im_start|>user
-{{ .Prompt }}<|im_end|>
-<|im_start|>assistant
-"""
-PARAMETER temperature 0.1
-PARAMETER top_k 50
-PARAMETER repeat_penalty 1.05
-PARAMETER stop "<|im_end|>"
-PARAMETER stop "<|endoftext|>"
-'''
+SEED_MODELFILE = LFM2_MODELFILE.split("\n", 1)[1]
 """The seed's LFM2 Modelfile after its `FROM /path/to/model.gguf` line, verbatim."""
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from lmserve.engine import recurrent_state
+from lmserve.engine import batch_rows, recurrent_state
 from lmserve.errors import EngineFailure
 from lmserve.types import DRAFT_P_MIN
 
@@ -164,15 +164,8 @@ class DraftModel:
         """Decode (slot, position, token, wants logits) rows as one batch; slot → its logits row."""
         if not rows:
             return {}
-        batch = self._batch
-        for i, (slot, pos, token, logits) in enumerate(rows):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = slot
-            batch.logits[i] = logits
-        batch.n_tokens = len(rows)
-        rc = lc.llama_decode(self._ctx, batch)
+        batch_rows.fill(self._batch, rows)
+        rc = lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
             for slot in {row[0] for row in rows}:  # forget what this batch was to add: the next sync redoes it
                 lc.llama_memory_seq_rm(self._memory, slot, -1, -1)

@@ -23,7 +23,7 @@ import llama_cpp as lc
 import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
-from lmserve.engine import fim, recurrent_state
+from lmserve.engine import batch_rows, fim, recurrent_state
 from lmserve.engine.backend import BatchEntry, PoolFull
 from lmserve.engine.cpu_load import ThreadGovernor
 from lmserve.engine.draft_model import DraftModel
@@ -491,19 +491,11 @@ class LlamaCppBackend:
     def _redecode(self) -> None:
         """Decode again what rewinds after rejected drafts took back (`_redo`), every such slot in one batch. Its
         logits are not needed: the next tokens were sampled in the drafted step."""
-        rows = [(slot, pos + i, token) for slot, (pos, tokens) in sorted(self._redo.items())
+        rows = [(slot, pos + i, token, False) for slot, (pos, tokens) in sorted(self._redo.items())
                 for i, token in enumerate(tokens)]
-        batch = self._batch
         for start in range(0, len(rows), self._batch_capacity):
-            chunk = rows[start:start + self._batch_capacity]
-            for n, (slot, pos, token) in enumerate(chunk):
-                batch.token[n] = token
-                batch.pos[n] = pos
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = slot
-                batch.logits[n] = False
-            batch.n_tokens = len(chunk)
-            rc = lc.llama_decode(self._ctx, batch)
+            batch_rows.fill(self._batch, rows[start:start + self._batch_capacity])
+            rc = lc.llama_decode(self._ctx, self._batch)
             if rc == 1 and start == 0:  # nothing of it placed: the engine makes room and steps again
                 raise PoolFull(f"no room to decode {len(rows)} rewound tokens again in the KV pool")
             if rc != 0:
