@@ -27,8 +27,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/lmserve serve $(ARGS)
 
+# Two workers, a test module each (--dist loadfile keeps a module's servers and engines in one process): most of
+# the suite's time is spent starting servers and waiting on them: two at once took 15 minutes on 2 cores, one at a
+# time 24 (2026-11-25, the latter with other work on the machine).
 test: $(STAMP) browser $(FAL_STAMP) converter
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its
 # own, where tests/test_deploy.py loads deploy/fal/app.py.
@@ -47,7 +50,7 @@ browser:
 		echo "make: chromium is not installed (apt-get install chromium): the browser tests will be skipped"
 
 # The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: under a minute on 2 cores.
-# Lanes: tests/conftest.py. (`make test` runs serially: its servers take the cores themselves.)
+# Lanes: tests/conftest.py.
 test-fast: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -n 2 -m "not model and not server and not slow" $(ARGS); rc=$$?; \
 	echo "test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from lmserve.engine.protocol import Engine
 from lmserve.engine.vllm import VllmOptions  # no vLLM import: that happens when a model is opened
@@ -97,6 +97,14 @@ def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) ->
                              "span machines with --nnodes and --node-rank (the multiprocessing backend) instead")
     return replace(settings.vllm, num_ctx=options.num_ctx, num_parallel=options.num_parallel,
                    prefill_chunk=settings.max_prefill_tokens, max_queue=settings.max_queue, is_cpu=is_cpu)
+
+
+def vision_missing(config: dict[str, Any]) -> str | None:
+    """What this machine lacks for the vLLM engine to serve the images of the repository `config` (its config.json)
+    describes, or None (engine/vllm.py `vision_support_missing`)."""
+    from lmserve.engine.vllm import vision_support_missing
+
+    return vision_support_missing(config)
 
 
 def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:

@@ -19,7 +19,7 @@ from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.reasoning import detect_reasoning
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.factory import engine_kind
+from lmserve.engine.factory import engine_kind, vision_missing
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.options import Layer
@@ -360,10 +360,8 @@ def _shortest_float32(value: float) -> float:
 
 def _images_servable(config: dict[str, Any]) -> bool:
     """Whether the vLLM engine can serve the images of the vision-language repository `config` describes here
-    (engine/vllm.py `vision_support_missing`: its image processor needs a working torchvision)."""
-    from lmserve.engine.vllm import vision_support_missing
-
-    return vision_support_missing(config) is None
+    (engine/factory.py `vision_missing`: vLLM's image processor needs a working torchvision)."""
+    return vision_missing(config) is None
 
 
 def _repository_dir(text: str, base_dir: Path | None) -> Path | None:
