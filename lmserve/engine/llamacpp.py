@@ -192,10 +192,10 @@ class LlamaCppBackend:
         self._ranked: dict[int, Ranked] = {}
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._drafted: dict[int, list[int]] = {}
+        """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         self._redo: dict[int, tuple[int, list[int]]] = {}
         """Slots of a hybrid model rewound after a rejected draft → (position, the accepted tokens to decode again
         there), decoded before anything else touches the memory (`_redecode`)."""
-        """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
         self._num_threads = threads
@@ -403,6 +403,7 @@ class LlamaCppBackend:
             lc.llama_sampler_free(sampler)
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        self._redecode()
         images = [entry for entry in entries if entry.image is not None]
         for i, entry in enumerate(images):
             try:
@@ -410,7 +411,6 @@ class LlamaCppBackend:
             except PoolFull:
                 self._forget(images[: i + 1])
                 raise
-        self._redecode()
         rewinds = {} if self.info.can_cut_memory else \
             {entry.slot: recurrent_state.save(self._ctx, entry.slot) for entry in entries if entry.draft}
         batch = self._batch
