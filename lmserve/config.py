@@ -383,6 +383,8 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     low, high = values.get("image_min_tokens"), values.get("image_max_tokens")
     if isinstance(low, int) and isinstance(high, int) and 0 < high < low:
         raise ConfigError(f"image-max-tokens ({high}) is below image-min-tokens ({low})")
+    if "draft_p_min" in values and not values.get("model_draft"):
+        raise ConfigError(f"{sources['draft_p_min']} applies to a draft model's drafts: give --model-draft too")
     return ServerConfig(**values, given=frozenset(values))  # type: ignore[arg-type]
 
 

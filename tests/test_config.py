@@ -113,6 +113,7 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
         (["-n", "0"], {}, "--n-predict must be at least 1 (or -1), got 0"),
         ([], {"LMSERVE_KEEP_ALIVE": "soon"}, "LMSERVE_KEEP_ALIVE: expected a duration"),
         (["--image-min-tokens", "64", "--image-max-tokens", "32"], {}, "image-max-tokens (32) is below"),
+        (["--draft-p-min", "0.5"], {}, "--draft-p-min applies to a draft model's drafts: give --model-draft too"),
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization must be at most 1.0, got 1.5"),
         ([], {"LMSERVE_GPU_MEMORY_UTILIZATION": "most"}, "LMSERVE_GPU_MEMORY_UTILIZATION must be a number"),
         (["--dtype", "int4"], {}, "--dtype must be one of auto, float16, bfloat16, float32, got 'int4'"),

@@ -142,10 +142,7 @@ class DraftModel:
         last: list[tuple[int, int, int, bool]] = []
         for slot, tokens in contexts.items():
             held = self._held.setdefault(slot, [])
-            common = 0
-            most = min(len(held), len(tokens) - 1)
-            while common < most and held[common] == tokens[common]:
-                common += 1
+            common = common_prefix(held, tokens, min(len(held), len(tokens) - 1))
             if common < len(held):
                 if not lc.llama_memory_seq_rm(self._memory, slot, common, -1):  # recurrent memory: start over
                     lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
@@ -178,6 +175,8 @@ class DraftModel:
         """The draft model's most likely token after batch row `row`, or None when its probability is below p_min."""
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, row), shape=(self.num_vocab,))
         token = int(np.argmax(logits))
+        if self.p_min <= 0:  # no floor: the softmax over the vocabulary is not needed
+            return token
         top = float(logits[token])
         probability = 1.0 / float(np.sum(np.exp(logits - top)))
         return token if probability >= self.p_min else None
@@ -190,3 +189,18 @@ class DraftModel:
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None
+
+
+def common_prefix(a: list[int], b: list[int], most: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `most`: slices compared in C, halving the range (each
+    step's catch-up compares whole contexts, which a token-by-token Python loop made cost milliseconds)."""
+    if a[:most] == b[:most]:
+        return most
+    low, high = 0, most  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmserve.engine.batching import BatchingEngine
+from lmserve.engine.draft_model import common_prefix
 from lmserve.engine.llamacpp import LlamaCppBackend
 from lmserve.errors import EngineFailure
 from lmserve.types import LoadOptions
@@ -124,3 +125,12 @@ async def test_an_lfm2_drafts_for_an_lfm2_and_both_rewind_their_state(tmp_path: 
                 drafting.close()
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize(("a", "b", "most", "shared"), [
+    ([1, 2, 3], [1, 2, 3, 4], 3, 3), ([1, 2, 3, 7, 8], [1, 2, 3, 9], 3, 3), ([1, 2, 3, 7], [1, 2, 9, 9], 3, 2),
+    ([5, 2], [1, 2, 3], 2, 0), ([], [1], 0, 0), ([*range(1000), 1], [*range(1000), 2, 3], 1001, 1000),
+])
+def test_the_common_prefix_of_what_a_slot_holds_and_its_context(a: list[int], b: list[int], most: int,
+                                                                 shared: int) -> None:
+    assert common_prefix(a, b, most) == shared
