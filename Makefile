@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench browser
+.PHONY: install serve test test-fast lint bench browser agents
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ serve: $(STAMP)
 # Two workers, a test module each (--dist loadfile keeps a module's servers and engines in one process): most of
 # the suite's time is spent starting servers and waiting on them: two at once took 15 minutes on 2 cores, one at a
 # time 24 (2026-11-25, the latter with other work on the machine).
-test: $(STAMP) browser $(FAL_STAMP) converter
+test: $(STAMP) browser $(FAL_STAMP) converter agents
 	$(PY) -m pytest -n 2 --dist loadfile
 
 # The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its
@@ -48,6 +48,19 @@ browser:
 	@test -x /usr/bin/chromium || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		echo "make: chromium is not installed (apt-get install chromium): the browser tests will be skipped"
+
+# The coding agents' CLIs for tests/test_agents_e2e.py, from the npm registry into .venv/agents: the releases last
+# checked (bump them here to test newer ones). Where npm or its registry is missing, those tests are skipped and
+# say why (the last line of .venv/agents/npm.log).
+AGENTS_DIR  := $(VENV)/agents
+AGENT_CLIS  ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENT_STAMP := $(AGENTS_DIR)/.stamp-$(subst /,_,$(subst @,_,$(subst $(eval) ,+,$(AGENT_CLIS))))
+agents: $(STAMP)
+	@test -f $(AGENT_STAMP) || { mkdir -p $(AGENTS_DIR) && cd $(AGENTS_DIR) && \
+		{ test -f package.json || echo '{"private": true}' > package.json; } && \
+		npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) > npm.log 2>&1 && touch $(notdir $(AGENT_STAMP)); } || \
+		{ echo "npm could not install $(AGENT_CLIS)" >> $(abspath $(AGENTS_DIR))/npm.log; \
+		  echo "make: the agent CLIs are not installed (see $(AGENTS_DIR)/npm.log): their tests will be skipped"; }
 
 # The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: under a minute on 2 cores.
 # Lanes: tests/conftest.py.

@@ -41,17 +41,40 @@ class InvalidRequest(LmserveError):
 
 
 class ContextOverflow(InvalidRequest):
-    """The prompt (plus what must be generated) does not fit in the context window."""
+    """The prompt (plus one token to generate) does not fit in the context window. The message gives the numbers
+    and what can be done: a larger context where the model was trained for one, else a shorter prompt."""
 
-    def __init__(self, num_prompt_tokens: int, num_ctx: int) -> None:
-        super().__init__(
-            f"This model's context is {num_ctx} tokens per sequence, but the prompt has "
-            f"{num_prompt_tokens} tokens. Shorten the messages or start the server with a larger -c/--ctx-size.",
-            param="messages",
-            code="context_length_exceeded",
-        )
+    def __init__(self, num_prompt_tokens: int, num_ctx: int, num_ctx_train: int = 0) -> None:
+        """`num_ctx`: the context per sequence in force; `num_ctx_train`: the model's trained length (0: unknown)."""
+        super().__init__(context_advice(num_prompt_tokens, num_ctx, num_ctx_train), param="messages",
+                         code="context_length_exceeded")
         self.num_prompt_tokens = num_prompt_tokens
         self.num_ctx = num_ctx
+        self.num_ctx_train = num_ctx_train
+
+
+def context_advice(num_prompt_tokens: int, num_ctx: int, num_ctx_train: int) -> str:
+    """ContextOverflow's message: the prompt's tokens, the context in force, the trained length, and what to do."""
+    said = (f"The prompt has {num_prompt_tokens} tokens, but this model's context is {num_ctx} tokens per sequence "
+            "(the prompt must leave room for a token to generate).")
+    if 0 < num_ctx_train <= num_prompt_tokens:
+        return (f"{said} This model was trained for at most {num_ctx_train} tokens, so it cannot take this prompt: "
+                "shorten it, or use a model with a longer context.")
+    larger = 1 << num_prompt_tokens.bit_length()  # a power of two above the prompt
+    if num_ctx_train > 0:
+        larger = min(larger, num_ctx_train)
+        return (f"{said} This model was trained for up to {num_ctx_train} tokens: start the server with -c {larger} "
+                f"(--ctx-size), or set num_ctx {larger} in the request's options or a Modelfile PARAMETER; or "
+                "shorten the prompt.")
+    return (f"{said} Start the server with a larger context (e.g. -c {larger}), or set num_ctx {larger} in the "
+            "request's options or a Modelfile PARAMETER; or shorten the prompt.")
+
+
+class TemplateRejected(InvalidRequest):
+    """The model's chat template refused the messages (e.g. a system message where it takes none)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages")
 
 
 class AuthenticationFailed(LmserveError):

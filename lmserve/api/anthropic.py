@@ -19,6 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,7 +32,7 @@ from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, unt
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
 from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
 from lmserve.chat.structured import schema_grammar
-from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, TemplateRejected
 from lmserve.service import Generation, Service
 from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
 
@@ -90,6 +91,8 @@ def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[M
     for i, turn in enumerate(req.messages):
         if isinstance(turn.content, str):
             messages.append(Message(role=turn.role, content=turn.content))
+        elif turn.role == "system":
+            messages.append(Message(role="system", content=_system_text(i, turn.content)))
         elif turn.role == "assistant":
             message = _assistant(i, turn.content, images)
             tool_names.update((call.id, call.name) for call in message.tool_calls)
@@ -97,6 +100,17 @@ def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[M
         else:
             messages += _user(i, turn.content, images, tool_names)
     return messages
+
+
+def _system_text(index: int, blocks: list[wire.ContentBlock]) -> str:
+    """A mid-conversation system message's text: its text blocks, a newline between two."""
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, wire.TextBlock):
+            raise InvalidRequest(f"messages.{index}.content.{j}: a system message takes text blocks only, "
+                                 f"not '{block.type}'", param="messages")
+        texts.append(block.text)
+    return _joined(texts)
 
 
 def _assistant(index: int, blocks: list[wire.ContentBlock], images: Iterator[bytes]) -> Message:
@@ -241,6 +255,20 @@ async def load_images(req: wire.CountTokensRequest, policy: MediaPolicy) -> list
 
     loaded = await load_all([[(where, one(source)) for where, source in image_sources(req)]], param="messages")
     return loaded[0]
+
+
+@contextmanager
+def system_refusals(req: wire.CountTokensRequest) -> Iterator[None]:
+    """A chat template that refuses a request with mid-conversation system messages refuses them in Anthropic's
+    words ("role 'system' is not supported on this model"), which Claude Code answers by sending them again as
+    user text."""
+    try:
+        yield
+    except TemplateRejected as exc:
+        if not any(turn.role == "system" for turn in req.messages):
+            raise
+        raise InvalidRequest(f"messages: role 'system' is not supported on this model ({exc.message}); send "
+                             "the system text in the top-level `system` field", param="messages") from exc
 
 
 # ---- records → responses --------------------------------------------------------------------------
@@ -442,7 +470,8 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
     async def messages(request: Request) -> Response:
         body = await parse_body(request, wire.MessagesRequest)
         chat = await chat_request(body)
-        generation = await service.generation.chat(chat)
+        with system_refusals(body):
+            generation = await service.generation.chat(chat)
         head = make_head(generation.model)
         if body.stream:
             frames = message_events(generation, head, chat)
@@ -456,6 +485,8 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
     @router.post("/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> dict[str, int]:
         body = await parse_body(request, wire.CountTokensRequest)
-        return {"input_tokens": await service.generation.count_tokens(await chat_request(body))}
+        chat = await chat_request(body)
+        with system_refusals(body):
+            return {"input_tokens": await service.generation.count_tokens(chat)}
 
     return router

@@ -96,10 +96,11 @@ ContentBlock = Annotated[
 
 
 class InputMessage(BaseModel):
-    """One turn of the conversation: a string or a list of content blocks."""
+    """One turn of the conversation: a string or a list of content blocks. A `system` turn (Anthropic's
+    mid-conversation system messages) is operator text placed at that point of the conversation: text blocks only."""
 
     model_config = _WIRE
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -170,6 +171,40 @@ class JsonOutputFormat(BaseModel):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
+class ClearThinking(BaseModel):
+    """Context editing: drop the thinking of earlier assistant turns, keeping the last `keep` thinking turns
+    (`"all"` or `{"type": "thinking_turns", "value": N}`; default: the last one)."""
+
+    model_config = _WIRE
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | dict[str, Any] | None = None
+
+
+class ClearToolUses(BaseModel):
+    """Context editing: once the prompt passes `trigger` (default 100,000 input tokens), replace the results of the
+    oldest tool uses with a placeholder, keeping the last `keep` (default 3) and clearing at least `clear_at_least`
+    tokens; tools in `exclude_tools` are kept; `clear_tool_inputs` also empties the calls' inputs."""
+
+    model_config = _WIRE
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: dict[str, Any] | None = None
+    keep: dict[str, Any] | None = None
+    clear_at_least: dict[str, Any] | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+
+
+ContextEdit = Annotated[ClearThinking | ClearToolUses, Field(discriminator="type")]
+
+
+class ContextManagement(BaseModel):
+    """`context_management` (beta context-management-2025-06-27): edits applied to the conversation before it
+    is rendered; what was applied is reported in the response."""
+
+    model_config = _WIRE
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
 class OutputConfig(BaseModel):
     """`format`: the reply must be JSON matching the schema; `effort`: the thinking effort when thinking is on."""
 
@@ -192,6 +227,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(CountTokensRequest):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.errors import ContextOverflow, InvalidRequest, LmserveError, ModelNotFound
 
 NATIVE_PREFIX = "/api/"
 ANTHROPIC_PATH = "/v1/messages"
@@ -44,9 +44,22 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def anthropic_error(err: LmserveError) -> dict[str, Any]:
-    """The Anthropic error body; its type follows the HTTP status (e.g. 404 not_found_error, 500 api_error)."""
+    """The Anthropic error body; its type follows the HTTP status (e.g. 404 not_found_error, 500 api_error).
+
+    Where Anthropic's clients read the message (Claude Code falls back or compacts on these), it starts with
+    Anthropic's own wording: an unknown model is "model: NAME …", a prompt over the context "prompt is too long:
+    N tokens > M maximum …"."""
     kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    return {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
+
+
+def anthropic_message(err: LmserveError) -> str:
+    """`err`'s message in Anthropic's wording where its clients match on it (see anthropic_error)."""
+    if isinstance(err, ModelNotFound):
+        return f"model: {err.name} ({err.message})"
+    if isinstance(err, ContextOverflow):
+        return f"prompt is too long: {err.num_prompt_tokens} tokens > {err.num_ctx} maximum. {err.message}"
+    return err.message
 
 
 def error_body(path: str, err: LmserveError) -> dict[str, Any]:

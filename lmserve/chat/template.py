@@ -18,7 +18,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.errors import InvalidRequest, LmserveError, TemplateRejected
 from lmserve.types import Message, ToolCall
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplate"]
@@ -54,7 +54,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 
 def _raise_exception(message: str) -> NoReturn:
-    raise InvalidRequest(f"the chat template rejected the messages: {message}", param="messages")
+    raise TemplateRejected(f"the chat template rejected the messages: {message}")
 
 
 def _strftime_now(fmt: str) -> str:
@@ -168,9 +168,9 @@ class ChatTemplate:
         except SecurityError as exc:
             raise InvalidRequest(f"the model's chat template attempted an unsafe operation: {exc}") from exc
         except TemplateError as exc:
-            raise InvalidRequest(f"the model's chat template failed to render: {exc}") from exc
+            raise TemplateRejected(f"the model's chat template failed to render: {exc}") from exc
         except Exception as exc:
-            raise InvalidRequest(f"the model's chat template failed to render: {type(exc).__name__}: {exc}") from exc
+            raise TemplateRejected(f"the model's chat template failed to render: {type(exc).__name__}: {exc}") from exc
 
     def _message_dict(self, message: Message) -> dict[str, Any]:
         """One message in the shape HF templates expect (OpenAI-style tool calls with parsed arguments)."""
