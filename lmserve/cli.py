@@ -2,24 +2,26 @@
 
 `run`, `create`, `list`/`ls`, `rm`, `show`, `ps`, `pull`, `cp` and `stop` follow the local runner's CLI. They use
 `lmserve.client` (imported lazily, so `lmserve --help` stays fast) and start a server in the background when none
-answers at LMSERVE_HOST / LMSERVE_PORT (default 127.0.0.1:11434) and nothing else answers there; they send
-LMSERVE_API_KEY when it is set. A failure prints one `Error: …` line and exits 1.
+answers at LMSERVE_HOST / LMSERVE_PORT (default 127.0.0.1:11434) and nothing else answers there (its log:
+server.log in the model store, LMSERVE_MODELS); they send LMSERVE_API_KEY when it is set. A failure prints one
+`Error: …` line and exits 1; output whose reader went away (`lmserve run … | head`) ends quietly with 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmserve import __version__
-from lmserve.config import ConfigError, ServerConfig, add_arguments, environment_help, resolve
+from lmserve.config import OPTIONS, ConfigError, ServerConfig, add_arguments, environment_help, resolve
 from lmserve.parsing import model_name_for_file
 
 if TYPE_CHECKING:
@@ -46,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 CLIENT_ENVIRONMENT = """environment:
   LMSERVE_HOST      the server's address: host, host:port or http(s)://host:port (default 127.0.0.1)
   LMSERVE_PORT      the server's port when LMSERVE_HOST names none (default 11434)
-  LMSERVE_API_KEY   the key of a server started with --api-key (sent as Authorization: Bearer)"""
-"""The epilog of every client command's --help (lmserve.client reads these variables)."""
+  LMSERVE_API_KEY   the key of a server started with --api-key (sent as Authorization: Bearer)
+  LMSERVE_MODELS    the model store of a server started here when none answers; its log is server.log there"""
+"""The epilog of every client command's --help: where the server is and its key (lmserve.client reads them), and
+the model store of a server started here."""
 
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,7 +88,35 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     stop.add_argument("model")
 
 
+STDOUT_CLOSED = 141
+"""The exit status when the reader of stdout went away (`lmserve run … | head`): 128 + SIGPIPE, what a shell
+reports for a Unix tool that SIGPIPE ended (`yes | head`)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `lmserve ARGV…` and return its exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        return stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C before a command runs (while Python imports its modules): no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def stdout_closed() -> int:
+    """End quietly after stdout's reader went away: no traceback, and stdout becomes /dev/null so that the flush
+    at exit cannot fail again (Python would print "Exception ignored … BrokenPipeError"). Returns STDOUT_CLOSED."""
+    with contextlib.suppress(OSError, ValueError):  # stdout without a file descriptor (a test's buffer)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    return STDOUT_CLOSED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         try:
@@ -279,14 +311,24 @@ class _Process(Protocol):
     def poll(self) -> int | None: ...
 
 
-SERVER_LOG = Path("~/.lmserve/server.log")
+SERVER_LOG = "server.log"
+"""The output of a server the CLI starts, in its model store (LMSERVE_MODELS)."""
 _LOCAL_HOSTS = frozenset({"localhost", "0.0.0.0", "::1", "::"})
+
+
+def server_log(env: Mapping[str, str]) -> Path:
+    """Where a server that the CLI starts writes its output: server.log in the model store that server uses
+    (LMSERVE_MODELS in `env`, else the default ~/.lmserve/models)."""
+    names = OPTIONS["models_dir"].env_names
+    models_dir = resolve({}, {name: env[name] for name in names if name in env}).models_dir
+    return Path(models_dir).expanduser() / SERVER_LOG
 
 
 def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | None = None,
                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                  wait_s: float = 60.0) -> None:
+                  wait_s: float = 60.0, env: Mapping[str, str] | None = None) -> None:
     """Start `lmserve serve` in the background when nothing answers at a local address; wait until it answers.
+    Its output goes to `server_log(env)` (default env: os.environ, which the server inherits).
 
     Something that answers but is not a usable lmserve (it wants an API key, or it is another program) is reported
     as a ClientError, and no server is started: the port is taken.
@@ -300,10 +342,13 @@ def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | No
     host = urlsplit(client.base_url).hostname or ""
     if host not in _LOCAL_HOSTS and not host.startswith("127."):
         raise ServerUnreachable(client.base_url)
-    log = SERVER_LOG.expanduser()
+    log = server_log(os.environ if env is None else env)
     print(f"lmserve is not running at {client.base_url}; starting it in the background (log: {log})",
           file=sys.stderr)
-    process = (spawn or _spawn_server)(client.base_url, log)
+    try:
+        process = (spawn or _spawn_server)(client.base_url, log)
+    except OSError as exc:
+        raise ClientError(f"could not start the server (log {log}): {exc.strerror or exc}") from None
     deadline = clock() + wait_s
     while clock() < deadline:
         if client.check_server():
@@ -315,17 +360,40 @@ def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | No
     raise ClientError(f"the server did not answer at {client.base_url} within {wait_s:.0f} s; see {log}")
 
 
+class _Detached:
+    """A server started in a session of its own, meant to outlive the CLI. Not a subprocess.Popen: its finalizer
+    warns (ResourceWarning) about a child that is still running, which this one is on purpose."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status once the server has ended, else None."""
+        if self._code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+
 def _spawn_server(base_url: str, log: Path) -> _Process:
-    import os
-    import subprocess
+    """`python -m lmserve serve` at `base_url`'s address, in a new session, stdin /dev/null, output appended to
+    `log`."""
     from urllib.parse import urlsplit
 
     split = urlsplit(base_url)
     env = dict(os.environ, LMSERVE_HOST=split.hostname or "127.0.0.1", LMSERVE_PORT=str(split.port or 11434))
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "lmserve", "serve"], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, out, 1),
+                   (os.POSIX_SPAWN_DUP2, out, 2)]
+        pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "lmserve", "serve"], env, file_actions=actions,
+                             setsid=True)
+    finally:
+        os.close(out)
+    return _Detached(pid)
 
 
 # ---- pure helpers --------------------------------------------------------------------------------------------------

@@ -17,7 +17,17 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
 
 from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
-from lmserve.types import DRAFT_P_MIN, FLASH_ATTN_MODES, KV_CACHE_TYPES, THREAD_POLICIES, LoadOptions
+from lmserve.types import (
+    AUTO_CONTEXT,
+    AUTO_CONTEXT_CEILING,
+    AUTO_CONTEXT_FLOOR,
+    AUTO_KV_FRACTION,
+    DRAFT_P_MIN,
+    FLASH_ATTN_MODES,
+    KV_CACHE_TYPES,
+    THREAD_POLICIES,
+    LoadOptions,
+)
 
 ENV_PREFIX = "LMSERVE_"
 T = TypeVar("T")
@@ -111,9 +121,13 @@ class ServerConfig:
     host: str = option("127.0.0.1", "--host", env="HOST", help="address to listen on (host:port accepted)")
     port: int = option(11434, "--port", env="PORT", kind="int", minimum=1, maximum=65535,
                        help="port to listen on")
-    ctx_size: int = option(4096, "-c", "--ctx-size", "--max-model-len", env="CTX_SIZE", kind="int", minimum=1,
-                           metavar="N", env_aliases=("MAX_MODEL_LEN",),
-                           help="context length PER SEQUENCE in tokens; each of the --parallel slots gets this many")
+    ctx_size: int = option(AUTO_CONTEXT, "-c", "--ctx-size", "--max-model-len", env="CTX_SIZE", kind="int",
+                           minimum=1, metavar="N", env_aliases=("MAX_MODEL_LEN",),
+                           shown="auto: the largest power of two whose KV cache for all slots "
+                           f"fits in {AUTO_KV_FRACTION:.0%} of the memory the weights leave (RAM, or the GPU memory "
+                           f"on a GPU), from {AUTO_CONTEXT_FLOOR} to {AUTO_CONTEXT_CEILING} tokens",
+                           help="context length PER SEQUENCE in tokens; each of the --parallel slots gets this many; "
+                           "never more than the model was trained for (a larger N is capped there, with a warning)")
     n_gpu_layers: int = option(0, "-ngl", "--n-gpu-layers", env="N_GPU_LAYERS", kind="int", minimum=-1, metavar="N",
                                engine="llamacpp",
                                help="layers to offload to a GPU (-1: all)")

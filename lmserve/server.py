@@ -27,6 +27,8 @@ from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from lmserve.service.catalog import Catalog
+
 log = logging.getLogger("lmserve")
 
 
@@ -41,7 +43,6 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.service.residency import Residency
     from lmserve.store.gguf_check import gguf_metadata
     from lmserve.store.modelfile import Modelfile
-    from lmserve.store.names import is_gguf_path
     from lmserve.store.store import Store
 
     settings = engine_settings(config)
@@ -57,8 +58,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         else:
             store.ensure_embedded(DEFAULT_MODEL_NAME, embedded, gguf_details(gguf_metadata(embedded)))
     name = config.model
-    path = Path(name).expanduser()
-    if is_gguf_path(name) or path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+    path = local_model(name, catalog)
+    if path is not None:
         name = model_name_for_file(path.absolute())  # as `lmserve run FILE` names it (a link by its own name)
         projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
         catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
@@ -86,6 +87,35 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     return service, name
 
 
+def local_model(name: str, catalog: Catalog) -> Path | None:
+    """The .gguf file or repository directory that `serve`'s model `name` names, or None when `name` is a model name
+    (`org/repo` included). A directory that is not a whole model (no config.json, weights or tokenizer) and a path
+    that does not exist raise InvalidRequest saying what is missing; a stored model of the same name wins."""
+    from lmserve.store.names import is_gguf_path
+    from lmserve.store.repository import not_a_model
+
+    path = Path(name).expanduser()
+    if is_gguf_path(name) or path.is_file():
+        return path
+    if path.is_dir():
+        problem = not_a_model(path, name)
+        if problem is None:
+            return path
+        if not _is_stored(catalog, name):
+            raise InvalidRequest(problem, param="model")
+    elif name.startswith(("/", "./", "../", "~")):
+        raise InvalidRequest(f"{name}: no such file or directory", param="model")
+    return None
+
+
+def _is_stored(catalog: Catalog, name: str) -> bool:
+    try:
+        catalog.resolve(name)
+    except LmserveError:
+        return False
+    return True
+
+
 def build_app(config: ServerConfig, *, preload: bool = False) -> tuple[Service, str, FastAPI]:
     """The service, the name of the served model and the HTTP app of `config`: the ASGI factory of `lmserve serve`
     and of `asgi_app`. With `preload`, the app's own lifespan loads the model at startup (kept loaded) and closes
@@ -94,8 +124,8 @@ def build_app(config: ServerConfig, *, preload: bool = False) -> tuple[Service, 
 
     service, name = build_service(config)
     if not preload:
-        return service, name, create_app(service, config)
-    app = create_app(service, config, preload=[name])
+        return service, name, create_app(service, config, served=name)
+    app = create_app(service, config, preload=[name], served=name)
     opened = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -218,10 +248,14 @@ def run(config: ServerConfig) -> int:
         sock.close()
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the store is read or the model pulled: no traceback, no open socket
+        sock.close()
+        print(file=sys.stderr)
+        return 130
     print(
         f"lmserve listening on http://{Address(config.host).url_host}:{config.port}\n"
         f"  model    {name} ({served_file})\n"
-        f"  context  {config.ctx_size} tokens per sequence\n"
+        f"  context  {_context_line(config.ctx_size)}\n"
         f"  slots    {config.parallel} parallel sequences, {config.threads or default_threads()} threads\n"
         f"  store    {Path(config.models_dir).expanduser()}",
         flush=True,
@@ -237,6 +271,15 @@ def run(config: ServerConfig) -> int:
         print(f"lmserve: {server.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _context_line(ctx_size: int) -> str:
+    """The banner's context: what was asked for; the load logs what is in force (engine/context_size.py)."""
+    from lmserve.types import AUTO_CONTEXT
+
+    if ctx_size == AUTO_CONTEXT:
+        return "auto, sized to the model and the memory when it loads"
+    return f"{ctx_size} tokens per sequence asked, at most the model's trained length"
 
 
 def run_headless(config: ServerConfig) -> int:

@@ -81,8 +81,8 @@ class SamplingParams:
     """A GBNF grammar (root rule `root`) the output must match: structured output (see chat/structured.py)."""
     closes_at_limit: bool = True
     """With `grammar` and `max_tokens`: a reply about to run out of tokens is closed in time with the shortest text
-    the grammar accepts (service/json_budget.py), so structured output always parses. False where the grammar's
-    text holds special tokens (forced tool calls)."""
+    the grammar accepts (service/json_budget.py), so structured output and forced tool calls always parse. False:
+    the reply is cut where the limit falls."""
     logprobs: int | None = None
     """None: no log-probabilities; 0..20: each generated token's log-probability and this many likeliest
     alternatives (`Chunk.logprobs`; the distribution is described in engine/logprobs.py)."""
@@ -102,11 +102,24 @@ DRAFT_P_MIN = 0.0
 without the floor, 0.83x with it)."""
 
 
+AUTO_CONTEXT = 0
+"""`LoadOptions.num_ctx` (and `-c 0`) for "auto": the engine sizes each sequence's context from the model and the
+machine when it loads it (engine/context_size.py)."""
+AUTO_CONTEXT_FLOOR = 4096
+"""Auto never gives less than this (nor more than the model was trained for)."""
+AUTO_CONTEXT_CEILING = 262144
+"""Auto never gives more than this (the local runner's largest default)."""
+AUTO_KV_FRACTION = 0.25
+"""Auto's budget: the KV cache of all slots takes at most this fraction of the memory the weights leave."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
     """Options fixed when a model is loaded; a change means a reload."""
 
-    num_ctx: int = 4096
+    num_ctx: int = AUTO_CONTEXT
+    """Context tokens per sequence; AUTO_CONTEXT: sized by the engine at load. Never more than the model was
+    trained for: the engine caps it there (and says so in its log)."""
     num_parallel: int = 4
     num_gpu_layers: int = 0
     num_threads: int | None = None

@@ -116,7 +116,8 @@ def workdir(tmp_path: Path) -> Path:
 # ---- Claude Code ----------------------------------------------------------------------------------------------
 
 
-def claude(server: Server, model: str, prompt: str, home: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def claude(server: Server, model: str, prompt: str, home: Path, cwd: Path,
+           *extra: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.base_url,
            "ANTHROPIC_API_KEY": "placeholder", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_TELEMETRY": "1"}
     return subprocess.run([str(CLAUDE), "-p", prompt, "--model", model, *extra], env=env, cwd=cwd,
@@ -186,3 +187,27 @@ def test_codex_calls_a_tool_and_reads_its_result(server: Server, tmp_path: Path,
                 if e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"]
     assert len(commands) == 1 and f"cat{MARKER}.txt" in commands[0]["command"], events
     assert NOTES in commands[0]["aggregated_output"], commands
+
+
+# ---- a model whose trained context cannot hold the agent's prompt -----------------------------------------------
+
+
+def test_claude_code_shows_plainly_that_smollm2_cannot_take_its_prompt(server: Server, tmp_path: Path,
+                                                                        workdir: Path) -> None:
+    installed(CLAUDE)
+    done = claude(server, "smollm2:135m", "hi", tmp_path, workdir)
+    assert done.returncode != 0
+    shown = done.stdout + done.stderr
+    # Claude Code reads the numbers from lmserve's Anthropic-worded 400: "Prompt is too long · the request is
+    # ~22686 tokens (limit 8192) …"
+    assert "prompt is too long" in shown.lower() and "limit 8192" in shown, shown
+
+
+def test_codex_shows_plainly_that_smollm2_cannot_take_its_prompt(server: Server, tmp_path: Path,
+                                                                  workdir: Path) -> None:
+    installed(CODEX)
+    done = codex(server, "smollm2:135m", "hi", tmp_path, workdir)
+    assert done.returncode != 0
+    failures = [json.dumps(e) for e in codex_events(done) if e.get("type") in ("error", "turn.failed")]
+    # Codex 0.171.0 knows lmserve's error code (context_length_exceeded) and says it in its own words
+    assert failures and all("context window" in failure for failure in failures), done.stdout + done.stderr

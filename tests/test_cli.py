@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -649,11 +650,56 @@ def test_ensure_server_failures() -> None:
 def test_main_reports_a_server_that_does_not_start(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     monkeypatch.setenv("LMSERVE_HOST", "127.0.0.1:9")  # nothing listens on the discard port
-    monkeypatch.setattr(cli, "SERVER_LOG", tmp_path / "server.log")
+    monkeypatch.setenv("LMSERVE_MODELS", str(tmp_path))
     monkeypatch.setattr(cli, "_spawn_server", lambda url, log: FakeProcess(3))
     assert cli.main(["list"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == f"Error: the server exited with code 3 while starting; see {tmp_path / 'server.log'}"
+
+
+@pytest.mark.parametrize(
+    ("env", "log"),
+    [
+        ({}, Path.home() / ".lmserve" / "models" / "server.log"),
+        ({"LMSERVE_MODELS": ""}, Path.home() / ".lmserve" / "models" / "server.log"),
+        ({"LMSERVE_MODELS": "/srv/models"}, Path("/srv/models/server.log")),
+        ({"LMSERVE_MODELS": "~/m"}, Path.home() / "m" / "server.log"),
+    ],
+)
+def test_a_started_server_logs_into_its_model_store(env: dict[str, str], log: Path) -> None:
+    """The server the CLI starts inherits LMSERVE_MODELS: its log is server.log in that store."""
+    assert cli.server_log(env) == log
+    logs: list[Path] = []
+
+    def spawn(url: str, path: Path) -> FakeProcess:
+        logs.append(path)
+        return FakeProcess(3)
+
+    client = FakeClient()
+    client.running = False
+    with pytest.raises(ClientError, match=f"see {re.escape(str(log))}$"):
+        ensure_server(client, spawn=spawn, sleep=lambda s: None, env=env)  # type: ignore[arg-type]
+    assert logs == [log]
+
+
+def test_a_log_that_cannot_be_written_is_one_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    client = FakeClient()
+    client.running = False
+    with pytest.raises(ClientError, match=r"^could not start the server \(log .*/file/server.log\): "):
+        ensure_server(client, sleep=lambda s: None, env={"LMSERVE_MODELS": str(tmp_path / "file")})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("error", "status"), [(BrokenPipeError(32, "Broken pipe"), 141), (KeyboardInterrupt(), 130)])
+def test_a_closed_stdout_or_ctrl_c_ends_without_a_traceback(error: BaseException, status: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lmserve run … | head` ends with 128 + SIGPIPE as Unix tools do (tests/test_cli_e2e.py: a real pipe)."""
+
+    def interrupted(argv: Sequence[str] | None) -> int:
+        raise error
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["list"]) == status
 
 
 def test_every_command_is_listed() -> None:
@@ -690,7 +736,7 @@ def test_the_cli_finds_the_server_at_lmserve_port(env: dict[str, str], url: str,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     spawned: list[str] = []
-    monkeypatch.setattr(cli, "SERVER_LOG", tmp_path / "server.log")
+    monkeypatch.setenv("LMSERVE_MODELS", str(tmp_path))
 
     def spawn(url: str, log: Path) -> FakeProcess:
         spawned.append(url)

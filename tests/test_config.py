@@ -10,6 +10,7 @@ import pytest
 
 from lmserve.cli import build_parser
 from lmserve.config import OPTIONS, ConfigError, ServerConfig, env_name, environment_help, resolve
+from lmserve.types import AUTO_CONTEXT
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -27,7 +28,7 @@ def serve_help() -> str:
 def test_defaults() -> None:
     config = resolve(flags(), env={})
     assert config == ServerConfig()
-    assert (config.host, config.port, config.ctx_size, config.parallel) == ("127.0.0.1", 11434, 4096, 4)
+    assert (config.host, config.port, config.ctx_size, config.parallel) == ("127.0.0.1", 11434, AUTO_CONTEXT, 4)
     assert (config.n_predict, config.keep_alive) == (-1, 300.0)
 
 
@@ -205,7 +206,10 @@ def test_every_field_is_one_entry_with_its_own_variable() -> None:
         ("(default all cores; LMSERVE_THREADS)", "serve"),
         ("-n N, --n-predict N", "serve"),
         ("(default auto; vLLM only; LMSERVE_DTYPE)", "serve"),
-        ("(default 4096; LMSERVE_CTX_SIZE, LMSERVE_MAX_MODEL_LEN)", "serve"),
+        ("(default auto: the largest power of two whose KV cache for all slots fits in 25% of the memory the weights "
+         "leave (RAM, or the GPU memory on a GPU), from 4096 to 262144 tokens; LMSERVE_CTX_SIZE, "
+         "LMSERVE_MAX_MODEL_LEN)", "serve"),
+        ("never more than the model was trained for (a larger N is capped there, with a warning)", "serve"),
         ("HF_TOKEN", "serve"),
         ("LMSERVE_KEEP_ALIVE", "environment"),
         ("(default 5m)", "environment"),

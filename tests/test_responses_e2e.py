@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.codex_request import codex_request
 from tests.test_server import MODEL, Server
 from tests.test_structured_e2e import PERSON
 
@@ -151,6 +152,48 @@ def test_a_json_schema_format_validates(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input="Tell me about Ada Lovelace.", text=text, temperature=0,
                                        max_output_tokens=200)
     jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+def test_the_codex_request_shape_streams_a_completed_response(client: openai.OpenAI) -> None:
+    """Codex's first request (namespace and web_search tools, developer messages, encrypted reasoning asked for, not
+    stored, streamed): the web_search tool is left out and named in a header, the stream completes."""
+    body = codex_request(MODEL, QUESTION)
+    known = {key: body.pop(key) for key in ("model", "input", "tools", "tool_choice", "parallel_tool_calls",
+                                            "reasoning", "store", "include", "prompt_cache_key")}
+    del body["stream"]
+    raw = client.responses.with_raw_response.create(**known, stream=True, temperature=0, max_output_tokens=256,
+                                                    extra_body=body)
+    assert raw.headers["x-lmserve-ignored-tools"] == "web_search"
+    events = list(raw.parse())
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.status == "completed" and final.store is False and final.output
+    done = [event.item for event in events if event.type == "response.output_item.done"]  # type: ignore[union-attr]
+    assert [item.model_dump() for item in done] == [item.model_dump() for item in final.output]
+    assert [tool.type for tool in final.tools] == ["function", "namespace", "web_search"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(final.id)
+
+
+def test_a_conversation_round_trip(client: openai.OpenAI) -> None:
+    """client.conversations and responses.create(conversation=…): the conversation's items come before the input,
+    the input and the answer are added after it."""
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hello."}], metadata={"k": "v"})
+    assert client.conversations.retrieve(conversation.id).metadata == {"k": "v"}
+    first = client.responses.create(model=MODEL, input=QUESTION, conversation=conversation.id, temperature=0,
+                                    max_output_tokens=LIMIT)
+    assert first.conversation is not None and first.conversation.id == conversation.id
+    check_answer(client, MODEL, first, [{"role": "user", "content": "Hello."}, {"role": "user", "content": QUESTION}])
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [item.type for item in items] == ["message"] * 3 and items[-1].id == first.output[-1].id
+    second = client.responses.create(model=MODEL, input="And 10 times 4?", conversation=conversation.id,
+                                     temperature=0, max_output_tokens=LIMIT)
+    check_answer(client, MODEL, second, [{"role": "user", "content": "Hello."}, {"role": "user", "content": QUESTION},
+                                         {"role": "assistant", "content": first.output_text},
+                                         {"role": "user", "content": "And 10 times 4?"}])
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.list(conversation.id)
 
 
 def test_a_restarted_server_keeps_a_stored_response() -> None:

@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import openai
@@ -140,6 +141,27 @@ def test_bad_values_are_one_line_errors(args: list[str], env: dict[str, str], me
     assert done.returncode == (1 if "listen" in message else 2)
     assert done.stderr.startswith(message) and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        (None, ": no such file or directory"),
+        ([], " is not a model: it has no config.json and no .gguf file"),
+        (["config.json", "model.safetensors", "tokenizer_config.json"],
+         " is not a model lmserve can serve: it has config.json and weights but no tokenizer"),
+    ],
+)
+def test_serve_a_directory_that_is_not_a_model_says_what_it_lacks(tmp_path: Path, files: list[str] | None,
+                                                                  says: str) -> None:
+    folder = tmp_path / "my-model"
+    if files is not None:
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    done = lmserve("serve", str(folder), "--port", str(free_port()), env={"LMSERVE_MODELS": str(tmp_path / "store")})
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(f"lmserve: {folder}{says}") and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_serve_names_a_file_as_run_does(tmp_path: Path, model_path: Path) -> None:
@@ -405,6 +427,23 @@ def test_embeddings_in_both_dialects(server: Server, client: openai.OpenAI) -> N
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="placeholder", max_retries=0) as plain:
         packed = plain.embeddings.create(model=MODEL, input=["a", "b"])
     assert packed.data[0].embedding == pytest.approx(list(pair.embeddings[0]), abs=1e-6)
+
+
+def test_embeddings_take_token_ids_as_openai_does(server: Server, client: openai.OpenAI) -> None:
+    texts = ["The cat sat on the mat.", "Interest rates rose again this quarter."]
+    ids = [httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+           for text in texts]  # the ids the server embeds a text as (LangChain's OpenAIEmbeddings sends such lists)
+    by_text = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    one = client.embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    for got, want in zip([*by_ids.data, *one.data], [*by_text.data, by_text.data[1]], strict=True):
+        assert got.embedding == pytest.approx(want.embedding, abs=1e-5)
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert one.usage.prompt_tokens == len(ids[1])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=MODEL, input=[[1, 2], [3, 10**6]], encoding_format="float")
+    error = cast(dict[str, str], caught.value.body)
+    assert error["param"] == "input" and "input[1][1] = 1000000" in error["message"]
 
 
 def test_pull_progress_at_serve_is_one_line_per_step_and_tenth(capsys: pytest.CaptureFixture[str]) -> None:

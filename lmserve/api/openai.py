@@ -16,7 +16,7 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -441,9 +441,10 @@ def model_card(model: ModelListing) -> dict[str, Any]:
 
 
 def openai_router(service: Service, media: MediaPolicy | None = None,
-                  completion_store: CompletionStore | None = None) -> APIRouter:
+                  completion_store: CompletionStore | None = None, *, served: str | None = None) -> APIRouter:
     """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults);
-    chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py)."""
+    chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py).
+    GET /v1/models lists `served` (the model the server was started with) first, then the others newest first."""
     router = APIRouter(prefix="/v1")
     policy = media or MediaPolicy()
 
@@ -489,7 +490,8 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(m) for m in service.models.listing()]}
+        listing = sorted(service.models.listing(), key=lambda m: m.name != served)  # stable: the rest keep order
+        return {"object": "list", "data": [model_card(m) for m in listing]}
 
     @router.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
@@ -513,13 +515,14 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
     return router
 
 
-def embedding_inputs(raw: str | list[str] | list[int] | list[list[int]]) -> list[str]:
-    """The texts of an embeddings request; token-id inputs are refused (another tokenizer's ids)."""
+def embedding_inputs(raw: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
+    """The inputs of an embeddings request, each a text or one text's token ids (OpenAI's four shapes of
+    `input`: a text, texts, one list of token ids, lists of token ids)."""
     if isinstance(raw, str):
         return [raw]
-    if not all(isinstance(item, str) for item in raw):
-        raise InvalidRequest("inputs given as token ids are not supported; send text", param="input")
-    return [str(item) for item in raw]
+    if raw and all(isinstance(item, int) for item in raw):
+        return [cast("list[int]", raw)]
+    return cast("list[str] | list[list[int]]", raw)
 
 
 def embedding_list(model: str, vectors: list[list[float]], num_tokens: int, encoding: str) -> dict[str, Any]:

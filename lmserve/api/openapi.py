@@ -38,6 +38,9 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/messages"): anthropic_schemas.MessagesRequest,
     ("post", "/v1/messages/count_tokens"): anthropic_schemas.CountTokensRequest,
     ("post", "/v1/responses"): responses_schemas.ResponseRequest,
+    ("post", "/v1/conversations"): responses_schemas.ConversationCreate,
+    ("post", "/v1/conversations/{conversation_id}"): responses_schemas.ConversationUpdate,
+    ("post", "/v1/conversations/{conversation_id}/items"): responses_schemas.ConversationItems,
     ("post", "/tokenize"): tokens.TokenizeBody,
     ("post", "/detokenize"): tokens.DetokenizeBody,
     ("post", "/infill"): infill.InfillBody,
@@ -47,6 +50,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 
 BODILESS: frozenset[tuple[str, str]] = frozenset({
     ("delete", "/v1/responses/{response_id}"),
+    ("delete", "/v1/conversations/{conversation_id}"),
+    ("delete", "/v1/conversations/{conversation_id}/items/{item_id}"),
     ("delete", "/v1/chat/completions/{completion_id}"),
     ("delete", "/v1/models/{model_id}"),
 })

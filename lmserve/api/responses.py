@@ -1,21 +1,26 @@
-"""The OpenAI Responses API: `/v1/responses` routes, and the translators between its wire format and lmserve's records.
+"""The OpenAI Responses API: `/v1/responses` routes, and the translators from its wire format to lmserve's records.
 
-A request is parsed into a wire model (responses_schemas.py); its input items, after those of the conversation it
-continues (`previous_response_id`, read from the store), become the chat messages of one `ChatRequest`. The
-service's chunks are turned into output items (reasoning, the assistant's message, function calls) by one
-`OutputBuilder`, which also writes the typed events of a streamed answer, so a streamed and a whole answer carry the
-same items. A finished response is stored (lmserve/store/responses.py) unless the request says `store: false`.
+A request is parsed into a wire model (responses_schemas.py); its input items, after those of what it continues (the
+chain of `previous_response_id`, read from the store, or the items of its `conversation`), become the chat messages
+of one `ChatRequest`; its tools, those lmserve runs, the chat request's tools (responses_tools.py). The service's
+chunks are turned into output items and stream events by one `OutputBuilder` (responses_output.py). A finished
+response is stored (lmserve/store/responses.py) unless the request says `store: false`; its input and output items
+are added to its conversation (lmserve/store/conversations.py).
+
+Fields that would change the answer but that lmserve cannot honour are refused with a 400 naming them
+(`background`, `prompt`: a stored prompt template, `moderation`); advisory ones are accepted without effect
+(`prompt_cache_key`, `safety_identifier`, `service_tier`, `max_tool_calls`, `stream_options`,
+`context_management`, `client_metadata` …).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,24 +28,37 @@ from pydantic import TypeAdapter, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import responses_schemas as wire
-from lmserve.api.logprobs import token_entries
 from lmserve.api.openai import parse_body
 from lmserve.api.pages import item_page
-from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
-from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation
+from lmserve.api.responses_output import (
+    Framer,
+    OutputBuilder,
+    finished_response,
+    new_item_id,
+    response_usage,
+    run_whole,
+    stream_events,
+)
+from lmserve.api.responses_tools import Choice, ToolSet, chat_tools, ignored_header, offered_tools
+from lmserve.api.streaming import SSE_HEADERS, GenerationResponse, guarded_errors, until_disconnect
+from lmserve.api.wire_errors import invalid_from_validation
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.config import ServerConfig
-from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
+from lmserve.errors import InvalidRequest
 from lmserve.parsing import chat_role
-from lmserve.service import Generation, Service
+from lmserve.service import Service
+from lmserve.store.conversations import ConversationNotFound, ConversationStore
 from lmserve.store.responses import ResponseNotFound, ResponseStore, StoredResponse, new_response_id
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams, ToolCall
 
 log = logging.getLogger(__name__)
 
 Item = dict[str, Any]
-Event = dict[str, Any]
+Save = Callable[[dict[str, Any]], Awaitable[None]]
+"""Keeps a finished response (in the store, in its conversation)."""
+Shown = Callable[[str, str | None], str]
+"""A function's name and namespace → the name the model sees (ToolSet.shown)."""
 ImageRef = tuple[str, str]
 """(where the image is in the request, its URL)."""
 
@@ -51,11 +69,6 @@ def responses_store(config: ServerConfig) -> ResponseStore:
     """The store of responses under the model store: `<LMSERVE_MODELS>/responses` (made on the first save)."""
     return ResponseStore(Path(config.models_dir).expanduser() / "responses", max_count=config.responses_max,
                          ttl=config.responses_ttl)
-
-
-def new_item_id(prefix: str) -> str:
-    """An output or input item id: `msg_…`, `fc_…`, `fco_…`, `rs_…`."""
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 # ---- requests → records ---------------------------------------------------------------------------
@@ -108,12 +121,13 @@ def parse_items(records: list[Item]) -> list[wire.InputItem]:
     return _ITEMS.validate_python(records)
 
 
-def to_messages(instructions: str | None, items: list[wire.InputItem],
-                first_own: int = 0) -> tuple[list[Message], list[list[ImageRef]]]:
+def to_messages(instructions: str | None, items: list[wire.InputItem], first_own: int = 0,
+                shown: Shown | None = None) -> tuple[list[Message], list[list[ImageRef]]]:
     """Chat messages for `instructions` (a system message) and the conversation's items, and each message's images
-    (where, URL). Consecutive function calls join the assistant message before them; a call's output is a `tool`
-    message; a reasoning item's text is the thinking of the assistant turn that follows it. `first_own` is the index
-    of the request's first own item (for messages)."""
+    (where, URL). Consecutive function calls join the assistant message before them, each under the name the model
+    sees (`shown`: a namespaced function's may differ from its own); a call's output is a `tool` message; a
+    reasoning item's text is the thinking of the assistant turn that follows it. `first_own` is the index of the
+    request's first own item (for messages)."""
     messages: list[Message] = []
     images: list[list[ImageRef]] = []
     if instructions:
@@ -122,7 +136,7 @@ def to_messages(instructions: str | None, items: list[wire.InputItem],
     names: dict[str, str] = {}
     thinking = ""
     for index, item in enumerate(items):
-        where = f"input[{index - first_own}]" if index >= first_own else f"previous_response_id's item {index}"
+        where = f"input[{index - first_own}]" if index >= first_own else f"the earlier conversation's item {index}"
         if isinstance(item, wire.ReasoningItem):
             thinking += "".join(part.text for part in item.content or ())
         elif isinstance(item, wire.MessageItem):
@@ -132,8 +146,9 @@ def to_messages(instructions: str | None, items: list[wire.InputItem],
             images.append(refs)
             thinking = ""
         elif isinstance(item, wire.FunctionCallItem):
-            names[item.call_id] = item.name
-            call = ToolCall(item.name, item.arguments, item.call_id)
+            name = shown(item.name, item.namespace) if shown else item.name
+            names[item.call_id] = name
+            call = ToolCall(name, item.arguments, item.call_id)
             if messages and messages[-1].role == "assistant" and not thinking:
                 messages[-1].tool_calls.append(call)
             else:
@@ -210,25 +225,6 @@ def format_grammar(text_format: wire.TextFormat | wire.JsonObjectFormat | wire.J
     return None
 
 
-def chat_tools(body: wire.ResponseRequest) -> tuple[list[dict[str, Any]], str | None]:
-    """The tools as the chat request carries them (OpenAI chat shape), and the forced one ("*": any, or a name)."""
-    choice = body.tool_choice
-    if not body.tools or choice == "none":
-        if choice not in (None, "auto", "none"):
-            raise InvalidRequest("tool_choice requires tools", param="tool_choice")
-        return [], None
-    tools = [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-             for tool in body.tools]
-    if choice in (None, "auto"):
-        return tools, None
-    if choice == "required":
-        return tools, "*"
-    assert isinstance(choice, wire.FunctionChoice)
-    if choice.name not in {tool.name for tool in body.tools}:
-        raise InvalidRequest(f"tool_choice names '{choice.name}', which is not among the tools", param="tool_choice")
-    return tools, choice.name
-
-
 def think(reasoning: wire.ReasoningConfig | None) -> bool | str | None:
     """`reasoning.effort` as ChatRequest.think (types.EFFORTS); None leaves it to the model."""
     if reasoning is None or reasoning.effort is None:
@@ -236,14 +232,29 @@ def think(reasoning: wire.ReasoningConfig | None) -> bool | str | None:
     return EFFORTS[reasoning.effort]
 
 
-def to_chat_request(body: wire.ResponseRequest, messages: list[Message],
-                    defaults: SamplingParams | None = None) -> ChatRequest:
-    """The engine-neutral chat request of a Responses request whose conversation is `messages`."""
+def refuse_unserved(body: wire.ResponseRequest) -> None:
+    """A 400 for a field that would change the answer but that lmserve cannot honour."""
     if body.background:
         raise InvalidRequest("background responses are not supported", param="background")
+    if body.prompt is not None:
+        raise InvalidRequest("stored prompt templates (`prompt`) are not served by lmserve: send the prompt's text "
+                             "in `instructions` or `input` instead", param="prompt")
+    if body.moderation is not None:
+        raise InvalidRequest("moderation is not served by lmserve: leave out `moderation`", param="moderation")
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise InvalidRequest("Mutually exclusive parameters: Ensure you are only providing one of: "
+                             "'previous_response_id' or 'conversation'.", param="conversation")
+
+
+def to_chat_request(body: wire.ResponseRequest, messages: list[Message], offered: ToolSet | None = None,
+                    defaults: SamplingParams | None = None) -> ChatRequest:
+    """The engine-neutral chat request of a Responses request whose conversation is `messages` and whose tools
+    lmserve runs are `offered` (by default, those of `body.tools`). The route has refused what is not served
+    (`refuse_unserved`)."""
     if not messages or all(m.role == "system" for m in messages):
         raise InvalidRequest("Missing required parameter: 'input'.", param="input")
-    tools, forced = chat_tools(body)
+    choice: Choice | None = body.tool_choice
+    tools, forced = chat_tools(offered if offered is not None else offered_tools(body.tools), choice)
     return ChatRequest(model=body.model, messages=messages, sampling=to_sampling(body, defaults), tools=tools,
                        forced_tool=forced, parallel_tool_calls=body.parallel_tool_calls is not False,
                        think=think(body.reasoning), reasoning_budget=body.reasoning_budget)
@@ -254,7 +265,9 @@ def to_chat_request(body: wire.ResponseRequest, messages: list[Message],
 
 def response_head(body: wire.ResponseRequest, model: str, sampling: SamplingParams, response_id: str,
                   created_at: int) -> dict[str, Any]:
-    """The response object before any output: the request's settings echoed, status in_progress."""
+    """The response object before any output: the request's settings echoed (the tools as sent, those left out
+    included), status in_progress."""
+    conversation = conversation_id(body.conversation)
     text_format = body.text.format if body.text and body.text.format else wire.TextFormat(type="text")
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     return {
@@ -276,233 +289,24 @@ def response_head(body: wire.ResponseRequest, model: str, sampling: SamplingPara
         "store": body.store is not False,
         "temperature": sampling.temperature,
         "text": {"format": text_format.model_dump(mode="json", by_alias=True, exclude_none=True)},
-        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(mode="json"),
+        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(mode="json", exclude_none=True),
         "tools": [tool.model_dump(mode="json", exclude_none=True) for tool in body.tools or []],
         "top_logprobs": body.top_logprobs,
         "top_p": sampling.top_p,
         "truncation": "disabled",
         "usage": None,
         "user": body.user,
+        "conversation": {"id": conversation} if conversation else None,
+        "prompt_cache_key": body.prompt_cache_key,
+        "safety_identifier": body.safety_identifier,
+        "service_tier": "default",
+        "max_tool_calls": body.max_tool_calls,
     }
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "total_tokens": usage.total_tokens,
-    }
-
-
-class OutputBuilder:
-    """Chunks in, output items and stream events out.
-
-    One item is open at a time (reasoning or the message); a new kind of piece closes it and opens the next, and a
-    function call is an item of its own. Whitespace-only text waits until real text comes, so a reply that is only
-    calls (or only thinking then calls) has no empty message; a reply with no items at all gets one message.
-    Events have no sequence numbers yet (`Framer` adds them). A chunk's log-probabilities (asked for with
-    `include`) go with its text: to the delta event and the message's output_text part.
-    """
-
-    def __init__(self) -> None:
-        self.items: list[Item] = []
-        self._open: Item | None = None
-        self._pieces: list[str] = []
-        self._logprobs: list[Item] = []
-        self._pending = ""
-        self._pending_logprobs: list[Item] = []
-
-    @property
-    def _index(self) -> int:
-        return len(self.items)
-
-    def push(self, chunk: Chunk) -> list[Event]:
-        events: list[Event] = []
-        if chunk.reasoning:
-            events += self._reasoning(chunk.reasoning)
-        if chunk.text:
-            events += self._text(chunk.text, token_entries(chunk.logprobs))
-        for call in chunk.tool_calls:
-            events += self._call(call)
-        return events
-
-    def finish(self, status: Literal["completed", "incomplete"]) -> list[Event]:
-        """Close what is open (with `status`); a reply without a message or a call gets its (maybe empty) message."""
-        events: list[Event] = []
-        if not any(item["type"] in ("message", "function_call") for item in self.items) and (
-                self._open is None or self._open["type"] != "message"):
-            events += self._close("completed")
-            events += self._open_message()
-            if self._pending:
-                events += self._delta(self._pending, self._pending_logprobs)
-                self._pending, self._pending_logprobs = "", []
-        return events + self._close(status)
-
-    # pieces
-
-    def _reasoning(self, delta: str) -> list[Event]:
-        events: list[Event] = []
-        if self._open is None or self._open["type"] != "reasoning":
-            events += self._close("completed")
-            self._open = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": [],
-                          "status": "in_progress"}
-            events.append(self._item_event("response.output_item.added", self._open))
-            events.append(self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""}))
-        self._pieces.append(delta)
-        events.append({"type": "response.reasoning_text.delta", **self._where(), "delta": delta})
-        return events
-
-    def _text(self, delta: str, logprobs: list[Item]) -> list[Event]:
-        if self._open is not None and self._open["type"] == "message":
-            return self._delta(delta, logprobs)
-        if not (self._pending + delta).strip():
-            self._pending += delta
-            self._pending_logprobs += logprobs
-            return []
-        events = self._close("completed") + self._open_message()
-        events += self._delta(self._pending + delta, self._pending_logprobs + logprobs)
-        self._pending, self._pending_logprobs = "", []
-        return events
-
-    def _call(self, call: ToolCall) -> list[Event]:
-        events = self._close("completed")
-        self._pending, self._pending_logprobs = "", []
-        item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call.id or new_item_id("call"),
-                "name": call.name, "arguments": "", "status": "in_progress"}
-        where = {"item_id": item["id"], "output_index": self._index}
-        events.append(self._item_event("response.output_item.added", item))
-        events.append({"type": "response.function_call_arguments.delta", **where, "delta": call.arguments})
-        events.append({"type": "response.function_call_arguments.done", **where, "arguments": call.arguments})
-        done = {**item, "arguments": call.arguments, "status": "completed"}
-        events.append(self._item_event("response.output_item.done", done))
-        self.items.append(done)
-        return events
-
-    # the open item
-
-    def _open_message(self) -> list[Event]:
-        self._open = {"id": new_item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                      "content": []}
-        return [self._item_event("response.output_item.added", self._open),
-                self._part_event("response.content_part.added", _output_text(""))]
-
-    def _delta(self, delta: str, logprobs: list[Item]) -> list[Event]:
-        self._pieces.append(delta)
-        self._logprobs += logprobs
-        return [{"type": "response.output_text.delta", **self._where(), "delta": delta, "logprobs": logprobs}]
-
-    def _close(self, status: Literal["completed", "incomplete"]) -> list[Event]:
-        item = self._open
-        if item is None:
-            return []
-        text = "".join(self._pieces)
-        if item["type"] == "reasoning":
-            part: Item = {"type": "reasoning_text", "text": text}
-            events = [{"type": "response.reasoning_text.done", **self._where(), "text": text}]
-        else:
-            part = _output_text(text, self._logprobs)
-            events = [{"type": "response.output_text.done", **self._where(), "text": text,
-                       "logprobs": self._logprobs}]
-        events.append(self._part_event("response.content_part.done", part))
-        done = {**item, "content": [part], "status": status}
-        events.append(self._item_event("response.output_item.done", done))
-        self.items.append(done)
-        self._open, self._pieces, self._logprobs = None, [], []
-        return events
-
-    def _where(self) -> Event:
-        assert self._open is not None
-        return {"item_id": self._open["id"], "output_index": self._index, "content_index": 0}
-
-    def _item_event(self, kind: str, item: Item) -> Event:
-        return {"type": kind, "output_index": self._index, "item": item}
-
-    def _part_event(self, kind: str, part: Item) -> Event:
-        return {"type": kind, **self._where(), "part": part}
-
-
-def _output_text(text: str, logprobs: list[Item] | None = None) -> Item:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def finished_response(head: dict[str, Any], builder: OutputBuilder, final: Chunk, usage: Usage) -> dict[str, Any]:
-    """The response object once its generation ended (status completed, or incomplete at max_output_tokens)."""
-    is_cut = final.finish_reason == "length"
-    return {
-        **head,
-        "status": "incomplete" if is_cut else "completed",
-        "completed_at": int(time.time()),
-        "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
-        "output": builder.items,
-        "usage": usage_body(usage),
-    }
-
-
-def _usage(generation: Generation, final: Chunk) -> Usage:
-    return final.usage if final.usage is not None else Usage(prompt_tokens=generation.num_prompt_tokens)
-
-
-def _status(final: Chunk) -> Literal["completed", "incomplete"]:
-    return "incomplete" if final.finish_reason == "length" else "completed"
-
-
-async def run_whole(generation: Generation, builder: OutputBuilder) -> Chunk:
-    """Feed the whole generation to `builder`; the final chunk. An engine failure is an EngineFailure."""
-    try:
-        async for chunk in generation:
-            builder.push(chunk)
-            if chunk.finish_reason is not None:
-                if chunk.finish_reason in ("error", "abort"):
-                    raise EngineFailure(chunk.error or "the generation failed")
-                builder.finish(_status(chunk))
-                return chunk
-    finally:
-        generation.abort()
-    raise EngineFailure("the generation ended without a result")
-
-
-class Framer:
-    """Numbers events (`sequence_number` from 0) and encodes each as one SSE event named by its type."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-
-    def __call__(self, event: Event) -> bytes:
-        numbered = {**event, "sequence_number": self.sequence_number}
-        self.sequence_number += 1
-        return f"event: {event['type']}\ndata: {dumps(numbered)}\n\n".encode()
-
-    def error(self, exc: Exception) -> bytes:
-        """An `error` event: what an unexpected failure after the stream started becomes."""
-        err = exc if isinstance(exc, LmserveError) else LmserveError(INTERNAL_ERROR)
-        return self({"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param})
-
-
-async def stream_events(generation: Generation, head: dict[str, Any], framer: Framer,
-                        save: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[bytes]:
-    """created, in_progress, the items' events, then completed (or incomplete; failed when the engine fails).
-    The finished response is saved (`save`) before the last event, so a client that reads it can retrieve it."""
-    builder = OutputBuilder()
-    yield framer({"type": "response.created", "response": head})
-    yield framer({"type": "response.in_progress", "response": head})
-    async for chunk in generation:
-        for event in builder.push(chunk):
-            yield framer(event)
-        if chunk.finish_reason is None:
-            continue
-        if chunk.finish_reason in ("error", "abort"):
-            error = {"code": "server_error", "message": chunk.error or "the generation failed"}
-            yield framer({"type": "response.failed", "response": {**head, "status": "failed", "error": error}})
-            return
-        for event in builder.finish(_status(chunk)):
-            yield framer(event)
-        response = finished_response(head, builder, chunk, _usage(generation, chunk))
-        await save(response)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        yield framer({"type": kind, "response": response})
-        return
+def conversation_id(conversation: str | wire.ConversationRef | None) -> str | None:
+    """The id `conversation` gives (as a string or as `{"id": …}`), or None."""
+    return conversation.id if isinstance(conversation, wire.ConversationRef) else conversation
 
 
 def input_item_page(items: list[Item], *, limit: int, order: str, after: str | None) -> dict[str, Any]:
@@ -513,52 +317,82 @@ def input_item_page(items: list[Item], *, limit: int, order: str, after: str | N
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def responses_router(service: Service, store: ResponseStore, media: MediaPolicy | None = None) -> APIRouter:
-    """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items."""
+def responses_router(service: Service, store: ResponseStore, media: MediaPolicy | None = None,
+                     conversations: ConversationStore | None = None) -> APIRouter:
+    """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items. A request's
+    `conversation` is read from and added to `conversations` (None: a request that names one is refused)."""
     router = APIRouter(prefix="/v1")
     policy = media or MediaPolicy()
 
-    async def previous(response_id: str | None) -> list[Item]:
-        if response_id is None:
+    async def earlier(body: wire.ResponseRequest) -> list[Item]:
+        """The items the request continues: its previous response's conversation, or its conversation's items."""
+        if body.previous_response_id is not None:
+            try:
+                return (await asyncio.to_thread(store.get, body.previous_response_id)).conversation
+            except ResponseNotFound:
+                raise ResponseNotFound(body.previous_response_id, param="previous_response_id") from None
+        conversation = conversation_id(body.conversation)
+        if conversation is None:
             return []
+        if conversations is None:
+            raise InvalidRequest("conversations are not kept by this server", param="conversation")
         try:
-            return (await asyncio.to_thread(store.get, response_id)).conversation
-        except ResponseNotFound:
-            raise ResponseNotFound(response_id, param="previous_response_id") from None
+            return (await asyncio.to_thread(conversations.get, conversation)).items
+        except ConversationNotFound:
+            raise ConversationNotFound(conversation, param="conversation") from None
 
-    @router.post("/responses", response_model=None)
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, wire.ResponseRequest)
-        context = await previous(body.previous_response_id)
-        own = input_records(body.input)
+    async def chat_request(body: wire.ResponseRequest, context: list[Item], own: list[Item],
+                           offered: ToolSet) -> ChatRequest:
         try:
             items = parse_items(context + own)
         except ValidationError as exc:  # a stored record that no longer reads: say which
             raise invalid_from_validation(exc.errors(include_url=False)) from None
-        messages, refs = to_messages(body.instructions, items, first_own=len(context))
+        messages, refs = to_messages(body.instructions, items, first_own=len(context), shown=offered.shown)
         if any(refs):
             service.generation.check_images(body.model, sum(map(len, refs)), param="input")
             for message, data in zip(messages, await load_images(refs, policy), strict=True):
                 message.images = data
-        chat = to_chat_request(body, messages, await service.sampling_defaults(body.model))
-        generation = await service.generation.chat(chat)
-        response_id = new_response_id()
-        head = response_head(body, generation.model, chat.sampling, response_id, int(time.time()))
+        return to_chat_request(body, messages, offered, await service.sampling_defaults(body.model))
 
+    def saver(body: wire.ResponseRequest, own: list[Item], context: list[Item]) -> Save:
         async def save(response: dict[str, Any]) -> None:
             if body.store is not False:
                 record = StoredResponse(response=response, input=own, context=context)
                 await asyncio.to_thread(store.save, record)
+            conversation = conversation_id(body.conversation)
+            if conversation is None or conversations is None:
+                return
+            try:
+                await asyncio.to_thread(conversations.add_items, conversation, own + response["output"])
+            except ConversationNotFound:
+                log.warning("conversation %s was deleted before its response %s ended", conversation, response["id"])
 
+        return save
+
+    @router.post("/responses", response_model=None)
+    async def create(request: Request) -> Response:
+        body = await parse_body(request, wire.ResponseRequest)
+        refuse_unserved(body)
+        offered = offered_tools(body.tools)
+        if offered.ignored:
+            log.warning("/v1/responses: tools of types lmserve does not run are left out: %s",
+                        ", ".join(dict.fromkeys(kind[:64] for kind in offered.ignored)))
+        context = await earlier(body)
+        own = input_records(body.input)
+        chat = await chat_request(body, context, own, offered)
+        generation = await service.generation.chat(chat)
+        head = response_head(body, generation.model, chat.sampling, new_response_id(), int(time.time()))
+        save, builder = saver(body, own, context), OutputBuilder(offered.origin)
+        headers = ignored_header(offered.ignored)
         if body.stream:
             framer = Framer()
-            frames = stream_events(generation, head, framer, save)
-            return GenerationResponse(generation, guarded_errors(frames, framer.error))
-        builder = OutputBuilder()
+            frames = stream_events(generation, head, framer, save, builder)
+            return GenerationResponse(generation, guarded_errors(frames, framer.error),
+                                      headers={**SSE_HEADERS, **headers})
         final = await until_disconnect(run_whole(generation, builder), request.receive)
-        response = finished_response(head, builder, final, _usage(generation, final))
+        response = finished_response(head, builder, final, response_usage(generation, final))
         await save(response)
-        return JSONResponse(response)
+        return JSONResponse(response, headers=headers)
 
     @router.get("/responses/{response_id}")
     async def retrieve(response_id: str, stream: bool = False) -> dict[str, Any]:

@@ -182,7 +182,7 @@ class BatchingEngine:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= num_ctx:
-            raise ContextOverflow(len(prompt), num_ctx)
+            raise ContextOverflow(len(prompt), num_ctx, self.info.num_ctx_train)
         num_vocab = self.info.num_vocab
         _check_prompt(prompt, images, num_vocab)
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
@@ -230,7 +230,7 @@ class BatchingEngine:
         num_ctx = self.info.num_ctx
         if len(tokens) > num_ctx:
             if not truncate:
-                raise _input_overflow(len(tokens), num_ctx)
+                raise _input_overflow(len(tokens), num_ctx, self.info.num_ctx_train)
             tokens = tokens[:num_ctx]
         return tokens
 
@@ -245,7 +245,7 @@ class BatchingEngine:
             if not tokens:
                 raise InvalidRequest("the input to embed is empty", param="input")
             if len(tokens) > self.info.num_ctx:
-                raise _input_overflow(len(tokens), self.info.num_ctx)
+                raise _input_overflow(len(tokens), self.info.num_ctx, self.info.num_ctx_train)
         loop = asyncio.get_running_loop()
         jobs = [_EmbedJob(list(tokens), loop.create_future(), loop) for tokens in prompts]
         with self._cond:
@@ -611,8 +611,8 @@ def _check_prompt(prompt: list[int], images: list[PromptImage], num_vocab: int) 
         raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
 
 
-def _input_overflow(num_tokens: int, num_ctx: int) -> ContextOverflow:
-    error = ContextOverflow(num_tokens, num_ctx)
+def _input_overflow(num_tokens: int, num_ctx: int, num_ctx_train: int) -> ContextOverflow:
+    error = ContextOverflow(num_tokens, num_ctx, num_ctx_train)
     error.param = "input"
     return error
 

@@ -62,7 +62,7 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
     chunk = settings.max_prefill_tokens or LLAMACPP_PREFILL_CHUNK
     backend = LlamaCppBackend(path, options)
     return BatchingEngine(backend, max_batch_tokens=options.num_batch,
-                          max_prefill_tokens=options.num_ctx if chunk == -1 else chunk,
+                          max_prefill_tokens=backend.info.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes,
                           draft_max=settings.draft_max)
 

@@ -35,6 +35,7 @@ class FakeBackend:
         vision: bool = False,
         draft_model: bool = False,
         pool_size: int | None = None,
+        num_ctx_train: int = 0,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
@@ -42,6 +43,7 @@ class FakeBackend:
             num_ctx=num_ctx,
             num_parallel=num_parallel,
             num_vocab=257,
+            num_ctx_train=num_ctx_train,
             chat_template=None,
             image_marker=IMAGE_MARKER if vision else None,
             draft_model="fake-draft" if draft_model else None,
@@ -128,6 +130,10 @@ class FakeBackend:
 
     def take_drafted(self, slot: int) -> list[int]:
         return self._drafted.pop(slot, [])
+
+    def take_logprobs(self, slot: int) -> None:
+        """The fake ranks no tokens: a request that asks for log-probabilities gets none (not a failure)."""
+        return None
 
     def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """With `draft_model`: guess that the sentence goes on after the first place the last token occurs in it

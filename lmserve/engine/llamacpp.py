@@ -27,6 +27,7 @@ from lmserve.engine import batch_rows, fim, recurrent_state
 from lmserve.engine.backend import BatchEntry, PoolFull
 from lmserve.engine.cpu_load import ThreadGovernor
 from lmserve.engine.draft_model import DraftModel
+from lmserve.engine.llamacpp_memory import context_choice
 from lmserve.engine.logprobs import Ranked, rank_candidates
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
@@ -145,9 +146,9 @@ class LlamaCppBackend:
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         threads = options.num_threads or default_threads()
-        # A request's num_ctx is untrusted: never allocate more per sequence than the model was trained for.
-        trained = lc.llama_model_n_ctx_train(model)
-        num_ctx = min(options.num_ctx, trained) if trained > 0 else options.num_ctx
+        # Auto, or what was asked (untrusted from a request) but never more than the model was trained for.
+        choice = context_choice(model, path, options)
+        num_ctx = choice.num_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = options.num_parallel
         # One pool of num_ctx tokens for all slots (each may grow to all of it, as llama-server's -c with
@@ -223,6 +224,7 @@ class LlamaCppBackend:
             num_ctx=lc.llama_n_ctx_seq(ctx),
             num_parallel=options.num_parallel,
             num_vocab=self._num_vocab,
+            num_ctx_train=choice.trained,
             chat_template=template.decode("utf-8", "replace") if template else None,
             bos_token=self._token_text(lc.llama_vocab_bos(self._vocab)),
             eos_token=self._token_text(lc.llama_vocab_eos(self._vocab)),

@@ -33,9 +33,11 @@ class ModelInfo:
     path: str
     architecture: str
     num_ctx: int
-    """Context length per sequence (the -c flag)."""
+    """Context length per sequence in force (what -c asked for, capped at the trained length; or auto)."""
     num_parallel: int
     num_vocab: int
+    num_ctx_train: int = 0
+    """The context length the model was trained for (0: not known)."""
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""

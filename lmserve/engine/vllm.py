@@ -22,10 +22,11 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.context_size import ContextChoice, choose_context, machine_memory, memory_beside
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.lifeline import LIFELINE
@@ -34,7 +35,7 @@ from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
 from lmserve.engine.weights_check import check_weights
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
-from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
+from lmserve.types import AUTO_CONTEXT, Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ _ids = itertools.count()
 class VllmOptions:
     """What lmserve's options ask of vLLM for one model (built by `engine/factory.py` from the server's flags)."""
 
-    num_ctx: int = 4096
-    """max_model_len: the context per sequence."""
+    num_ctx: int = AUTO_CONTEXT
+    """max_model_len: the context per sequence (AUTO_CONTEXT: sized at load, engine/context_size.py)."""
     num_parallel: int = 4
     """max_num_seqs: sequences decoded together."""
     dtype: str = "auto"
@@ -167,6 +168,14 @@ def is_hybrid(config: dict[str, Any]) -> bool:
 def kv_cache_bytes(config: dict[str, Any], options: VllmOptions, available: int | None) -> int:
     """KV bytes for `num_parallel` sequences of `num_ctx` tokens of the model described by `config` (config.json),
     at least CPU_KV_FLOOR_BYTES and at most CPU_KV_CEILING_FRACTION of `available` memory."""
+    needed = kv_bytes_per_token(config, options.dtype) * options.num_ctx * options.num_parallel
+    ceiling = int(available * CPU_KV_CEILING_FRACTION) if available else needed
+    return max(CPU_KV_FLOOR_BYTES, min(needed, ceiling))
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
+    """One token's KV cache in one sequence, in bytes, for the model `config` (config.json) describes: keys and
+    values of every attention layer (a hybrid model's other layers keep none)."""
     text = config.get("text_config") or config
     layers = int(text.get("num_hidden_layers") or 0)
     types = text.get("layer_types")
@@ -175,10 +184,36 @@ def kv_cache_bytes(config: dict[str, Any], options: VllmOptions, available: int 
     heads = int(text.get("num_attention_heads") or 1)
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
-    width = 4 if options.dtype == "float32" else 2
-    needed = 2 * layers * kv_heads * head_dim * width * options.num_ctx * options.num_parallel
-    ceiling = int(available * CPU_KV_CEILING_FRACTION) if available else needed
-    return max(CPU_KV_FLOOR_BYTES, min(needed, ceiling))
+    width = 4 if dtype == "float32" else 2
+    return 2 * layers * kv_heads * head_dim * width
+
+
+def context_choice(path: Path, options: VllmOptions, config: dict[str, Any]) -> ContextChoice:
+    """The context per sequence of serving the repository at `path` (engine/context_size.py's rule). The trained
+    length is the max_model_len vLLM derives from the repository (what it serves when given none); the memory is
+    RAM on the CPU build, else vLLM's share of the GPUs (--gpu-memory-utilization), less the weights. Over several
+    nodes auto is AUTO_CONTEXT_FLOOR: every node must size its context alike."""
+    from vllm import AsyncEngineArgs
+
+    arguments: dict[str, Any] = {"model": str(path), "dtype": options.dtype}
+    trained = int(AsyncEngineArgs(**arguments).create_model_config().max_model_len)
+    memory = None if options.nnodes > 1 else (machine_memory() if options.is_cpu else _gpu_memory(options))
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return choose_context(options.num_ctx, trained=trained, num_slots=options.num_parallel,
+                          kv_bytes_per_token=kv_bytes_per_token(config, options.dtype),
+                          memory_bytes=memory_beside(weights, memory))
+
+
+def _gpu_memory(options: VllmOptions) -> int | None:
+    """vLLM's share of the memory of the GPUs one model spans (None when the platform does not say)."""
+    from vllm.platforms import current_platform
+
+    try:
+        total = int(current_platform.get_device_total_memory(0))
+    except Exception:  # a platform without the query, or NVML unavailable: the context falls back to the floor
+        return None
+    share = options.gpu_memory_utilization if options.gpu_memory_utilization is not None else 0.9
+    return int(total * share) * options.tensor_parallel_size * options.pipeline_parallel_size
 
 
 def available_memory() -> int | None:
@@ -309,6 +344,7 @@ def serve_headless(path: Path, options: VllmOptions) -> None:
     if options.nnodes < 2 or options.node_rank == 0:
         raise InvalidRequest("--headless runs a node of rank 1 or more of a model over --nnodes 2 or more")
     config = json.loads((path / "config.json").read_text())
+    options = replace(options, num_ctx=context_choice(path, options, config).num_ctx)
     kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu else None
     arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
     vllm_config = arguments.create_engine_config(UsageContext.OPENAI_API_SERVER, headless=True)
@@ -487,6 +523,11 @@ class VllmEngine:
             raise InvalidRequest(f"vLLM cannot serve this vision-language model here: {missing}", param="model")
         check_weights(path, config)
         self._stats = EngineStats()
+        try:
+            choice = context_choice(path, options, config)
+        except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
+            raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
+        options = replace(options, num_ctx=choice.num_ctx)
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
         with _environment(_worker_environment(options)):
@@ -510,6 +551,7 @@ class VllmEngine:
             num_ctx=int(model_config.max_model_len),
             num_parallel=options.num_parallel,
             num_vocab=int(model_config.get_vocab_size()),
+            num_ctx_train=choice.trained,
             chat_template=getattr(tokenizer, "chat_template", None),
             bos_token=str(getattr(tokenizer, "bos_token", None) or ""),
             eos_token=str(getattr(tokenizer, "eos_token", None) or ""),
@@ -565,7 +607,7 @@ class VllmEngine:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= num_ctx:
-            raise ContextOverflow(len(prompt), num_ctx)
+            raise ContextOverflow(len(prompt), num_ctx, self.info.num_ctx_train)
         if any(not 0 <= token < self.info.num_vocab for token in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.info.num_vocab}) for this model",
                                  param="prompt")

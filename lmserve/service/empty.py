@@ -20,7 +20,7 @@ class EmptyReply:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= engine.info.num_ctx:
-            raise ContextOverflow(len(prompt), engine.info.num_ctx)
+            raise ContextOverflow(len(prompt), engine.info.num_ctx, engine.info.num_ctx_train)
         self._prompt = list(prompt)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:

@@ -10,7 +10,7 @@ off, or first in a phase of its own) is service/thinking.py's.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lmserve.chat.gotemplate import GoChatTemplate
@@ -24,9 +24,10 @@ from lmserve.chat.tools import FALLBACK_PARSER, StreamingToolParser, ToolCallPar
 from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, choice_sampling, unit_vector
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.service import fim, json_budget, prompts
+from lmserve.service import embeddings, fim, json_budget, prompts
 from lmserve.service.catalog import Catalog
 from lmserve.service.defaults import Defaults
+from lmserve.service.embeddings import EmbeddingInput
 from lmserve.service.empty import EmptyReply
 from lmserve.service.observers import Observers
 from lmserve.service.residency import LoadedModel, Residency, Resident
@@ -70,6 +71,9 @@ class Generation:
     """The request's stop strings: the last chunk of a reply one of them ended names it (`Chunk.stop_string`)."""
     counts_prompt: bool = True
     """False for the second and later choices of one request (`n`): observers count their shared prompt once."""
+    forced: bool = False
+    """The reply is a forced tool call: cut at the limit, it was closed into a complete call (service/json_budget.py)
+    and finishes "tool_calls", as one the model ended does."""
     _is_released: bool = field(default=False, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -84,7 +88,7 @@ class Generation:
                     chunk = _split_reasoning(splitting, chunk)
                     thoughts.append(chunk.reasoning)
                 if parsing is not None:
-                    chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls)
+                    chunk, added = _parse_tools(parsing, chunk, num_calls, self.max_tool_calls, self.forced)
                     num_calls += added
                 answer.append(chunk.text)
                 if chunk.finish_reason is not None:
@@ -188,7 +192,7 @@ def _split_reasoning(splitting: StreamingReasoningParser, chunk: Chunk) -> Chunk
 
 
 def _parse_tools(
-    parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int, max_calls: int | None
+    parsing: StreamingToolParser, chunk: Chunk, num_calls_before: int, max_calls: int | None, forced: bool
 ) -> tuple[Chunk, int]:
     text, calls = parsing.push(chunk.text)
     if chunk.finish_reason is not None:
@@ -197,8 +201,8 @@ def _parse_tools(
     if max_calls is not None:
         calls = calls[: max(0, max_calls - num_calls_before)]
     finish = chunk.finish_reason
-    if finish == "stop" and num_calls_before + len(calls) > 0:
-        finish = "tool_calls"
+    if num_calls_before + len(calls) > 0 and (finish == "stop" or (finish == "length" and forced)):
+        finish = "tool_calls"  # a forced call cut at the limit was closed: complete, as the model would end it
     tool_calls = [ToolCall(call.name, call.arguments, call.id) for call in calls]
     return replace(chunk, text=text, tool_calls=tool_calls, finish_reason=finish), len(calls)
 
@@ -287,7 +291,8 @@ class GenerationService:
             images = [image for message in request.messages for image in message.images]
             tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
             checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
-            generations = self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints)
+            generations = self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints,
+                                       forced=request.forced_tool is not None)
         except BaseException:
             self.residency.release(resident)
             raise
@@ -297,7 +302,8 @@ class GenerationService:
         return generations
 
     def _forcing(self, model: LoadedModel, request: ChatRequest, parser: ToolCallParser | None) -> SamplingParams:
-        """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one."""
+        """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one (closed
+        within `max_tokens` as structured output is: service/json_budget.py)."""
         if request.forced_tool is None:
             return request.sampling
         if parser is None:
@@ -305,7 +311,7 @@ class GenerationService:
         grammar = forced_call_grammar(parser, request.tools, request.forced_tool,
                                       single=not request.parallel_tool_calls)
         return replace(request.sampling, grammar=grammar, stop=[], logit_bias=dict(request.sampling.logit_bias),
-                       closes_at_limit=False)
+                       closes_at_limit=True)
 
     async def complete(self, request: CompletionRequest) -> Generation:
         """The completion of a raw prompt (see `complete_choices`)."""
@@ -363,7 +369,7 @@ class GenerationService:
     async def embed(
         self,
         model: str,
-        inputs: list[str],
+        inputs: Sequence[EmbeddingInput],
         *,
         truncate: bool = True,
         options: LoadOptions | None = None,
@@ -371,17 +377,14 @@ class GenerationService:
         normalize: bool = True,
         dimensions: int | None = None,
     ) -> tuple[str, list[list[float]], int]:
-        """Embed each input: (canonical model name, one vector per input, total prompt tokens).
+        """Embed each input, a text or token ids (service/embeddings.py): (canonical model name, one vector per
+        input, total prompt tokens).
 
         Vectors are unit length (unless `normalize` is false); `dimensions` keeps the first N components and
-        normalizes again. A text longer than one sequence's context is cut to it when `truncate`, else it is a
+        normalizes again. An input longer than one sequence's context is cut to it when `truncate`, else it is a
         ContextOverflow.
         """
-        if not inputs:
-            raise InvalidRequest("input must contain at least one text", param="input")
-        for i, text in enumerate(inputs):
-            if not text:
-                raise InvalidRequest(f"input[{i}] is empty", param="input")
+        embeddings.check_inputs(inputs)
         if dimensions is not None and dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", param="dimensions")
         resident = await self.acquire(model, options, keep_alive)
@@ -389,7 +392,8 @@ class GenerationService:
             engine = resident.model.engine
             if not engine.info.can_embed:
                 raise InvalidRequest(f"model '{resident.model.name}' cannot make embeddings", param="model")
-            inputs_tokens = [engine.embedding_tokens(text, truncate=truncate) for text in inputs]
+            inputs_tokens = [embeddings.embedding_prompt(engine, item, i, truncate=truncate)
+                             for i, item in enumerate(inputs)]
             vectors = await engine.embed_tokens(inputs_tokens, normalize=normalize and dimensions is None)
         finally:
             self.residency.release(resident)
@@ -405,13 +409,15 @@ class GenerationService:
     def _submit(
         self, resident: Resident, plan: ThinkingPlan, tokens: list[int], sampling: SamplingParams, n: int,
         parser: ToolCallParser | None = None, images: list[PromptImage] | None = None,
-        checkpoints: list[int] | None = None,
+        checkpoints: list[int] | None = None, *, forced: bool = False,
     ) -> list[Generation]:
         """n Generations of one prompt on one lease (released after the last). Special tokens are kept in the text
         with a tool or reasoning parser (call markers and thinking tags often are special tokens). A thinking-first
         plan runs n two-phase streams (choice i with `choice_sampling(sampling, i)`; they share the prompt through
-        the engine's prefix sharing); `max_tokens` 0 asks for no engine work (service/empty.py)."""
-        self._check_grammar(resident, sampling)
+        the engine's prefix sharing); `max_tokens` 0 asks for no engine work (service/empty.py). `forced`: the
+        grammar is a forced tool call's."""
+        special = parser is not None or plan.format is not None
+        self._check_grammar(resident, sampling, special=special, forced=forced)
         engine = resident.model.engine
         streams: list[GenerationStream] = []
         if sampling.max_tokens == 0:  # no tokens asked for: no engine work (service/empty.py)
@@ -426,9 +432,9 @@ class GenerationService:
                     stream.abort()
                 raise
         else:
-            streams += engine.submit_many(tokens, sampling, n, special=parser is not None or plan.format is not None,
-                                          images=images, checkpoints=checkpoints)
-            streams = [json_budget.close_in_budget(engine, stream, sampling) for stream in streams]
+            streams += engine.submit_many(tokens, sampling, n, special=special, images=images,
+                                          checkpoints=checkpoints)
+            streams = [json_budget.close_in_budget(engine, stream, sampling, special=special) for stream in streams]
         generations = [self._generation(resident, stream, parser, sampling.stop) for stream in streams]
         remaining = [n]
 
@@ -441,14 +447,16 @@ class GenerationService:
             generation.on_done = release_after_the_last
             generation.reasoning, generation.thinking = plan.format, plan.state
             generation.counts_prompt = index == 0
+            generation.forced = forced
         return generations
 
-    def _check_grammar(self, resident: Resident, sampling: SamplingParams) -> None:
+    def _check_grammar(self, resident: Resident, sampling: SamplingParams, *, special: bool, forced: bool) -> None:
         if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
             raise InvalidRequest(f"model '{resident.model.name}' cannot constrain its output (structured output and "
-                                 "forced tool calls need it)", param="response_format")
+                                 "forced tool calls need it)", param="tool_choice" if forced else "response_format")
         if sampling.max_tokens != 0:  # 0 asks for no tokens at all (an empty reply)
-            json_budget.check_budget(resident.model.engine, sampling)
+            what = "call tool_choice allows" if forced else "reply the requested format allows"
+            json_budget.check_budget(resident.model.engine, sampling, special=special, what=what)
 
     def _generation(
         self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None, stops: list[str]

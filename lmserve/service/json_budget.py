@@ -10,6 +10,12 @@ finishing with "length" (the limit forced the close) and usage that counts the c
 then parses as JSON and validates against the schema, at any limit from the minimum up; a limit below the
 minimal document's tokens is refused before anything runs (`check_budget`).
 
+A forced tool call (chat/tools/forcing.py) is closed the same way: its grammar holds the call format's markers, so
+the closing finishes the JSON, then the end marker (`</tool_call>`, `]<|tool_call_end|>`), or the list of calls
+after the call under way; the tool-call parser then reads a complete call. Its markers are often special tokens:
+with `special`, the reply is read as the engine writes it with special tokens kept (each token's bytes,
+`Engine.token_bytes`) and the closing is tokenized with special tokens parsed.
+
 Engine-neutral: it reads the engine's output tokens (`GenerationStream.output_tokens`), `Engine.detokenize`
 and `Engine.tokenize`, and aborts the stream; no margin is needed, because a token is judged before it is
 shown and the closing's tokens are counted exactly (the closing tokenized on its own, as it is reported). Tokens
@@ -20,6 +26,7 @@ ends it.
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -45,52 +52,67 @@ def _closer(sampling: SamplingParams) -> Closer | None:
         return None
 
 
-def _count(engine: Engine, text: str) -> int:
-    return len(engine.tokenize(text, add_special=False, parse_special=False)) if text else 0
+def _count(engine: Engine, text: str, special: bool = False) -> int:
+    return len(_tokens(engine, text, special))
 
 
-def minimum_tokens(engine: Engine, sampling: SamplingParams) -> int | None:
-    """How many tokens the shortest reply `sampling`'s grammar allows takes (None: no grammar closed at the limit)."""
+def _tokens(engine: Engine, text: str, special: bool) -> list[int]:
+    return engine.tokenize(text, add_special=False, parse_special=special) if text else []
+
+
+def minimum_tokens(engine: Engine, sampling: SamplingParams, *, special: bool = False) -> int | None:
+    """How many tokens the shortest reply `sampling`'s grammar allows takes (None: no grammar closed at the limit);
+    `special`: its special-token text counted as the special tokens."""
     closer = _closer(sampling)
-    return None if closer is None else _count(engine, closer.shortest)
+    return None if closer is None else _count(engine, closer.shortest, special)
 
 
-def check_budget(engine: Engine, sampling: SamplingParams) -> None:
-    """InvalidRequest (param `max_tokens`) when the token limit cannot hold even the shortest valid document."""
+def check_budget(engine: Engine, sampling: SamplingParams, *, special: bool = False,
+                 what: str = "reply the requested format allows") -> None:
+    """InvalidRequest (param `max_tokens`) when the token limit cannot hold even the shortest valid document (`what`
+    names it in the message, after "the shortest")."""
     if sampling.max_tokens is None:
         return
-    need = minimum_tokens(engine, sampling)
+    need = minimum_tokens(engine, sampling, special=special)
     if need is not None and sampling.max_tokens < need:
         shortest = closer_for(sampling.grammar or "").shortest
         raise InvalidRequest(
-            f"max_tokens (num_predict in the native API) is {sampling.max_tokens}, but the shortest reply the "
-            f"requested format allows, {shortest[:200]}, takes {need} tokens: ask for at least {need}",
+            f"max_tokens (num_predict in the native API) is {sampling.max_tokens}, but the shortest {what}, "
+            f"{shortest[:200]}, takes {need} tokens: ask for at least {need}",
             param="max_tokens",
         )
 
 
-def thinking_cap(engine: Engine, sampling: SamplingParams, close_tag: str) -> int | None:
+def thinking_cap(engine: Engine, sampling: SamplingParams, close_tag: str, *, special: bool = False) -> int | None:
     """The most tokens a thinking phase before an answer under `sampling` may take: its `max_tokens`, less the room
     the close tag and the shortest document need when its grammar is closed at the limit (at least 1)."""
-    need = minimum_tokens(engine, sampling)
+    need = minimum_tokens(engine, sampling, special=special)
     if sampling.max_tokens is None or need is None:
         return sampling.max_tokens
-    return max(1, sampling.max_tokens - need - _count(engine, close_tag))
+    return max(1, sampling.max_tokens - need - _count(engine, close_tag, special))
 
 
-def close_in_budget(engine: Engine, stream: GenerationStream, sampling: SamplingParams) -> GenerationStream:
-    """`stream` (submitted with `sampling`), closed in time when its grammar's replies are and it has a limit."""
+def close_in_budget(engine: Engine, stream: GenerationStream, sampling: SamplingParams, *,
+                    special: bool = False) -> GenerationStream:
+    """`stream` (submitted with `sampling`, keeping special tokens in its text when `special`), closed in time when
+    its grammar's replies are and it has a limit."""
     closer = _closer(sampling)
     if closer is None or sampling.max_tokens is None:
         return stream
-    return ClosingStream(engine, stream, closer, sampling.max_tokens)
+    return ClosingStream(engine, stream, closer, sampling.max_tokens, special=special)
 
 
 class ClosingStream:
-    """A generation stream whose constrained reply ends, within `budget` tokens, as a complete document."""
+    """A generation stream whose constrained reply ends, within `budget` tokens, as a complete document.
 
-    def __init__(self, engine: Engine, inner: GenerationStream, closer: Closer, budget: int) -> None:
+    `special`: the inner stream's text keeps special tokens (tool-call markers): the reply is read token by token
+    as the engine writes it, and the closing's special-token text is tokenized as special tokens."""
+
+    def __init__(self, engine: Engine, inner: GenerationStream, closer: Closer, budget: int, *,
+                 special: bool = False) -> None:
         self._engine = engine
+        self._special = special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace") if special else None
         self._inner = inner
         self._closer = closer
         self._budget = budget
@@ -118,12 +140,14 @@ class ClosingStream:
     def _cost(self, closing: str) -> int:
         cost = self._costs.get(closing)
         if cost is None:
-            cost = self._costs[closing] = _count(self._engine, closing)
+            cost = self._costs[closing] = _count(self._engine, closing, self._special)
         return cost
 
     def _piece(self, index: int) -> str:
         """The text output token `index` adds (vLLM's incremental detokenization: the text of a short window of
-        tokens with and without it); empty while a character is incomplete."""
+        tokens with and without it; with special tokens kept, its bytes); empty while a character is incomplete."""
+        if self._decoder is not None:
+            return self._decoder.decode(self._engine.token_bytes(self._inner.output_tokens[index]))
         self._tokens.append(self._inner.output_tokens[index])
         before = self._engine.detokenize(self._tokens[self._prefix_at:self._read_at])
         after = self._engine.detokenize(self._tokens[self._prefix_at:])
@@ -182,7 +206,7 @@ class ClosingStream:
         `logprobs` are those of the kept tokens not shown yet; the closing's tokens have none (lmserve wrote them,
         the model sampled none of them)."""
         now = time.perf_counter_ns()
-        closing_tokens = self._engine.tokenize(closing, add_special=False, parse_special=False) if closing else []
+        closing_tokens = _tokens(self._engine, closing, self._special)
         self._closed = list(self._inner.output_tokens[: self._num_kept]) + closing_tokens
         completion = len(self._closed)
         if final is not None and final.usage is not None:

@@ -38,7 +38,21 @@ class ModelService:
         raise ModelNotFound(name)
 
     def describe(self, name: str) -> ModelDescription:
-        return self.catalog.describe(self.catalog.resolve(name))
+        """What `show` tells: the catalog's description, with a Modelfile's `num_ctx` as the context in force (the
+        loaded model's, else capped at the trained length): never a number the engine would not use."""
+        canonical = self.catalog.resolve(name)
+        description = self.catalog.describe(canonical)
+        asked = description.parameters.get("num_ctx")
+        if isinstance(asked, int):
+            description.parameters["num_ctx"] = self._context_in_force(canonical, asked, description.model_info)
+        return description
+
+    def _context_in_force(self, name: str, asked: int, model_info: dict[str, Any]) -> int:
+        for resident in self.residency.running():
+            if resident.model.name == name:
+                return resident.model.engine.info.num_ctx
+        trained = model_info.get(f"{model_info.get('general.architecture', '')}.context_length")
+        return min(asked, trained) if isinstance(trained, int) and trained > 0 else asked
 
     def copy(self, source: str, destination: str) -> None:
         self.catalog.copy(self.catalog.resolve(source), destination)

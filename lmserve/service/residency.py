@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lmserve.engine.protocol import Engine
+from lmserve.engine.protocol import Engine, ModelInfo
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service.observers import Observers
-from lmserve.types import LoadOptions, Message, SamplingParams
+from lmserve.types import AUTO_CONTEXT, LoadOptions, Message, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,19 @@ class Resident:
     @property
     def is_idle(self) -> bool:
         return self.users == 0
+
+
+def log_load(name: str, options: LoadOptions, info: ModelInfo) -> None:
+    """The load's log line: the context in force (as the engine reports it) and why; before it, a warning when more
+    was asked for than the model was trained for (the engine capped it)."""
+    asked, trained = options.num_ctx, info.num_ctx_train
+    if asked != AUTO_CONTEXT and 0 < trained < asked:
+        log.warning("%s: a context of %d tokens per sequence was asked for (-c/--ctx-size, LMSERVE_CTX_SIZE or "
+                    "num_ctx), but the model was trained for %d: its context is %d tokens per sequence",
+                    name, asked, trained, info.num_ctx)
+    slots = f"{info.num_parallel} slot" + ("s" if info.num_parallel != 1 else "")
+    why = ("auto" if asked == AUTO_CONTEXT else "asked") + (f", trained for {trained}" if trained > 0 else "")
+    log.info("loaded %s: context %d tokens per sequence x %s (%s)", name, info.num_ctx, slots, why)
 
 
 def _retrieve(future: asyncio.Future[Instance]) -> None:
@@ -322,7 +335,7 @@ class Residency:
             self._close(instance)
             raise EngineFailure(f"model '{name}' was loaded for requests that are gone")
         self._instances[plan.key] = instance
-        log.info("loaded %s", name)
+        log_load(name, plan.key.options, engine.info)
         self.observers.loaded(name)
         return instance
 

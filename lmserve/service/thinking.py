@@ -79,7 +79,7 @@ class ThinkingFirst:
         self._special = special
         self._images = images
         limit = sampling.max_tokens
-        cap = thinking_cap(engine, sampling, "\n" + fmt.end + "\n\n")  # room kept for the shortest JSON answer
+        cap = thinking_cap(engine, sampling, "\n" + fmt.end + "\n\n", special=special)  # room for the shortest answer
         if budget is not None and (cap is None or budget < cap):
             cap = budget
         self._at_budget = cap is not None and (limit is None or cap < limit)
@@ -140,7 +140,8 @@ class ThinkingFirst:
         except LmserveError as exc:
             yield Chunk(finish_reason="error", error=exc.message, usage=_usage(first_usage, len(before), None))
             return
-        second = close_in_budget(self._engine, second, replace(self._sampling, max_tokens=rest))  # JSON closed in time
+        second = close_in_budget(self._engine, second, replace(self._sampling, max_tokens=rest),  # closed in time
+                                 special=self._special)
         self._before, self._current = before, second
         if self._is_aborted:
             second.abort()

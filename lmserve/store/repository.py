@@ -41,6 +41,39 @@ def is_repository(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG).is_file()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt")
+"""A repository's tokenizer is one of these files (or a `*.tiktoken` file); `tokenizer_config.json` alone is not."""
+
+
+def not_a_model(directory: Path, shown: str) -> str | None:
+    """Why the directory `directory` (written `shown`) is not a model lmserve can serve, naming what it lacks: a
+    config.json (and then whether it holds .gguf files instead), *.safetensors weights, or a tokenizer. None when it
+    has all three."""
+    names = sorted(entry.name for entry in _files(directory))
+    if CONFIG not in names:
+        ggufs = [name for name in names if name.lower().endswith(".gguf")]
+        if ggufs:
+            return (f"{shown} is not a model: it has no config.json (a Hugging Face repository's); serve one of its "
+                    f"GGUF files: {', '.join(shown.rstrip('/') + '/' + name for name in ggufs[:3])}")
+        return (f"{shown} is not a model: it has no config.json and no .gguf file (a Hugging Face repository holds "
+                "config.json, *.safetensors weights and tokenizer files; a GGUF model is one .gguf file)")
+    if not any(name.lower().endswith(".safetensors") for name in names):
+        others = [name for name in names if name.lower().endswith((".bin", ".pt", ".pth"))]
+        note = f" (not {', '.join(others[:3])}: lmserve reads safetensors weights only)" if others else ""
+        return f"{shown} is not a model lmserve can serve: it has a config.json but no *.safetensors weights{note}"
+    if not any(name in TOKENIZER_FILES or name.lower().endswith(".tiktoken") for name in names):
+        return (f"{shown} is not a model lmserve can serve: it has config.json and weights but no tokenizer "
+                f"({', '.join(TOKENIZER_FILES)} or a *.tiktoken file)")
+    return None
+
+
+def _files(directory: Path) -> list[Path]:
+    try:
+        return [entry for entry in directory.iterdir() if entry.is_file()]
+    except OSError:
+        return []
+
+
 def check_relative_path(text: str) -> str:
     """Return `text` if it is a safe relative file path inside a repository (no `..`, not absolute, no
     backslashes or empty parts); else raise InvalidRequest. Repository file names are untrusted input."""

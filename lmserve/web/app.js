@@ -1,5 +1,6 @@
 // lmserve's chat page: plain JavaScript, no build step. It talks to the server it was loaded from:
-// GET /v1/models (the picker), POST /api/show (vision capability), POST /v1/chat/completions (streamed SSE).
+// GET /v1/models (the picker; the model the server serves comes first), POST /api/show (vision capability),
+// POST /v1/chat/completions (streamed SSE).
 // Chats, the chosen model, the settings and the API key live in this browser's localStorage.
 
 import { marked } from "./vendor/marked.esm.js";
@@ -58,6 +59,7 @@ let currentId = store.get("current", null);
 let pending = []; // data URLs of the images attached to the next message
 let controller = null; // the AbortController of the answer being streamed
 const vision = new Map(); // model → whether it takes images (from /api/show)
+let served = null; // the model the server serves: the first that GET /v1/models lists
 
 function saveChats() {
   try {
@@ -220,11 +222,18 @@ async function loadModels() {
     return;
   }
   els.model.replaceChildren(...ids.map((id) => new Option(id, id)));
-  const saved = store.get("model", null);
-  els.model.value = ids.includes(saved) ? saved : (ids[0] ?? "");
+  served = ids[0] ?? null;
+  els.model.value = initialModel(ids, store.get("model", null));
   if (!ids.length) showError("The server lists no models: pull one with `lmserve pull NAME`.");
   hideErrorIfAbout("Could not list the models");
   await modelChosen();
+}
+
+/** The model the page starts on: the one chosen here before, while the server still serves what it served then
+ * (a reload keeps the choice); else, as on a first visit or after a restart with another model, the served one. */
+function initialModel(ids, saved) {
+  const kept = saved !== null && typeof saved === "object" && saved.served === served && ids.includes(saved.model);
+  return kept ? saved.model : (served ?? "");
 }
 
 function hideErrorIfAbout(prefix) {
@@ -235,7 +244,7 @@ function hideErrorIfAbout(prefix) {
 async function modelChosen() {
   const model = els.model.value;
   if (!model) return;
-  store.set("model", model);
+  store.set("model", { model, served });
   if (!vision.has(model)) {
     try {
       const show = await (await postJson("/api/show", { model })).json();

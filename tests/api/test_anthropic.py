@@ -484,7 +484,7 @@ def test_sampling_fields_become_sampling_params() -> None:
 @pytest.mark.parametrize(("fields", "where"), [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
     ({"temperature": 1.5}, "temperature"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "nope"),

@@ -134,12 +134,47 @@ async def test_openai_embeddings_refuse_long_inputs_unless_truncate(client: http
 
 
 @pytest.mark.parametrize(
+    ("token_input", "texts"),
+    [
+        ([104, 105], ["hi"]),  # one input's token ids (the fake's tokens are the text's bytes)
+        ([[104, 105], [116, 104, 101, 114, 101]], ["hi", "there"]),  # one list of ids per input
+        ([[256, 97]], ["\u0000a"]),  # the end-of-generation id is in the vocabulary; 256 lands where byte 0 does
+    ],
+)
+async def test_openai_embeddings_take_token_ids_as_given(
+    client: httpx.AsyncClient, token_input: list[Any], texts: list[str]
+) -> None:
+    r = await client.post("/v1/embeddings", json={"model": "fake", "input": token_input})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["embedding"] for d in body["data"]] == [pytest.approx(unit_histogram(t)) for t in texts]
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    num_tokens = sum(len(t.encode()) for t in texts)
+    assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+
+
+async def test_openai_embeddings_cut_long_token_ids_only_when_asked(client: httpx.AsyncClient) -> None:
+    ids = [121] * (NUM_CTX + 1)
+    r = await client.post("/v1/embeddings", json={"model": "fake", "input": ids})
+    assert r.status_code == 400
+    error = assert_openai_error(r.json(), error_type="invalid_request_error")
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    r = await client.post("/v1/embeddings", json={"model": "fake", "input": [ids], "truncate": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == NUM_CTX
+
+
+@pytest.mark.parametrize(
     ("body", "status", "param"),
     [
         ({"model": "fake", "input": []}, 400, "input"),
         ({"model": "fake", "input": ""}, 400, "input"),
-        ({"model": "fake", "input": [[1, 2, 3]]}, 400, "input"),
-        ({"model": "fake", "input": [1, 2, 3]}, 400, "input"),
+        ({"model": "fake", "input": [[]]}, 400, "input"),
+        ({"model": "fake", "input": [[104], []]}, 400, "input"),
+        ({"model": "fake", "input": [257]}, 400, "input"),  # the fake's vocabulary is ids 0 to 256
+        ({"model": "fake", "input": [[1, 2], [3, -1]]}, 400, "input"),
+        ({"model": "fake", "input": ["a", 1]}, 400, "input"),
+        ({"model": "fake", "input": [[1], "a"]}, 400, "input"),
+        ({"model": "fake", "input": [1.5]}, 400, "input"),
         ({"model": "fake", "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
         ({"model": "fake"}, 400, "input"),
         ({"model": "nope", "input": "x"}, 404, "model"),

@@ -14,7 +14,13 @@ from openai.types import Completion
 from openai.types import Model as OpenAIModel
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
+from lmserve.api.app import create_app
+from lmserve.chat.template import ChatTemplate
+from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Say something."}]
@@ -201,6 +207,23 @@ async def test_list_models(client: httpx.AsyncClient) -> None:
     assert body["object"] == "list"
     assert [OpenAIModel.model_validate(m).id for m in body["data"]] == ["fake"]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("served", "listed"),
+    [(None, ["newest", "served", "oldest"]), ("served", ["served", "newest", "oldest"]),
+     ("oldest", ["oldest", "newest", "served"])],
+)
+async def test_the_served_model_is_listed_first(engine: BatchingEngine, served: str | None,
+                                                listed: list[str]) -> None:
+    """The model the server was started with comes first (the web page starts on it), then newest first."""
+    models = [LoadedModel(name=name, engine=engine, template=ChatTemplate(None))
+              for name in ("newest", "served", "oldest")]
+    app = create_app(static_service(models), ServerConfig(), served=served)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+        body = (await client.get("/v1/models")).json()
+    assert [model["id"] for model in body["data"]] == listed
 
 
 @pytest.mark.asyncio

@@ -328,7 +328,11 @@ async def test_a_json_schema_format_is_taken_and_echoed(http: httpx.AsyncClient)
 
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input", "not supported"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "'function'"),
+    ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools", "tools[0].name"),
+    ({"input": "x", "tools": [{"name": "f"}]}, "tools", "tools[0].type"),
+    ({"input": "x", "prompt": {"id": "pmpt_1", "variables": {"a": "b"}}}, "prompt", "instructions"),
+    ({"input": "x", "moderation": {"model": "omni-moderation-latest"}}, "moderation", "moderation"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "one of"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "requires tools"),
     ({}, "input", "input"),

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 from api_wire import assert_openai_error
+
+from lmserve.api.app import create_app
+from lmserve.chat.template import ChatTemplate
+from lmserve.config import ServerConfig
+from lmserve.engine.batching import BatchingEngine
+from lmserve.engine.fake import FakeBackend
+from lmserve.service import static_service
+from lmserve.service.residency import LoadedModel
 
 CHAT = "/v1/chat/completions"
 
@@ -79,3 +90,60 @@ async def test_an_unknown_model_is_named_as_written_with_what_exists(
     else:
         error = assert_openai_error(response.json(), error_type="not_found_error")
         assert (error["message"], error["param"], error["code"]) == (NOT_FOUND, "model", "model_not_found")
+
+
+# ---- a prompt longer than the context -------------------------------------------------------------------------------
+
+CLAUDE_CODE_PATTERN = re.compile(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)")
+"""How Claude Code reads the numbers of a prompt that is too long (it then compacts the conversation)."""
+OVER = re.compile(r"^The prompt has (\d+) tokens, but this model's context is 256 tokens per sequence")
+
+
+@pytest_asyncio.fixture
+async def trained_client() -> AsyncIterator[httpx.AsyncClient]:
+    """A fake model served with a 256-token context, trained for 1024."""
+    engine = BatchingEngine(FakeBackend(num_ctx=256, num_parallel=1, num_ctx_train=1024))
+    service = static_service([LoadedModel(name="fake", engine=engine, template=ChatTemplate(None))])
+    transport = httpx.ASGITransport(create_app(service, ServerConfig()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+    engine.close()
+
+
+def overflow_message(path: str, body: dict[str, Any]) -> str:
+    """The message of a context overflow in the dialect of `path`, its shape checked."""
+    if path == "/api/chat":
+        assert set(body) == {"error"}
+        return str(body["error"])
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        message = str(body["error"]["message"])
+        found = CLAUDE_CODE_PATTERN.match(message)
+        assert found is not None, message
+        prompt = OVER.search(message.split(". ", 1)[1])
+        assert prompt is not None and found.groups() == (prompt.group(1), "256")
+        return message.split(". ", 1)[1]
+    error = assert_openai_error(body, error_type="invalid_request_error")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    return str(error["message"])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat", "/v1/messages"])
+@pytest.mark.parametrize(
+    ("length", "advice"),
+    [
+        (400, "This model was trained for up to 1024 tokens: start the server with -c 512 (--ctx-size), or set "
+         "num_ctx 512 in the request's options or a Modelfile PARAMETER; or shorten the prompt."),
+        (2000, "This model was trained for at most 1024 tokens, so it cannot take this prompt: shorten it, or use a "
+         "model with a longer context."),
+    ],
+)
+async def test_a_prompt_over_the_context_is_a_400_with_advice_in_each_dialect(
+    trained_client: httpx.AsyncClient, path: str, length: int, advice: str
+) -> None:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x" * length}], "stream": False,
+            "max_tokens": 32000}
+    response = await trained_client.post(path, json=body)
+    assert response.status_code == 400
+    message = overflow_message(path, response.json())
+    assert OVER.match(message) and message.endswith(advice), message

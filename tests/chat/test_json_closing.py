@@ -16,6 +16,8 @@ import pytest
 
 from lmserve.chat.json_closing import Closer, closer_for
 from lmserve.chat.structured import json_object_grammar, schema_grammar
+from lmserve.chat.tools import ToolCallParser, get_parser
+from lmserve.chat.tools.forcing import ANY_TOOL, forced_call_grammar
 from tests.chat.gbnf import Grammar
 from tests.chat.test_structured import ACCEPTED
 
@@ -133,3 +135,58 @@ def test_unreadable_grammars_are_refused(grammar: str) -> None:
 def test_closers_are_kept_per_grammar() -> None:
     grammar = schema_grammar(UNBOUNDED)
     assert closer_for(grammar) is closer_for(grammar)
+
+
+# ---- forced tool calls: the call format's markers around the JSON (chat/tools/forcing.py) ----
+
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "note": {"type": "string"}},
+    "required": ["city", "note"], "additionalProperties": False}}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+FORCED = [  # (format, forced tool, single call): every format that can force one, one call or a list of calls
+    ("json", ANY_TOOL, True), ("json", ANY_TOOL, False), ("json", "get_time", True), ("hermes", ANY_TOOL, True),
+    ("lfm2", "get_weather", True), ("llama3_json", ANY_TOOL, True),
+]
+
+
+def check_calls(parser: ToolCallParser, text: str) -> None:
+    """`text` is nothing but calls of the tools, each with arguments valid against its parameters."""
+    content, calls = parser.parse(text)
+    assert calls and not content.strip(), text
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), tools[call.name])
+
+
+@pytest.mark.parametrize(("fmt", "forced", "single"), FORCED)
+def test_every_prefix_of_a_forced_call_closes_into_complete_calls(fmt: str, forced: str, single: bool) -> None:
+    parser = get_parser(fmt)
+    grammar = forced_call_grammar(parser, [WEATHER, TIME], forced, single=single)
+    closer = Closer(grammar)
+    check_calls(parser, closer.shortest)
+    rng = random.Random(77)
+    sampler = Grammar(grammar)
+    for _ in range(6):
+        text = sampler.sample(rng)
+        tracker = closer.start()
+        for cut in range(len(text) + 1):
+            if cut:
+                assert tracker.feed(text[cut - 1]), (text, cut)
+            check_calls(parser, text[:cut] + tracker.closing())
+
+
+@pytest.mark.parametrize(("fmt", "prefix", "closing"), [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+     '","note":""}}</tool_call>'),
+    ("lfm2", '<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Paris", "note": "x"} ',
+     "}]<|tool_call_end|>"),
+    ("json", '[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"name": "get_weather", "arguments": {"ci',
+     'ty":"","note":""}}]'),  # a list of calls closes after the call under way
+    ("json", '[{"name": "get_time", "arguments": {"tz": "UTC"}}, ', '{"name":"get_time","arguments":{"tz":""}}]'),
+])
+def test_a_forced_call_closes_its_json_then_its_markers(fmt: str, prefix: str, closing: str) -> None:
+    grammar = forced_call_grammar(get_parser(fmt), [WEATHER, TIME], ANY_TOOL, single=False)
+    tracker = Closer(grammar).start()
+    assert tracker.feed(prefix)
+    assert tracker.closing() == closing

@@ -53,8 +53,11 @@ async def test_end_of_generation_token_stops() -> None:
         eng.close()
 
 
-async def test_context_limit_caps_generation(engine: BatchingEngine) -> None:
-    _text, last = await collect(engine, "x" * 60)
+@pytest.mark.parametrize("max_tokens", [None, 32000])  # 32000: what Claude Code asks for, whatever the context
+async def test_context_limit_caps_generation(engine: BatchingEngine, max_tokens: int | None) -> None:
+    """A reply may take what the prompt leaves of the context, however many tokens were asked for: the request is
+    not refused, and the reply ends with finish reason "length" when the context is full."""
+    _text, last = await collect(engine, "x" * 60, max_tokens=max_tokens)
     assert last.finish_reason == "length"
     assert last.usage is not None and last.usage.completion_tokens == 4
 

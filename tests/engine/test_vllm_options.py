@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.vllm import VllmOptions, cpu_binding, engine_args, kv_cache_bytes, to_vllm_sampling
+from lmserve.engine.vllm import (
+    VllmOptions,
+    cpu_binding,
+    engine_args,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    to_vllm_sampling,
+)
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams
 
@@ -53,6 +60,22 @@ def test_the_cpu_kv_cache_holds_parallel_times_context_for_attention_layers_only
     assert kv_cache_bytes(hybrid, options, None) == 2 * 1 * 2 * 64 * 2 * 32768 * 64  # K and V, 1 layer, bf16
     assert kv_cache_bytes(hybrid, options, 2**30) == 2**29  # at most half of what is available
     assert kv_cache_bytes(hybrid, VllmOptions(num_ctx=16, num_parallel=1), None) == 64 * 2**20  # the floor
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype", "expected"),
+    [
+        ({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}, "auto",
+         2 * 30 * 3 * 64 * 2),  # SmolLM2-135M: K and V, 30 layers, 3 KV heads of 64, 16-bit
+        ({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576},
+         "float32", 2 * 30 * 3 * 64 * 4),
+        ({"text_config": {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"],
+                          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}}, "bfloat16",
+         2 * 1 * 2 * 32 * 2),  # a hybrid vision model's text config: its one attention layer
+    ],
+)
+def test_the_kv_cache_per_token_counts_attention_layers(config: dict[str, object], dtype: str, expected: int) -> None:
+    assert kv_bytes_per_token(config, dtype) == expected
 
 
 def test_sampling_maps_once_with_top_k_zero_as_disabled() -> None:

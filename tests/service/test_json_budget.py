@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, cast
 
 import jsonschema
 import pytest
 
 from lmserve.chat.structured import schema_grammar
+from lmserve.chat.tools import get_parser
+from lmserve.chat.tools.forcing import ANY_TOOL, forced_call_grammar
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.protocol import Engine
 from lmserve.errors import InvalidRequest
@@ -40,6 +43,9 @@ class ByteEngine:
 
     def detokenize(self, tokens: list[int]) -> str:
         return bytes(tokens).decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token])
 
 
 class ScriptedStream:
@@ -171,9 +177,9 @@ def test_only_grammars_closed_at_the_limit_with_a_limit_are_wrapped() -> None:
     inner = ScriptedStream(LOOP, 10)
     assert close_in_budget(ENGINE, inner, sampling(None)) is inner
     assert close_in_budget(ENGINE, inner, SamplingParams(max_tokens=10)) is inner
-    forced = SamplingParams(max_tokens=10, grammar=schema_grammar(SCHEMA), closes_at_limit=False)
-    assert close_in_budget(ENGINE, inner, forced) is inner
-    assert minimum_tokens(ENGINE, forced) is None
+    cut = SamplingParams(max_tokens=10, grammar=schema_grammar(SCHEMA), closes_at_limit=False)
+    assert close_in_budget(ENGINE, inner, cut) is inner
+    assert minimum_tokens(ENGINE, cut) is None
 
 
 def test_a_limit_too_small_for_any_document_gives_the_shortest() -> None:
@@ -206,3 +212,105 @@ def test_a_thinking_model_keeps_room_for_the_answer_and_closes_it(limit: int) ->
     jsonschema.validate(json.loads(text), schema)
     assert final.finish_reason == "length"
     assert final.usage is not None and final.usage.completion_tokens <= limit
+
+
+# ---- forced tool calls: the call format's markers closed too, and a complete call parsed ----
+
+TOOL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "note": {"type": "string"}},
+    "required": ["city", "note"]}}}
+CALL_LOOPS = {  # a model that never ends its call's first argument
+    "hermes": '<tool_call>{"name": "get_weather", "arguments": {"city": "' + "Paris " * 80,
+    "json": '[{"name": "get_weather", "arguments": {"city": "' + "Paris " * 80,
+    "lfm2": '<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "' + "Paris " * 80,
+}
+
+PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+"""A template that renders no tools: the service puts them, and lmserve's JSON call shape, in the prompt."""
+
+
+def forced_sampling(fmt: str, limit: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=limit, grammar=forced_call_grammar(get_parser(fmt), [TOOL],
+                                                                                        ANY_TOOL))
+
+
+@pytest.mark.parametrize("fmt", sorted(CALL_LOOPS))
+def test_a_forced_call_cut_by_the_limit_is_closed_into_one_complete_call(fmt: str) -> None:
+    minimum = minimum_tokens(ENGINE, forced_sampling(fmt, 1), special=True)
+    assert minimum is not None
+    for limit in range(minimum, minimum + 70, 3):
+        inner = ScriptedStream(CALL_LOOPS[fmt], limit, per_chunk=2)
+        stream = close_in_budget(ENGINE, inner, forced_sampling(fmt, limit), special=True)
+        chunks = collect(cast(ClosingStream, stream))
+        text = "".join(c.text for c in chunks)
+        content, [call] = get_parser(fmt).parse(text)
+        assert not content.strip() and call.name == "get_weather"
+        arguments = json.loads(call.arguments)
+        jsonschema.validate(arguments, TOOL["function"]["parameters"])
+        assert limit < minimum + 10 or arguments["city"].startswith("Paris")  # the model's own text, closed
+        final = chunks[-1]
+        assert final.finish_reason == "length" and final.usage is not None
+        assert final.usage.completion_tokens == len(text.encode()) <= limit
+
+
+def test_a_limit_below_the_minimal_call_is_refused_naming_it() -> None:
+    shortest = '<tool_call>{"name":"get_weather","arguments":{"city":"","note":""}}</tool_call>'
+    assert minimum_tokens(ENGINE, forced_sampling("hermes", 1), special=True) == len(shortest)
+    with pytest.raises(InvalidRequest) as caught:
+        check_budget(ENGINE, forced_sampling("hermes", len(shortest) - 1), special=True,
+                     what="call tool_choice allows")
+    assert caught.value.param == "max_tokens"
+    assert f"the shortest call tool_choice allows, {shortest}, takes {len(shortest)} tokens" in caught.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_service_finishes_a_closed_forced_call_with_tool_calls(stream: bool) -> None:
+    backend = RecordingBackend(script=CALL_LOOPS["json"])  # the fake ignores grammars: it says this, then ends
+    engine = BatchingEngine(backend)
+
+    async def ask_it(limit: int) -> tuple[str, Chunk]:
+        service = service_with(engine, PLAIN)
+        request = ChatRequest("m", [Message("user", "hi")], SamplingParams(temperature=0, max_tokens=limit),
+                              tools=[TOOL], forced_tool=ANY_TOOL)
+        generation = await service.generation.chat(request)
+        if not stream:
+            return await generation.collect()
+        chunks = [chunk async for chunk in generation]
+        calls = [call for chunk in chunks for call in chunk.tool_calls]
+        return "".join(c.text for c in chunks), replace(chunks[-1], tool_calls=calls)
+
+    try:
+        for limit in (60, 90, 200):  # the shortest call takes 58 bytes
+            text, final = asyncio.run(ask_it(limit))
+            assert text == "" and final.finish_reason == "tool_calls", (limit, text)
+            [call] = final.tool_calls
+            jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+            assert final.usage is not None and final.usage.completion_tokens <= limit
+        with pytest.raises(InvalidRequest) as caught:
+            asyncio.run(ask_it(10))
+        assert caught.value.param == "max_tokens" and "call tool_choice allows" in caught.value.message
+    finally:
+        engine.close()
+
+
+def test_a_thinking_model_keeps_room_for_the_forced_call_and_closes_it() -> None:
+    backend = RecordingBackend(script=CALL_LOOPS["json"])  # both phases: a thinking that never closes, then the call
+    engine = BatchingEngine(backend)
+
+    async def ask_it() -> tuple[str, Chunk]:
+        service = service_with(engine, OPENS_THINKING)
+        request = ChatRequest("m", [Message("user", "hi")], SamplingParams(temperature=0, max_tokens=120),
+                              tools=[TOOL], forced_tool=ANY_TOOL)
+        generation = await service.generation.chat(request)
+        return await generation.collect()
+
+    try:
+        text, final = asyncio.run(ask_it())
+    finally:
+        engine.close()
+    (first, _), _ = backend.started
+    assert first.max_tokens == 120 - 58 - len("\n</think>\n\n")  # the thinking leaves room for the shortest call
+    assert text == "" and final.finish_reason == "tool_calls"
+    [call] = final.tool_calls
+    jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+    assert final.usage is not None and final.usage.completion_tokens <= 120

@@ -4,6 +4,7 @@ and fresh instances for changed load-time options."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -12,10 +13,10 @@ import pytest
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.fake import FakeBackend
-from lmserve.engine.protocol import Engine
+from lmserve.engine.protocol import Engine, ModelInfo
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.service.residency import LoadedModel, LoadPlan, Residency, Resident, WeightsKey
-from lmserve.types import LoadOptions, SamplingParams
+from lmserve.service.residency import LoadedModel, LoadPlan, Residency, Resident, WeightsKey, log_load
+from lmserve.types import AUTO_CONTEXT, LoadOptions, SamplingParams
 
 
 class Clock:
@@ -304,3 +305,30 @@ async def test_a_nan_keep_alive_is_refused_before_anything_is_leased(catalog: Ca
     with pytest.raises(InvalidRequest, match="NaN"):
         await models.acquire("a", LoadOptions(), float("nan"))
     assert catalog.opened == [] and models.running() == []
+
+
+# ---- the load's log line ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("asked", "in_force", "trained", "slots", "lines"),
+    [
+        (AUTO_CONTEXT, 8192, 8192, 4,
+         ["loaded m: context 8192 tokens per sequence x 4 slots (auto, trained for 8192)"]),
+        (2048, 2048, 8192, 1, ["loaded m: context 2048 tokens per sequence x 1 slot (asked, trained for 8192)"]),
+        (32768, 8192, 8192, 4, [
+            "m: a context of 32768 tokens per sequence was asked for (-c/--ctx-size, LMSERVE_CTX_SIZE or num_ctx), but "
+            "the model was trained for 8192: its context is 8192 tokens per sequence",
+            "loaded m: context 8192 tokens per sequence x 4 slots (asked, trained for 8192)"]),
+        (4096, 4096, 0, 2, ["loaded m: context 4096 tokens per sequence x 2 slots (asked)"]),  # trained length unknown
+    ],
+)
+def test_a_load_logs_the_context_in_force_and_warns_when_capped(
+    asked: int, in_force: int, trained: int, slots: int, lines: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lmserve.service.residency")
+    info = ModelInfo(path="m.gguf", architecture="llama", num_ctx=in_force, num_parallel=slots, num_vocab=10,
+                     num_ctx_train=trained)
+    log_load("m", LoadOptions(num_ctx=asked), info)
+    assert [r.getMessage() for r in caplog.records] == lines
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * (len(lines) - 1) + [logging.INFO]

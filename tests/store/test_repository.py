@@ -78,6 +78,38 @@ def test_unsafe_file_names_are_refused(name: str) -> None:
         repository.check_relative_path(name)
 
 
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ([], "./d is not a model: it has no config.json and no .gguf file (a Hugging Face repository holds "
+             "config.json, *.safetensors weights and tokenizer files; a GGUF model is one .gguf file)"),
+        (["README.md", "model.safetensors", "tokenizer.json"], "./d is not a model: it has no config.json and no"),
+        (["b.gguf", "a.Q4_K_M.gguf", "README.md"],
+         "./d is not a model: it has no config.json (a Hugging Face repository's); serve one of its GGUF files: "
+         "./d/a.Q4_K_M.gguf, ./d/b.gguf"),
+        (["config.json", "tokenizer.json"],
+         "./d is not a model lmserve can serve: it has a config.json but no *.safetensors weights"),
+        (["config.json", "pytorch_model.bin", "tokenizer.json"],
+         "./d is not a model lmserve can serve: it has a config.json but no *.safetensors weights (not "
+         "pytorch_model.bin: lmserve reads safetensors weights only)"),
+        (["config.json", "model.safetensors", "tokenizer_config.json"],
+         "./d is not a model lmserve can serve: it has config.json and weights but no tokenizer (tokenizer.json, "
+         "tokenizer.model, tekken.json, vocab.json, vocab.txt or a *.tiktoken file)"),
+    ],
+)  # fmt: skip
+def test_a_directory_that_is_not_a_model_is_told_what_it_lacks(tmp_path: Path, files: list[str],
+                                                               message: str) -> None:
+    write_repository(tmp_path, dict.fromkeys(files, b"{}"))
+    assert (repository.not_a_model(tmp_path, "./d") or "").startswith(message)
+
+
+@pytest.mark.parametrize("tokenizer", ["tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt",
+                                       "qwen.tiktoken"])
+def test_a_whole_repository_lacks_nothing(tmp_path: Path, tokenizer: str) -> None:
+    write_repository(tmp_path, dict.fromkeys(["config.json", "model.safetensors", tokenizer], b"{}"))
+    assert repository.not_a_model(tmp_path, "./d") is None
+
+
 def test_local_files_lists_what_is_kept(repo: Path) -> None:
     files = repository.local_files(repo)
     assert next(iter(files)) == "config.json"
