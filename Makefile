@@ -19,11 +19,13 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # llama.cpp is built for this CPU (GGML_NATIVE) but without AMX: some virtual machines list AMX among the CPU's
 # features but do not enable it, and llama.cpp's AMX kernels then die of SIGILL on the first quantized matrix
 # product (seen 2026-11-26: `tilezero` in libggml-cpu.so). The wheel is built once per flag set into a cache of its
-# own (pip's wheel cache does not tell builds with other flags apart) and installed before the rest.
+# own (pip's wheel cache does not tell builds with other flags apart) and installed before the rest. A CMAKE_ARGS of
+# your own (e.g. -DGGML_CUDA=on) is added to these flags, and keys a wheel of its own.
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 LLAMA_CPP_PYTHON := llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)
-LLAMA_NO_AMX     := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_NO_AMX)'
+LLAMA_NO_AMX     := $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+LLAMA_CMAKE_ARGS ?= $(strip -DGGML_NATIVE=ON $(if $(LLAMA_NO_AMX),-DCMAKE_C_FLAGS='$(LLAMA_NO_AMX)' \
+	-DCMAKE_CXX_FLAGS='$(LLAMA_NO_AMX)') $(CMAKE_ARGS))
 LLAMA_WHEELS     := $(HOME)/.cache/lmserve/wheels/$(LLAMA_CPP_PYTHON_VERSION)-$(shell echo "$(LLAMA_CMAKE_ARGS)" | cksum | cut -d' ' -f1)
 
 $(STAMP): pyproject.toml

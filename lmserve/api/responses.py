@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -363,7 +364,8 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
             if conversation is None or conversations is None:
                 return
             try:
-                await asyncio.to_thread(conversations.add_items, conversation, own + response["output"])
+                await asyncio.to_thread(partial(conversations.add_items, skip_known=True), conversation,
+                                        own + response["output"])
             except ConversationNotFound:
                 log.warning("conversation %s was deleted before its response %s ended", conversation, response["id"])
 

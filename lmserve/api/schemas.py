@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 MAX_STOPS = 16
 
@@ -276,7 +276,9 @@ class EmbeddingRequest(BaseModel):
 
     model_config = _WIRE
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    """Texts, or token ids of the served model's own tokenizer (ids from another tokenizer, e.g. tiktoken's, embed
+    other tokens: LangChain's OpenAIEmbeddings sends texts with check_embedding_ctx_length=False)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None

@@ -10,6 +10,7 @@ metadata API leaves out, is read from the file's header. Sliding-window layers a
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import gguf
@@ -17,6 +18,8 @@ import llama_cpp as lc
 
 from lmserve.engine.context_size import ContextChoice, choose_context, machine_memory, memory_beside
 from lmserve.types import LoadOptions
+
+log = logging.getLogger(__name__)
 
 KV_TYPE_BYTES: dict[str, float] = {
     "f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "iq4_nl": 18 / 32,
@@ -34,9 +37,22 @@ def context_choice(model: lc.llama_model_p, path: Path, options: LoadOptions) ->
     weights = lc.llama_model_size(model)
     on_gpu = gpu_free_memory() if options.num_gpu_layers != 0 else None
     memory = on_gpu if on_gpu is not None else memory_beside(weights, machine_memory())
-    return choose_context(options.num_ctx, trained=lc.llama_model_n_ctx_train(model),
-                          kv_bytes_per_token=kv_bytes_per_token(model, path, options), num_slots=slots,
-                          memory_bytes=memory)
+    try:
+        kv_bytes = kv_bytes_per_token(model, path, options)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:  # metadata this reader cannot use
+        log.warning("%s: the KV cache's size per token could not be read (%s); counting every layer as attention",
+                    path.name, exc)
+        kv_bytes = _every_layer_attention(model, options)
+    return choose_context(options.num_ctx, trained=lc.llama_model_n_ctx_train(model), kv_bytes_per_token=kv_bytes,
+                          num_slots=slots, memory_bytes=memory)
+
+
+def _every_layer_attention(model: lc.llama_model_p, options: LoadOptions) -> int:
+    """An upper bound of one token's KV cache: every layer an attention layer with the model's KV heads."""
+    heads = max(lc.llama_model_n_head(model), 1)
+    head_dim = lc.llama_model_n_embd(model) // heads
+    kv_heads = max(lc.llama_model_n_head_kv(model), 1) * lc.llama_model_n_layer(model)
+    return int(kv_heads * head_dim * (KV_TYPE_BYTES[options.cache_type_k] + KV_TYPE_BYTES[options.cache_type_v]))
 
 
 def kv_bytes_per_token(model: lc.llama_model_p, path: Path, options: LoadOptions) -> int:

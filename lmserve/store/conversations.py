@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmserve.errors import LmserveError
+from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.store.records import RecordIds, RecordStore
 
 ID_PREFIX = "conv_"
@@ -85,14 +85,27 @@ class ConversationStore(RecordStore[StoredConversation]):
         self._lock = threading.Lock()
 
     def create(self, items: list[Item], metadata: dict[str, str]) -> StoredConversation:
-        """A new conversation with these first `items` and `metadata`, saved."""
-        record = StoredConversation(new_conversation_id(), int(time.time()), dict(metadata), list(items))
+        """A new conversation with these first `items` and `metadata`, saved (InvalidRequest when two items have
+        one id)."""
+        _check_new_ids([], items)
+        record = StoredConversation(new_conversation_id(), int(self._clock()), dict(metadata), list(items))
         self.save(record)
         return record
 
-    def add_items(self, conversation_id: str, items: list[Item]) -> StoredConversation:
-        """Append `items` to a conversation; the conversation as it is now."""
-        return self._change(conversation_id, lambda record: record.items.extend(items))
+    def add_items(self, conversation_id: str, items: list[Item], *, skip_known: bool = False) -> StoredConversation:
+        """Append `items` to a conversation; the conversation as it is now. An item whose id the conversation (or
+        another of `items`) already has is an InvalidRequest, or, with `skip_known`, left out (a response's input
+        that repeats items of the conversation)."""
+
+        def append(record: StoredConversation) -> None:
+            known = {item.get("id") for item in record.items} - {None}
+            if skip_known:
+                record.items.extend(item for item in items if item.get("id") is None or item.get("id") not in known)
+                return
+            _check_new_ids(record.items, items)
+            record.items.extend(items)
+
+        return self._change(conversation_id, append)
 
     def delete_item(self, conversation_id: str, item_id: str) -> StoredConversation:
         """Remove one item (ItemNotFound when the conversation has none with this id); the conversation now."""
@@ -121,6 +134,19 @@ class ConversationStore(RecordStore[StoredConversation]):
             change(record)
             self.save(record)
             return record
+
+
+def _check_new_ids(existing: list[Item], items: list[Item]) -> None:
+    """InvalidRequest when an item of `items` has the id of an item before it (in `existing` or `items`): paging
+    and item routes find items by id."""
+    seen = {item.get("id") for item in existing} - {None}
+    for item in items:
+        item_id = item.get("id")
+        if item_id is None:
+            continue
+        if item_id in seen:
+            raise InvalidRequest(f"Duplicate item found with id {item_id}.", param="items")
+        seen.add(item_id)
 
 
 def _decode(data: dict[str, Any]) -> StoredConversation:

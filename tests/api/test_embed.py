@@ -175,6 +175,9 @@ async def test_openai_embeddings_cut_long_token_ids_only_when_asked(client: http
         ({"model": "fake", "input": ["a", 1]}, 400, "input"),
         ({"model": "fake", "input": [[1], "a"]}, 400, "input"),
         ({"model": "fake", "input": [1.5]}, 400, "input"),
+        ({"model": "fake", "input": [1.0, 2.0]}, 400, "input"),  # ids are whole numbers, not floats or booleans
+        ({"model": "fake", "input": [True, False]}, 400, "input"),
+        ({"model": "fake", "input": [[1, True]]}, 400, "input"),
         ({"model": "fake", "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
         ({"model": "fake"}, 400, "input"),
         ({"model": "nope", "input": "x"}, 404, "model"),

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from lmserve.errors import InvalidRequest
 from lmserve.store.conversations import ConversationNotFound, ConversationStore, ItemNotFound, new_conversation_id
 
 YEAR = 365 * 86400.0
@@ -41,6 +42,21 @@ def test_items_are_added_read_and_deleted(tmp_path: Path) -> None:
     with pytest.raises(ItemNotFound) as caught:
         store.delete_item(made.id, "msg_2")
     assert caught.value.status == 404 and caught.value.param == "item_id"
+
+
+def test_an_item_id_is_never_stored_twice(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    with pytest.raises(InvalidRequest, match="Duplicate item found with id msg_1"):
+        store.create([message("msg_1", "one"), message("msg_1", "again")], {})
+    made = store.create([message("msg_1", "one")], {})
+    for items in ([message("msg_1", "again")], [message("msg_2", "two"), message("msg_2", "again")]):
+        with pytest.raises(InvalidRequest) as caught:
+            store.add_items(made.id, items)
+        assert caught.value.status == 400 and caught.value.param == "items"
+    assert [item["id"] for item in store.get(made.id).items] == ["msg_1"]
+    # a response's input that repeats the conversation's items: the new ones only
+    store.add_items(made.id, [message("msg_1", "again"), message("msg_3", "three")], skip_known=True)
+    assert [item["id"] for item in store.get(made.id).items] == ["msg_1", "msg_3"]
 
 
 def test_metadata_is_replaced_whole(tmp_path: Path) -> None:
