@@ -267,7 +267,8 @@ class ServerConfig:
     image_max_bytes: int = option(20 * 1024 * 1024, env="IMAGE_MAX_BYTES", kind="int", minimum=1,
                                   help="largest image accepted, in bytes (data URI, base64 or download)")
     responses_max: int = option(1000, env="RESPONSES_MAX", kind="int", minimum=1,
-                                help="most stored /v1/responses kept on disk (the oldest go first)")
+                                help="most stored /v1/responses kept on disk (the oldest go first), and "
+                                "most /v1/conversations")
     responses_ttl: float | None = option(30 * 86400.0, env="RESPONSES_TTL", kind="duration",
                                          help="how long a stored /v1/responses response is kept (negative: forever)")
     completions_max: int = option(1000, env="COMPLETIONS_MAX", kind="int", minimum=1,

@@ -103,7 +103,7 @@ without the floor, 0.83x with it)."""
 
 
 AUTO_CONTEXT = 0
-"""`LoadOptions.num_ctx` (and `-c 0`) for "auto": the engine sizes each sequence's context from the model and the
+"""`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each sequence's context from the model and the
 machine when it loads it (engine/context_size.py)."""
 AUTO_CONTEXT_FLOOR = 4096
 """Auto never gives less than this (nor more than the model was trained for)."""

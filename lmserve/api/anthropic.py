@@ -62,6 +62,8 @@ def to_chat_request(
     if len(images) != len(sources):
         raise InvalidRequest(f"{len(sources)} images were sent but {len(images)} were loaded", param="messages")
     messages = to_messages(req, iter(images))
+    if all(turn.role == "system" for turn in req.messages):
+        raise InvalidRequest("messages: at least one user or assistant message is required", param="messages")
     tools = [] if _choice_type(req) == "none" else [_tool(t) for t in req.tools or ()]
     forced, parallel = _forced_tool(req.tool_choice, tools)
     think, budget = _thinking(req.thinking, req.output_config)

@@ -140,6 +140,12 @@ async def test_a_system_message_in_the_conversation_is_in_the_prompt(client: htt
     assert as_text == as_blocks > bare
 
 
+async def test_system_messages_alone_are_not_a_conversation(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "system", "content": "Be brief."}]
+    response = await client.post(MESSAGES, json={"model": "fake", "max_tokens": 4, "messages": messages})
+    assert "at least one user or assistant message" in error_message(response, 400, "invalid_request_error")
+
+
 async def test_a_system_message_takes_text_blocks_only(client: httpx.AsyncClient) -> None:
     call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}
     messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": [call]}]
