@@ -34,20 +34,37 @@ async def apply_edits(chat: ChatRequest, config: wire.ContextManagement | None,
     applied: list[dict[str, Any]] = []
     for i, edit in enumerate(config.edits if config is not None else ()):
         _check(edit, f"context_management.edits[{i}]")
+    size = _Sizes(count)
     for i, edit in enumerate(config.edits if config is not None else ()):
         before = chat
         if isinstance(edit, wire.ClearThinking):
             chat, report = _clear_thinking(chat, edit, f"context_management.edits[{i}]")
         else:
-            chat, report = await _clear_tool_uses(chat, edit, count, f"context_management.edits[{i}]")
+            chat, report = await _clear_tool_uses(chat, edit, size, f"context_management.edits[{i}]")
         if report is None:
             continue
-        cleared = await count(before) - await count(chat)
+        cleared = await size(before) - await size(chat)
         if isinstance(edit, wire.ClearToolUses) and cleared < _value(edit.clear_at_least, "input_tokens", 0):
             chat = before
             continue
         applied.append({"type": edit.type, **report, "cleared_input_tokens": max(cleared, 0)})
     return chat, applied
+
+
+class _Sizes:
+    """`count`, once per request (a prompt is rendered and tokenized at most once however many edits ask)."""
+
+    def __init__(self, count: Count) -> None:
+        self._count = count
+        self._known: list[tuple[ChatRequest, int]] = []
+
+    async def __call__(self, request: ChatRequest) -> int:
+        for known, size in self._known:
+            if known is request:
+                return size
+        size = await self._count(request)
+        self._known.append((request, size))
+        return size
 
 
 def _check(edit: wire.ClearThinking | wire.ClearToolUses, where: str) -> None:
