@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +133,8 @@ def test_claude_code_completes_a_turn(server: Server, tmp_path: Path, workdir: P
     assert result["is_error"] is False and result["result"] == TALK, result
 
 
-def test_claude_code_calls_a_tool_and_reads_its_result(server: Server, tmp_path: Path, workdir: Path) -> None:
-    installed(CLAUDE)
-    done = claude(server, "tiny-claude-tool", "What does notes.txt say?", tmp_path, NOTES_FILE.parent,
-                  "--output-format", "stream-json", "--verbose")
+def check_claude_tool_turn(done: subprocess.CompletedProcess[str]) -> None:
+    """The programmed Read call ran, its result (the file's text) went back, and the turn ended well."""
     assert done.returncode == 0, done.stdout + done.stderr
     events = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     uses = [block for event in events if event.get("type") == "assistant"
@@ -177,9 +176,8 @@ def test_codex_completes_a_turn(server: Server, tmp_path: Path, workdir: Path) -
     assert messages == [TALK], events
 
 
-def test_codex_calls_a_tool_and_reads_its_result(server: Server, tmp_path: Path, workdir: Path) -> None:
-    installed(CODEX)
-    done = codex(server, "tiny-codex-tool", "What does notes.txt say?", tmp_path, workdir)
+def check_codex_tool_turn(done: subprocess.CompletedProcess[str]) -> None:
+    """The programmed exec_command ran `cat`, its output (the file's text) went back, and the turn ended well."""
     assert done.returncode == 0, done.stdout + done.stderr
     events = codex_events(done)
     assert not [e for e in events if e.get("type") in ("error", "turn.failed")], events
@@ -187,6 +185,26 @@ def test_codex_calls_a_tool_and_reads_its_result(server: Server, tmp_path: Path,
                 if e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"]
     assert len(commands) == 1 and f"cat{MARKER}.txt" in commands[0]["command"], events
     assert NOTES in commands[0]["aggregated_output"], commands
+
+
+def test_three_agents_at_once_on_two_slots_each_call_a_tool_or_talk(server: Server, tmp_path: Path,
+                                                                    workdir: Path) -> None:
+    """Claude Code and Codex each call a tool while another Claude Code session talks: three conversations (each
+    of two or more requests) on the server's two slots, as a team sharing one server."""
+    installed(CLAUDE)
+    installed(CODEX)
+    homes = [tmp_path / name for name in ("claude-tool", "codex-tool", "claude-talk")]
+    for home in homes:
+        home.mkdir()
+    with ThreadPoolExecutor(3) as pool:
+        claude_tool = pool.submit(claude, server, "tiny-claude-tool", "What does notes.txt say?", homes[0],
+                                  NOTES_FILE.parent, "--output-format", "stream-json", "--verbose")
+        codex_tool = pool.submit(codex, server, "tiny-codex-tool", "What does notes.txt say?", homes[1], workdir)
+        talk = pool.submit(claude, server, "tiny-talk", "hi", homes[2], workdir, "--output-format", "json")
+    check_claude_tool_turn(claude_tool.result())
+    check_codex_tool_turn(codex_tool.result())
+    done = talk.result()
+    assert done.returncode == 0 and json.loads(done.stdout)["result"] == TALK, done.stdout + done.stderr
 
 
 # ---- a model whose trained context cannot hold the agent's prompt -----------------------------------------------
