@@ -103,8 +103,8 @@ without the floor, 0.83x with it)."""
 
 
 AUTO_CONTEXT = 0
-"""`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each sequence's context from the model and the
-machine when it loads it (engine/context_size.py)."""
+"""`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each
+sequence's context from the model and the machine when it loads it (engine/context_size.py)."""
 AUTO_CONTEXT_FLOOR = 4096
 """Auto never gives less than this (nor more than the model was trained for)."""
 AUTO_CONTEXT_CEILING = 262144
