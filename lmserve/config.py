@@ -30,6 +30,18 @@ from lmserve.types import (
 )
 
 ENV_PREFIX = "LMSERVE_"
+
+
+def _default_cache_ram_mib() -> int:
+    """A quarter of the machine's memory, at most 8 GiB (llama-server's --cache-ram default), in MiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1024
+    return min(8192, total // 4 // 2**20)
+
+
+DEFAULT_CACHE_RAM_MIB = _default_cache_ram_mib()
 T = TypeVar("T")
 DRAFT_MODEL_MAX = 16
 """The draft cap with --model-draft when --draft-max is not given: drafts start at 4 tokens and double up to it while
@@ -188,11 +200,29 @@ class ServerConfig:
     enable_torch_compile: bool = option(False, "--enable-torch-compile", env="ENABLE_TORCH_COMPILE", kind="bool",
                                         engine="vllm", help="compile the model (and capture CUDA graphs): longer "
                                         "start, faster tokens; off runs eagerly")
+    kv_offloading_size: float = option(0.0, "--kv-offloading-size", env="KV_OFFLOADING_SIZE", kind="float",
+                                       minimum=0.0, metavar="GIB", engine="vllm", shown="0, off",
+                                       help="GiB of CPU RAM that KV blocks leaving the GPU's KV cache go to, so a "
+                                       "returning prompt's prefix is copied back instead of prefilled (GPU only: "
+                                       "vLLM's CPU build keeps its KV cache in RAM already)")
+    kv_offloading_backend: str = option("native", "--kv-offloading-backend", env="KV_OFFLOADING_BACKEND",
+                                        choices=("native", "lmcache"), engine="vllm",
+                                        help="who keeps the offloaded KV blocks (with --kv-offloading-size): native "
+                                        "(vLLM's CPU offloading) or lmcache (an LMCache server, which sizes its own "
+                                        "RAM and disk tiers)")
     models_dir: str = option("~/.lmserve/models", env="MODELS", help="the model store (blobs and manifests)")
     keep_alive: float | None = option(300.0, env="KEEP_ALIVE", kind="duration",
                                       help="how long a model stays loaded after its last request")
     max_loaded_models: int = option(3, env="MAX_LOADED_MODELS", kind="int", minimum=1,
                                     help="most models loaded at once")
+    memory_check: bool = option(True, env="MEMORY_CHECK", kind="bool", shown="1, on",
+                                help="before a model loads, check that its weights, KV cache and buffers fit in "
+                                "memory: idle models are unloaded for it, and one that can never fit is a 400 naming "
+                                "the numbers (0: load without checking, where /proc/meminfo misleads)")
+    memory_bytes: int | None = option(None, env="MEMORY_BYTES", kind="int", minimum=1,
+                                      shown="what the machine has available, read at each load",
+                                      help="bytes all loaded models may take together, when the machine's own "
+                                      "numbers do not tell this server's share (containers, tests)")
     tool_call_parser: str | None = option(None, "--tool-call-parser", env="TOOL_CALL_PARSER", metavar="NAME",
                                           shown="detect from the chat template, else json",
                                           help="tool-call format: lfm2, hermes, llama3_json, pythonic, json")
@@ -249,8 +279,22 @@ class ServerConfig:
                                 maximum=1.0, metavar="P", engine="llamacpp",
                                 shown="0, no floor",
                                 help="the draft model's draft stops before a token it gives less probability than P")
-    snapshot_mb: int = option(256, env="SNAPSHOT_MB", kind="int", minimum=0, engine="llamacpp",
-                              help="MiB per loaded model for prompt-end state snapshots of hybrid models (0: off)")
+    cache_ram: int = option(DEFAULT_CACHE_RAM_MIB, "-cram", "--cache-ram", env="CACHE_RAM", kind="int", minimum=0,
+                            metavar="MiB", engine="llamacpp", shown=f"{DEFAULT_CACHE_RAM_MIB}: a quarter of this "
+                            "machine's memory, at most 8192",
+                            help="RAM for the prompt cache beyond the slots, all models together: a slot's state "
+                            "is saved there before another prompt takes the slot, and a returning prompt restores "
+                            "it instead of computing its prefix again; least recently used out first (0: off)")
+    cache_disk: int = option(4096, "--cache-disk", env="CACHE_DISK", kind="int", minimum=0, metavar="MiB",
+                             engine="llamacpp",
+                             help="disk for the prompt cache, under the model store (prompt-cache/): the states "
+                             "saved in RAM are also written there, so a conversation returning after a restart or "
+                             "a reload skips its prefill; least recently used out first (0: off)")
+    slot_prompt_similarity: float = option(0.5, "-sps", "--slot-prompt-similarity", env="SLOT_PROMPT_SIMILARITY",
+                                           kind="float", minimum=0.0, maximum=1.0, metavar="F", engine="llamacpp",
+                                           help="a prompt takes the free slot sharing its longest prefix only when "
+                                           "that prefix is at least F of the slot's cached tokens; otherwise an "
+                                           "empty slot, else the least recently used (its state saved first)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
     mmproj: str | None = option(None, "--mmproj", env="MMPROJ", metavar="PATH", engine="llamacpp",
                                 help="vision projector GGUF for a model given as a .gguf path")

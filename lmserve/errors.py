@@ -2,7 +2,8 @@
 
     LmserveError                      500 server_error
     ├── InvalidRequest                400 invalid_request_error   (bad body, bad field, bad role …)
-    │   └── ContextOverflow           400 invalid_request_error   (prompt longer than the context)
+    │   ├── ContextOverflow           400 invalid_request_error   (prompt longer than the context)
+    │   └── InsufficientMemory        400 invalid_request_error   (a model larger than the memory there is)
     ├── AuthenticationFailed          401 authentication_error
     ├── ModelNotFound                 404 not_found_error
     ├── Overloaded                    503 overloaded_error
@@ -68,6 +69,28 @@ def context_advice(num_prompt_tokens: int, num_ctx: int, num_ctx_train: int) -> 
                 "shorten the prompt.")
     return (f"{said} Start the server with a larger context (e.g. -c {larger}), or set num_ctx {larger} in the "
             "request's options or a Modelfile PARAMETER; or shorten the prompt.")
+
+
+class InsufficientMemory(InvalidRequest):
+    """A model needs more memory than the machine has for it, even with every idle model unloaded.
+
+    A 400, not a 5xx: retrying cannot help (OpenAI's and Anthropic's clients retry 5xx), asking for less can (a
+    smaller context, fewer slots, a quantized KV cache, a smaller model). The message names both numbers in GiB,
+    as the local runner's "model requires more system memory (X GiB) than is available (Y GiB)" does."""
+
+    def __init__(self, name: str, needed_bytes: int, available_bytes: int, detail: str = "") -> None:
+        """`detail`: what the need is made of and what to do, appended to the message."""
+        message = (f"model '{name}' requires more system memory ({gib(needed_bytes)}) than is available "
+                   f"({gib(available_bytes)})")
+        super().__init__(message + (f": {detail}" if detail else ""), param="model", code="insufficient_memory")
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
+def gib(num_bytes: int) -> str:
+    """`num_bytes` in GiB, three significant digits (whole numbers from 100): "0.0916 GiB", "12.3 GiB"."""
+    value = num_bytes / 2**30
+    return f"{value:.3g} GiB" if value < 100 else f"{value:.0f} GiB"
 
 
 class TemplateRejected(InvalidRequest):

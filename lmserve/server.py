@@ -20,6 +20,8 @@ import uvicorn
 
 from lmserve.config import ConfigError, ServerConfig, resolve
 from lmserve.engine.factory import EngineSettings
+from lmserve.engine.prompt_cache import PromptCache
+from lmserve.engine.prompt_disk import DiskTier
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
@@ -40,6 +42,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.errors import ModelNotFound
     from lmserve.parsing import model_name_for_file
     from lmserve.service.catalog import StoreCatalog, gguf_details
+    from lmserve.service.memory_budget import memory_gauge
     from lmserve.service.residency import Residency
     from lmserve.store.gguf_check import gguf_metadata
     from lmserve.store.modelfile import Modelfile
@@ -66,11 +69,14 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     elif config.mmproj:
         raise InvalidRequest(f"--mmproj goes with a model given as a .gguf path, not the name '{name}' (a stored "
                              "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
-    residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive)
+    residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
+                          memory=memory_gauge(config.memory_check, config.memory_bytes),
+                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
                       max_images=config.max_images, n_predict=config.n_predict,
-                      reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget)
+                      reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget,
+                      prompt_cache=settings.prompt_cache)
     try:
         name = catalog.resolve(name)
     except ModelNotFound:
@@ -170,6 +176,14 @@ class ProgressLines:
         print(f"lmserve: {event.get('status')}{done}", file=sys.stderr, flush=True)
 
 
+def prompt_cache(config: ServerConfig) -> PromptCache:
+    """The prompt cache beyond the slots that every llama.cpp model of this server shares (RAM, and disk under the
+    store)."""
+    disk = DiskTier(Path(config.models_dir).expanduser() / "prompt-cache", config.cache_disk * 2**20) \
+        if config.cache_disk else None
+    return PromptCache(config.cache_ram * 2**20, disk)
+
+
 def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
     from lmserve.engine.vllm import VllmOptions
@@ -180,9 +194,11 @@ def engine_settings(config: ServerConfig) -> EngineSettings:
         data_parallel_size=config.data_parallel_size, torch_compile=config.enable_torch_compile,
         nnodes=config.nnodes, node_rank=config.node_rank, master_addr=config.master_addr,
         master_port=config.master_port, executor=config.distributed_executor_backend,
+        kv_offloading_size=config.kv_offloading_size, kv_offloading_backend=config.kv_offloading_backend,
     )
     return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-                          snapshot_bytes=config.snapshot_mb * 2**20, draft_max=config.speculative_draft_max,
+                          prompt_cache=prompt_cache(config), slot_similarity=config.slot_prompt_similarity,
+                          draft_max=config.speculative_draft_max,
                           vllm=launch)
 
 

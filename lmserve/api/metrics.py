@@ -134,6 +134,14 @@ class _ServiceCollector(Collector):
                                    labels=["model"])
         preemptions = CounterMetricFamily("lmserve_preemptions", "Sequences evicted for room and recomputed.",
                                           labels=["model"])
+        cache_hits = CounterMetricFamily("lmserve_prompt_cache_hits", "Prompts that reused a saved prefix, by where "
+                                         "it was kept (slot, ram, disk).", labels=["model", "tier"])
+        cache_tokens = CounterMetricFamily("lmserve_prompt_cache_tokens_saved", "Prompt tokens not computed again, "
+                                           "by where their state was kept (slot, ram, disk).", labels=["model", "tier"])
+        cache_misses = CounterMetricFamily("lmserve_prompt_cache_misses", "Prompts that found nothing to reuse.",
+                                           labels=["model"])
+        cache_model_bytes = GaugeMetricFamily("lmserve_prompt_cache_model_bytes", "RAM a model's saved prompt "
+                                              "states hold in the prompt cache.", labels=["model"])
         seen: set[int] = set()
         for resident in residents:  # names sharing one engine: its numbers once, under the most recent name
             engine = resident.model.engine
@@ -150,7 +158,21 @@ class _ServiceCollector(Collector):
             queries.add_metric([resident.model.name], stats.prefix_cache_queries)
             hits.add_metric([resident.model.name], stats.prefix_cache_hits)
             preemptions.add_metric([resident.model.name], stats.preemptions)
-        yield from (queue, running, step, decode, kv, queries, hits, preemptions)
+            if stats.cache_hits:
+                cache_misses.add_metric([resident.model.name], stats.cache_misses)
+                cache_model_bytes.add_metric([resident.model.name], stats.cache_bytes)
+            for tier, count in stats.cache_hits.items():
+                cache_hits.add_metric([resident.model.name, tier], count)
+                cache_tokens.add_metric([resident.model.name, tier], stats.cache_tokens.get(tier, 0))
+        yield from (queue, running, step, decode, kv, queries, hits, preemptions, cache_hits, cache_tokens,
+                    cache_misses, cache_model_bytes)
+        cache = self._service.prompt_cache
+        if cache is not None:
+            sizes = GaugeMetricFamily("lmserve_prompt_cache_bytes", "Bytes the prompt cache beyond the slots holds "
+                                      "(all models), by tier.", labels=["tier"])
+            sizes.add_metric(["ram"], cache.num_bytes)
+            sizes.add_metric(["disk"], cache.disk_bytes)
+            yield sizes
         yield GaugeMetricFamily("lmserve_loaded_models", "Engine instances in memory (names sharing weights count "
                                 "once).", value=self._service.residency.num_instances)
 

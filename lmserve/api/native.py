@@ -407,8 +407,14 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             expires = resident.expires_at
             until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
             models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
-                           "context_length": resident.model.engine.info.num_ctx})
-        return {"models": models}
+                           "context_length": resident.model.engine.info.num_ctx,
+                           "prompt_cache_bytes": resident.model.engine.stats.cache_bytes})
+        body: dict[str, Any] = {"models": models}
+        cache = service.prompt_cache
+        if cache is not None:  # an lmserve addition: the prompt cache beyond the slots, all models together
+            body["prompt_cache"] = {"ram_bytes": cache.num_bytes, "ram_budget_bytes": cache.ram_budget,
+                                    "disk_bytes": cache.disk_bytes, "entries": cache.num_entries()}
+        return body
 
     @router.post("/api/embed")
     async def embed(request: Request) -> dict[str, Any]:

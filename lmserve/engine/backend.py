@@ -114,8 +114,9 @@ class Backend(Protocol):
         """The slot's whole memory state (a snapshot to restore later with `restore_state`)."""
         ...
 
-    def restore_state(self, slot: int, state: bytes) -> bool:
-        """Replace the slot's memory with a snapshot from `save_state`; False when it does not fit."""
+    def restore_state(self, slot: int, state: bytes, length: int) -> bool:
+        """Replace the slot's memory with a state from `save_state` and keep its first `length` positions (a model
+        whose memory cannot be cut is given whole states only); False when it does not fit."""
         ...
 
     def embed(self, tokens: list[int]) -> list[float]:

@@ -21,14 +21,17 @@ from lmserve.engine.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.drafting import DraftLength, NgramDrafter
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
+from lmserve.engine.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling, unit_vector
 from lmserve.engine.scheduler import Scheduler, Sequence
-from lmserve.engine.snapshots import SnapshotCache
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 256 * 2**20
+"""The prompt cache of an engine made without one (tests, library use): RAM only."""
 
 
 class RequestStream:
@@ -101,7 +104,8 @@ class BatchingEngine:
 
     def __init__(
         self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512,
-        snapshot_bytes: int = 256 * 2**20, draft_max: int = 0,
+        prompt_cache: PromptCache | None = None, cache_key: str = "", slot_similarity: float = 0.5,
+        draft_max: int = 0,
     ) -> None:
         self.backend = backend
         self.draft_max = draft_max
@@ -109,10 +113,16 @@ class BatchingEngine:
         self.max_queue = max_queue
         """Requests allowed to wait for a slot; beyond it `submit` raises Overloaded (503)."""
         self.info: ModelInfo = backend.info
-        self.snapshots = SnapshotCache(0 if backend.info.can_cut_memory else snapshot_bytes)
+        self.cache = prompt_cache if prompt_cache is not None else PromptCache(DEFAULT_CACHE_BYTES)
+        """Saved prompt states beyond the slots (engine/prompt_cache.py), maybe shared with other engines."""
+        self.cache_key = cache_key or f"engine-{id(self):x}"
+        """This model's name in the prompt cache: the weights and the load options that shape its states."""
+        self.cache_stats = CacheStats()
+        self._snapshots = not backend.info.can_cut_memory and self.cache.ram_budget > 0
+        """A model whose memory cannot be cut also saves its state at the end of prompts and at checkpoints."""
         self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
-                                   can_copy=backend.info.can_cut_memory, can_snapshot=self.snapshots.budget_bytes > 0)
-        """Prompt-end states of a model whose memory cannot be cut (see engine/snapshots.py)."""
+                                   can_copy=backend.info.can_cut_memory, can_snapshot=self._snapshots,
+                                   slot_similarity=slot_similarity)
         self._trackers: dict[Sequence, _Tracker] = {}
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
@@ -128,6 +138,8 @@ class BatchingEngine:
         """Idle slots' prefix caches dropped to make room in a shared KV pool (`--kv-unified`)."""
         self.num_parked = 0
         """Running sequences paused (and later recomputed) to make room in a shared KV pool."""
+        self.num_prompt_tokens = 0
+        """Prompt tokens of the sequences admitted since load (what the prefix and prompt caches were asked for)."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -198,10 +210,10 @@ class BatchingEngine:
         leader = seqs[0]
         for seq in seqs[1:]:
             seq.fork_of = leader
-        if self.snapshots.budget_bytes and checkpoints:
+        if self._snapshots and checkpoints:
             inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and leader.cut_outside_images(c) == c]
             leader.checkpoints = sorted(set(inside))
-        if self.snapshots.budget_bytes and n > self.info.num_parallel:
+        if self._snapshots and n > self.info.num_parallel:
             # Some choices must wait for a slot: the state before the prompt's last token lets them skip the prompt.
             leader.checkpoints = sorted({*leader.checkpoints, leader.cut_outside_images(len(prompt) - 1)} - {0})
         loop = asyncio.get_running_loop()
@@ -281,13 +293,23 @@ class BatchingEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, preemptions=self.num_parked)
+        cache = self.cache_stats
+        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, preemptions=self.num_parked,
+                           prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
+                           cache_hits={str(k): v for k, v in cache.hits.items()},
+                           cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,
+                           cache_bytes=self.cache.model_bytes(self.cache_key))
 
     def close(self) -> None:
         with self._cond:
             self._is_closing = True
             self._cond.notify()
         self._thread.join()
+        try:
+            for slot, tokens in enumerate(self.scheduler.slot_tokens):
+                self._save(slot, tokens, 0)  # so a returning conversation skips its prefill after a reload
+        except Exception:  # a model that cannot save its slots still closes
+            log.exception("saving the slots' prompts on close failed")
         self.backend.close()
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -349,12 +371,13 @@ class BatchingEngine:
         while self.scheduler.can_admit():
             seq = self.scheduler.admit()
             self._trackers[seq].admitted_ns = now
+            self.num_prompt_tokens += len(seq.prompt)
             self.scheduler.reused(seq, self._start(seq))
         for seq, source, length in self.scheduler.ready_shares():
             if self.backend.copy_prefix(source, seq.slot, length):
                 self.scheduler.reused(seq, length)
             else:
-                self.scheduler.reused(seq, self._restore_snapshot(seq, seq.num_prefilled))
+                self.scheduler.reused(seq, self._restore_cached(seq, seq.num_prefilled, count=False))
         self._draft([seq for seq in self.scheduler.running if not seq.is_prefilling])
         decode_started = time.perf_counter_ns()
         decoded = self._decode(outbox)
@@ -368,8 +391,9 @@ class BatchingEngine:
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
-                if self.snapshots.budget_bytes and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
-                    self.snapshots.put(seq.prefill_tokens[: seq.num_prefilled], self.backend.save_state(seq.slot))
+                if self._snapshots and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
+                    self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled],
+                                   self.backend.save_state(seq.slot), can_cut=False)
                 if not seq.is_prefilling:
                     forked += self._fork(seq)
             if token is not None:
@@ -404,8 +428,10 @@ class BatchingEngine:
 
     def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: list[tuple[RequestStream, Chunk]]) -> None:
         """Free memory in the shared KV pool for a step it could not take (see `_decode`)."""
-        slot = self.scheduler.evict_idle()
-        if slot is not None:
+        idle = self.scheduler.evict_idle()
+        if idle is not None:
+            slot, tokens = idle
+            self._save(slot, tokens, 0)
             self.backend.clear(slot)
             self.num_evicted += 1
             return
@@ -495,21 +521,48 @@ class BatchingEngine:
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
-        another slot, or a snapshot)."""
+        another slot, or a saved state). What the slot held before and loses now is saved in the prompt cache."""
+        self._save(seq.slot, seq.evicts, seq.num_cached)
         kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached)
         if seq.copy_from >= 0 and seq.copy_len > kept and self.backend.copy_prefix(seq.copy_from, seq.slot,
                                                                                    seq.copy_len):
             kept = seq.copy_len
-        return self._restore_snapshot(seq, kept)
+        return self._restore_cached(seq, kept)
 
-    def _restore_snapshot(self, seq: Sequence, kept: int) -> int:
-        """Restore the longest snapshot of a prefix of the prompt into the slot when it beats `kept` positions."""
-        if not self.snapshots.budget_bytes:
-            return kept
-        hit = self.snapshots.longest_prefix(seq.prompt, len(seq.prompt) - 1)
-        if hit is not None and hit[0] > kept and self.backend.restore_state(seq.slot, hit[1]):
-            return hit[0]
+    def _save(self, slot: int, tokens: list[int], num_kept: int, *, persist: bool = True) -> None:
+        """Save the state of `slot`, which holds `tokens`, in the prompt cache before it keeps only `num_kept` of
+        them (a model that cannot cut keeps all or none): unless too little is lost or an entry covers them."""
+        can_cut = self.info.can_cut_memory
+        lost = len(tokens) - num_kept if can_cut or num_kept < len(tokens) else 0
+        if not self.cache.is_enabled or lost < self.scheduler.min_share or len(tokens) < self.scheduler.min_share:
+            return
+        if self.cache.covers(self.cache_key, tokens, can_cut):
+            return
+        self.cache.put(self.cache_key, tokens, self.backend.save_state(slot), can_cut=can_cut, persist=persist)
+        self.cache_stats.saves += 1
+
+    def _restore_cached(self, seq: Sequence, kept: int, *, count: bool = True) -> int:
+        """Restore the saved state of the longest prefix of the prompt into the slot when it beats the `kept`
+        positions the slot holds; return the positions held now (counted by tier in `cache_stats`)."""
+        limit = len(seq.prompt) - 1
+        hit = self.cache.lookup(self.cache_key, seq.prompt, limit, self.info.can_cut_memory) \
+            if self.cache.is_enabled and kept < limit else None
+        length = seq.cut_outside_images(hit.length) if hit is not None else 0
+        if hit is not None and length >= kept + self.scheduler.min_share and \
+                self.backend.restore_state(seq.slot, hit.state, length):
+            self._count(hit.tier, length, count)
+            return length
+        self._count("slot", kept, count)
         return kept
+
+    def _count(self, tier: Tier, num_tokens: int, count: bool) -> None:
+        if not count:
+            return
+        if num_tokens <= 0:
+            self.cache_stats.misses += 1
+            return
+        self.cache_stats.hits[tier] += 1
+        self.cache_stats.tokens[tier] += num_tokens
 
     def _accept(
         self, seq: Sequence, tracker: _Tracker, token: int, outbox: list[tuple[RequestStream, Chunk]]

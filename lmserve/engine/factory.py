@@ -7,10 +7,15 @@ the named engine cannot read is a clear 400.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from lmserve.engine.memory_estimate import HeaderReader, estimate_gguf, estimate_repository
+from lmserve.engine.memory_estimate import MemoryEstimate as MemoryEstimate  # re-exported: the service's view
+from lmserve.engine.memory_estimate import available_memory as available_memory
+from lmserve.engine.prompt_cache import PromptCache as PromptCache  # re-exported: the service closes it
 from lmserve.engine.protocol import Engine
 from lmserve.engine.vllm import VllmOptions  # no vLLM import: that happens when a model is opened
 from lmserve.errors import InvalidRequest
@@ -30,8 +35,10 @@ class EngineSettings:
     (256 on llama.cpp, vLLM's own)."""
     max_queue: int = 512
     """Requests that may wait for a slot; beyond it Overloaded (503)."""
-    snapshot_bytes: int = 256 * 2**20
-    """Memory for prompt-end state snapshots of hybrid models; 0 turns them off."""
+    prompt_cache: PromptCache | None = None
+    """Saved prompt states beyond the slots, shared by every llama.cpp model (None: each engine keeps a small one)."""
+    slot_similarity: float = 0.5
+    """Least fraction of a free slot's cached tokens a prompt must keep to take that slot (engine/scheduler.py)."""
     draft_max: int = 0
     """Speculative decoding on llama.cpp: most tokens drafted per step for requests that do not say; 0: off."""
     vllm: VllmOptions = field(default_factory=VllmOptions)
@@ -63,8 +70,36 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
     backend = LlamaCppBackend(path, options)
     return BatchingEngine(backend, max_batch_tokens=options.num_batch,
                           max_prefill_tokens=backend.info.num_ctx if chunk == -1 else chunk,
-                          max_queue=settings.max_queue, snapshot_bytes=settings.snapshot_bytes,
-                          draft_max=settings.draft_max)
+                          max_queue=settings.max_queue, prompt_cache=settings.prompt_cache,
+                          cache_key=prompt_cache_key(path, options, backend.info.num_ctx),
+                          slot_similarity=settings.slot_similarity, draft_max=settings.draft_max)
+
+
+def prompt_cache_key(path: Path, options: LoadOptions, num_ctx: int) -> str:
+    """What a llama.cpp model's saved states depend on: the weights (a store blob's digest, else the file's path,
+    size and time), the adapters and projector, the KV cache's types and layout, the context, and the llama.cpp
+    build. States saved under another key are never restored."""
+    import llama_cpp
+
+    def identity(file: str | Path) -> str:
+        file = Path(file)
+        if file.name.startswith("sha256-"):
+            return file.name
+        stat = file.stat()
+        return f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+    parts = [identity(path), *(identity(adapter) for adapter in options.adapters),
+             identity(options.projector) if options.projector else "", options.cache_type_k, options.cache_type_v,
+             options.flash_attn, str(options.kv_unified), str(num_ctx), f"llama-cpp-python {llama_cpp.__version__}"]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def estimate_memory(path: Path, options: LoadOptions, read_header: HeaderReader) -> MemoryEstimate | None:
+    """What loading the model at `path` with `options` will hold in memory (engine/memory_estimate.py), or None
+    when it cannot be told. Blocking (reads headers, never the weights); `read_header` reads a GGUF's header."""
+    if engine_kind(path) == "vllm":
+        return estimate_repository(path, options)
+    return estimate_gguf(path, options, read_header)
 
 
 def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
@@ -82,7 +117,7 @@ def serve_headless(path: Path, options: LoadOptions, settings: EngineSettings) -
 
 def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> VllmOptions:
     try:
-        from lmserve.engine.vllm import is_cpu_build
+        from lmserve.engine.vllm import check_kv_offloading, is_cpu_build
     except ImportError as exc:
         raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
                              f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "
@@ -95,8 +130,10 @@ def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) ->
     if is_cpu and settings.vllm.executor == "ray":
         raise InvalidRequest("--distributed-executor-backend ray needs GPUs: vLLM's CPU build has no Ray device; "
                              "span machines with --nnodes and --node-rank (the multiprocessing backend) instead")
-    return replace(settings.vllm, num_ctx=options.num_ctx, num_parallel=options.num_parallel,
-                   prefill_chunk=settings.max_prefill_tokens, max_queue=settings.max_queue, is_cpu=is_cpu)
+    chosen = replace(settings.vllm, num_ctx=options.num_ctx, num_parallel=options.num_parallel,
+                     prefill_chunk=settings.max_prefill_tokens, max_queue=settings.max_queue, is_cpu=is_cpu)
+    check_kv_offloading(chosen)  # the CPU build cannot offload; LMCache must be installed
+    return chosen
 
 
 def vision_missing(config: dict[str, Any]) -> str | None:

@@ -374,11 +374,12 @@ class LlamaCppBackend:
         written = lc.llama_state_seq_get_data(self._ctx, buf, size, slot)
         return ctypes.string_at(buf, written)
 
-    def restore_state(self, slot: int, state: bytes) -> bool:
+    def restore_state(self, slot: int, state: bytes, length: int) -> bool:
         self._redo.pop(slot, None)
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0:
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0 or \
+                not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
             return False
         return True

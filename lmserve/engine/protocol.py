@@ -103,6 +103,14 @@ class EngineStats:
     """Of those, tokens found (their prefill was skipped)."""
     preemptions: int = 0
     """Sequences evicted to make room and recomputed later, since load."""
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    """Prompts that reused a saved prefix, by tier (slot, ram, disk; engines with a prompt cache beyond the slots)."""
+    cache_tokens: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens not computed again, by tier."""
+    cache_misses: int = 0
+    """Prompts that found nothing to reuse."""
+    cache_bytes: int = 0
+    """RAM this model's entries hold in the prompt cache beyond the slots."""
 
 
 class GenerationStream(Protocol):

@@ -4,9 +4,12 @@ Sequences wait in FIFO order for a free slot. Each step, every sequence that has
 decodes one token, and the rest of the token budget goes to prompt prefill in chunks, oldest first, so
 running streams keep producing tokens while a long prompt is processed.
 
-A slot's memory outlives its sequence: the scheduler remembers which tokens each slot holds and gives a
-new sequence the free slot sharing the longest prefix with its prompt, so that prefix is not computed
-again (a multi-turn chat, or many requests with one system prompt).
+A slot's memory outlives its sequence: the scheduler remembers which tokens each slot holds, so a prefix is not
+computed again (a multi-turn chat, or many requests with one system prompt). A new sequence takes the free slot
+sharing the longest prefix with its prompt only when that prefix keeps enough of what the slot holds
+(`slot_similarity`); otherwise an empty slot, else the least recently used one, so a short match (the chat
+template's first tokens) never costs another conversation its cache. What a slot loses when it is taken is the
+engine's to save first (`Sequence.evicts`: the prompt cache beyond the slots, engine/prompt_cache.py).
 
 An image in a prompt is prefilled whole, in a step of its own for that sequence: it takes its length from
 the prefill budget, and may exceed the budget when it is the first prefill of the step (else it could wait
@@ -77,6 +80,8 @@ class Sequence:
     """Its memory was dropped to make room in a shared KV pool; it waits to prefill again (`Scheduler.park`)."""
     num_refill: int = 0
     """Output tokens prefilled after the prompt, once parked: the prefill recomputes what the slot lost."""
+    evicts: list[int] = field(default_factory=list)
+    """At admission: the tokens the slot held before this sequence took it (it keeps `num_cached` of them)."""
 
     @property
     def held(self) -> list[int]:
@@ -125,7 +130,7 @@ class Scheduler:
 
     def __init__(
         self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int, *, can_copy: bool = False,
-        can_snapshot: bool = False, min_share: int = 16,
+        can_snapshot: bool = False, min_share: int = 16, slot_similarity: float = 0.5,
     ) -> None:
         if num_slots < 1 or max_batch_tokens < 1 or max_prefill_tokens < 1:
             raise ValueError("scheduler sizes must be positive")
@@ -142,6 +147,8 @@ class Scheduler:
         """Followers may wait for a leader's checkpoint and restore its snapshot (when copies are impossible)."""
         self.min_share = min_share
         """Fewest extra tokens that make copying from another slot (or waiting for a leader) worth it."""
+        self.slot_similarity = slot_similarity
+        """Least fraction of a free slot's tokens a prompt must keep to take that slot for its prefix."""
 
     @property
     def has_work(self) -> bool:
@@ -155,19 +162,17 @@ class Scheduler:
         return bool(self.waiting and self._free_slots) and not any(seq.is_parked for seq in self.running)
 
     def admit(self) -> Sequence:
-        """Move the oldest waiting sequence into the free slot holding the longest prefix of its prompt.
+        """Move the oldest waiting sequence into a free slot (`choose_slot`).
 
-        `num_cached` is set to that prefix's length (at most all but the last prompt token, which must be
-        decoded to get the next token's logits); the backend may still refuse to reuse it.
+        `num_cached` is set to the prefix of the prompt the slot holds (at most all but the last prompt token, which
+        must be decoded to get the next token's logits); the backend may still refuse to reuse it. `evicts` is what
+        the slot held before.
         """
         seq = self.waiting.popleft()
-        best, best_len = len(self._free_slots) - 1, -1
-        for i, slot in enumerate(self._free_slots):
-            length = common_prefix_length(self.slot_tokens[slot], seq.prompt)
-            if length > best_len:
-                best, best_len = i, length
-        seq.slot = self._free_slots.pop(best)
-        seq.num_cached = seq.cut_outside_images(min(best_len, len(seq.prompt) - 1))
+        index, length = self.choose_slot(seq.prompt)
+        seq.slot = self._free_slots.pop(index)
+        seq.evicts = self.slot_tokens[seq.slot]
+        seq.num_cached = seq.cut_outside_images(min(length, len(seq.prompt) - 1))
         if seq.fork_of is not None and not (seq.fork_of in self.running and seq.fork_of.is_prefilling):
             seq.fork_of = None  # it was admitted too late to be forked: share the prompt as others do
         if seq.fork_of is None and self.can_copy:
@@ -176,6 +181,25 @@ class Scheduler:
             self._plan_checkpoint_sharing(seq)
         self.running.append(seq)
         return seq
+
+    def choose_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The index in the free list of the slot for `prompt`, and the prefix of it that slot holds.
+
+        The slot sharing the longest prefix, when that prefix is at least `slot_similarity` of the slot's tokens or
+        the whole prompt (all it could reuse); else an empty slot; else the least recently freed (the free list is in
+        the order slots were freed).
+        """
+        best, best_len = -1, 0
+        for i, slot in enumerate(self._free_slots):
+            held = self.slot_tokens[slot]
+            length = common_prefix_length(held, prompt)
+            if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
+                best, best_len = i, length
+        if best >= 0:
+            return best, best_len
+        empty = [i for i, slot in enumerate(self._free_slots) if not self.slot_tokens[slot]]
+        index = empty[-1] if empty else 0
+        return index, common_prefix_length(self.slot_tokens[self._free_slots[index]], prompt)
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
         return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1))
@@ -261,13 +285,14 @@ class Scheduler:
             return True
         return False
 
-    def evict_idle(self) -> int | None:
+    def evict_idle(self) -> tuple[int, list[int]] | None:
         """Forget the prefix cache of the free slot that has held it longest; return that slot (its memory must be
-        cleared), or None when no free slot holds anything."""
+        cleared) and the tokens it held, or None when no free slot holds anything."""
         for slot in self._free_slots:
-            if self.slot_tokens[slot]:
+            tokens = self.slot_tokens[slot]
+            if tokens:
                 self.slot_tokens[slot] = []
-                return slot
+                return slot, tokens
         return None
 
     def park(self) -> Sequence | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -43,6 +44,9 @@ CPU_KV_FLOOR_BYTES = 64 * 2**20
 """The smallest KV cache given to vLLM's CPU build (a model's KV for --parallel x --ctx-size may be smaller)."""
 CPU_KV_CEILING_FRACTION = 0.5
 """The most of the machine's available memory the CPU KV cache may take when sized from --parallel x --ctx-size."""
+CACHE_TIER = "kv"
+"""The tier /metrics' prompt-cache counters name for vLLM's prefix cache: blocks of its KV cache (RAM on the CPU build;
+on a GPU with --kv-offloading-size, also blocks copied back from CPU RAM)."""
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _ids = itertools.count()
@@ -76,6 +80,11 @@ class VllmOptions:
     master_port: int = 29501
     executor: str = "auto"
     """vLLM's distributed executor: `mp`, `ray`, or `auto` (vLLM's choice: processes on one machine or --nnodes)."""
+    kv_offloading_size: float = 0.0
+    """GiB of CPU memory vLLM offloads KV blocks to, beyond its (GPU) KV cache; 0: none (vLLM's --kv-offloading-size,
+    GPU only: check_kv_offloading)."""
+    kv_offloading_backend: str = "native"
+    """Who keeps the offloaded blocks: `native` (vLLM's OffloadingConnector) or `lmcache` (an LMCache server)."""
 
     @property
     def local_workers(self) -> int:
@@ -122,6 +131,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
                     master_port=options.master_port)
     if options.dtype != "auto":
         args["mamba_cache_dtype"] = options.dtype
+    if options.kv_offloading_size > 0:
+        args.update(kv_offloading_size=options.kv_offloading_size, kv_offloading_backend=options.kv_offloading_backend)
     if options.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
     elif kv_bytes is not None:
@@ -135,6 +146,29 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["enable_chunked_prefill"] = True
         args["max_num_batched_tokens"] = max(options.prefill_chunk, options.num_parallel)
     return args
+
+
+def check_kv_offloading(options: VllmOptions, *, lmcache_installed: bool | None = None) -> None:
+    """InvalidRequest unless vLLM here can offload the KV cache as `options` ask (none asked: nothing to check).
+
+    vLLM's offloading copies KV blocks between GPU memory and CPU RAM: its CPU build's workers refuse it at start
+    ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"), and there the KV cache, so the prefix
+    cache, is in RAM already. The `lmcache` backend needs the LMCache package (`lmcache_installed`; None: look).
+    """
+    if options.kv_offloading_size <= 0:
+        return
+    if options.is_cpu:
+        raise InvalidRequest("--kv-offloading-size moves vLLM's KV cache from GPU memory to CPU RAM, and this machine "
+                             "runs vLLM's CPU build, whose KV cache (and prefix cache) is in RAM already and which "
+                             "cannot offload: drop it (a larger CPU KV cache keeps more prefixes: --parallel x "
+                             "--ctx-size, or VLLM_CPU_KVCACHE_SPACE in GiB), or serve on a GPU host with the `vllm` "
+                             "package")
+    if lmcache_installed is None:
+        lmcache_installed = importlib.util.find_spec("lmcache") is not None
+    if options.kv_offloading_backend == "lmcache" and not lmcache_installed:
+        raise InvalidRequest("--kv-offloading-backend lmcache needs the LMCache package (pip install lmcache) and an "
+                             "LMCache server, which vLLM reaches at tcp://localhost:5555; or use "
+                             "--kv-offloading-backend native")
 
 
 CPU_ROPE_KERNEL_WRONG: dict[str, str] = {
@@ -492,6 +526,7 @@ class VllmStream:
                 if out.finished:
                     end = time.perf_counter_ns()
                     usage = Usage(self._prompt_length, len(self._output), int(out.num_cached_tokens or 0))
+                    self._engine.count_prompt(usage.cached_tokens)
                     timings = Timings(prompt_eval_ns=first - start, eval_ns=end - first, total_ns=end - start)
                     reason = _FINISH.get(str(completion.finish_reason), "stop")
                     yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings,
@@ -678,6 +713,15 @@ class VllmEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    def count_prompt(self, cached_tokens: int) -> None:
+        """Count a finished request's prompt in the prompt-cache stats: a hit when vLLM's prefix cache held some
+        of it (`cached_tokens`: the tokens it skipped), else a miss."""
+        if cached_tokens > 0:
+            self._stats.cache_hits[CACHE_TIER] = self._stats.cache_hits.get(CACHE_TIER, 0) + 1
+            self._stats.cache_tokens[CACHE_TIER] = self._stats.cache_tokens.get(CACHE_TIER, 0) + cached_tokens
+        else:
+            self._stats.cache_misses += 1
 
     def close(self) -> None:
         """Stop vLLM's engine core and workers (child processes). Called on the event loop (an unload), it returns

@@ -12,6 +12,7 @@ Residency given to the Service (whose observers they share).
 
 from __future__ import annotations
 
+from lmserve.engine.factory import PromptCache
 from lmserve.options import Dialect
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
 from lmserve.service.defaults import Defaults
@@ -39,9 +40,12 @@ class Service:
         n_predict: int = -1,
         reasoning_parser: str | None = None,
         reasoning_budget: int | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.catalog = catalog
         self.residency = residency
+        self.prompt_cache = prompt_cache
+        """The llama.cpp models' prompt cache beyond the slots (closed last: engines save their slots into it)."""
         self.observers: Observers = residency.observers
         self.defaults = Defaults(catalog, load_options, n_predict)
         self.generation = GenerationService(catalog, residency, self.defaults, self.observers,
@@ -63,6 +67,8 @@ class Service:
 
     def close(self) -> None:
         self.residency.close()
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
 
 
 def static_service(models: list[LoadedModel]) -> Service:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.reasoning import detect_reasoning
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.factory import engine_kind, vision_missing
+from lmserve.engine.factory import engine_kind, estimate_memory, vision_missing
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.options import Layer
@@ -264,7 +265,9 @@ class StoreCatalog:
                 created=int(manifest.modified_at),
             )
 
-        return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest)
+        header = partial(gguf_metadata, max_array=4096)  # per-layer values kept, the vocabulary left out
+        return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest,
+                        estimate=partial(estimate_memory, path, full, header))
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
                quantize: Callable[[Path], Path] | None = None) -> None:

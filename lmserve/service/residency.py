@@ -14,6 +14,11 @@ sampling defaults): models created FROM another that differ only in those share 
   created again) is bound again, on the same instance when its weights and load options did not change.
 - Before another instance loads beyond `max_loaded`, the least recently used idle instances (and every name bound
   to them) are unloaded. Busy instances are never unloaded for room: the limit is what loading aims for, not a cap.
+- With a memory gauge (service/memory_budget.py), what an instance will hold (its plan's estimate: weights, KV
+  for its context and slots, buffers) must fit in memory before it loads: the prompt cache is asked to give back
+  the shortfall first (`reclaim`), then the least recently used idle instances are unloaded until it fits. A model
+  that cannot fit even with every other model unloaded is InsufficientMemory (400, naming both numbers); one that
+  would fit once busy models are done is Overloaded (503). `max_loaded` stays a cap on the count beside it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lmserve.engine.factory import MemoryEstimate
 from lmserve.engine.protocol import Engine, ModelInfo
-from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.errors import EngineFailure, InvalidRequest, gib
+from lmserve.service.memory_budget import MemoryGauge, estimate_of, room_for
 from lmserve.service.observers import Observers
 from lmserve.types import AUTO_CONTEXT, LoadOptions, Message, SamplingParams
 
@@ -83,6 +90,8 @@ class LoadPlan:
     bind: Callable[[Engine], LoadedModel]
     binding: str = ""
     """What the bound settings were made from (e.g. the manifest's digest): a change means binding again."""
+    estimate: Callable[[], MemoryEstimate | None] | None = None
+    """What an instance will hold in memory (blocking: reads headers, not weights); None: not known."""
 
 
 Planner = Callable[[str, LoadOptions], LoadPlan]
@@ -97,10 +106,17 @@ class Instance:
     engine: Engine
     last_used: float
     users: int = 0
+    memory: MemoryEstimate | None = None
+    """What it holds in memory, as estimated before it loaded (None: not estimated)."""
 
     @property
     def is_idle(self) -> bool:
         return self.users == 0 and self.engine.num_running == 0 and self.engine.num_waiting == 0
+
+    @property
+    def ram_bytes(self) -> int:
+        """The RAM it holds by its estimate (0: on a GPU, or not estimated)."""
+        return self.memory.total if self.memory is not None and not self.memory.on_gpu else 0
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +134,11 @@ class Resident:
     @property
     def options(self) -> LoadOptions:
         return self.instance.key.options
+
+    @property
+    def memory(self) -> MemoryEstimate | None:
+        """What its instance holds in memory, as estimated before it loaded (None: not estimated)."""
+        return self.instance.memory
 
     @property
     def expires_at(self) -> float | None:
@@ -167,8 +188,15 @@ class Residency:
         clock: Callable[[], float] = time.time,
         close_engine: Callable[[Engine], None] = lambda engine: engine.close(),
         observers: Observers | None = None,
+        memory: MemoryGauge | None = None,
+        reclaim: Callable[[int], int] | None = None,
     ) -> None:
+        """`memory`: the budget loads are held against (None: no memory check); `reclaim(num_bytes)`: frees up to
+        that much elsewhere (the prompt cache's RAM tier) before models are unloaded for room, and says how much
+        it freed."""
         self._planner = planner
+        self._memory = memory
+        self._reclaim = reclaim
         self._max_loaded = max(1, max_loaded)
         self.default_keep_alive = keep_alive
         """Lease of a newly loaded name when the request names none (None: forever)."""
@@ -178,6 +206,8 @@ class Residency:
         self._residents: dict[str, Resident] = {}
         self._instances: dict[WeightsKey, Instance] = {}
         self._loading: dict[WeightsKey, asyncio.Future[Instance]] = {}
+        self._loading_memory: dict[WeightsKey, MemoryEstimate] = {}
+        """The estimates of instances loading now (their memory not taken yet)."""
         self._retired: list[Instance] = []
         """Instances no name binds any more, closed when their last request releases them."""
         self._num_waiting: dict[WeightsKey, int] = {}
@@ -327,10 +357,15 @@ class Residency:
 
     async def _open(self, plan: LoadPlan, name: str) -> Instance:
         try:
+            estimate = await estimate_of(plan.estimate, name) if self._memory is not None else None
+            self._make_room(name, estimate)
+            if estimate is not None:
+                self._loading_memory[plan.key] = estimate
             engine = await asyncio.to_thread(plan.open)
         finally:
             del self._loading[plan.key]
-        instance = Instance(plan.key, engine, self._clock())
+            self._loading_memory.pop(plan.key, None)
+        instance = Instance(plan.key, engine, self._clock(), memory=estimate)
         if self._is_closed or plan.key not in self._num_waiting:  # shut down, or every request for it went away
             self._close(instance)
             raise EngineFailure(f"model '{name}' was loaded for requests that are gone")
@@ -360,15 +395,37 @@ class Residency:
             self._retired.append(instance)
 
     def _evict_for_one_more(self) -> None:
-        idle = sorted((i for i in self._instances.values() if i.is_idle and i.key not in self._num_waiting),
-                      key=lambda i: i.last_used)
-        for instance in idle:
+        for instance in self._idle_instances():
             if len(self._instances) + len(self._retired) + len(self._loading) < self._max_loaded:
                 break
-            for name in [n for n, r in self._residents.items() if r.instance is instance]:
-                self._residents.pop(name)
-                log.info("unloading %s", name)
-            self._close_if_unbound(instance)
+            self._unload_instance(instance)
+
+    def _idle_instances(self) -> list[Instance]:
+        """Instances no request uses or waits for, least recently used first."""
+        return sorted((i for i in self._instances.values() if i.is_idle and i.key not in self._num_waiting),
+                      key=lambda i: i.last_used)
+
+    def _unload_instance(self, instance: Instance) -> None:
+        """Unload an idle instance and every name bound to it."""
+        for name in [n for n, r in self._residents.items() if r.instance is instance]:
+            self._residents.pop(name)
+            log.info("unloading %s", name)
+        self._close_if_unbound(instance)
+
+    def _make_room(self, name: str, need: MemoryEstimate | None) -> None:
+        """Make `need` fit in memory (memory_budget.room_for): unload what it says, least recently used first."""
+        if self._memory is None or need is None or need.on_gpu:
+            return
+        held = [*self._instances.values(), *self._retired]
+        loading = [e for e in self._loading_memory.values() if not e.on_gpu]
+        available = self._memory.available([i.memory for i in held if i.memory is not None and i.ram_bytes], loading)
+        if available is None:
+            return
+        idle = self._idle_instances()
+        busy = sum(i.ram_bytes for i in held if i not in idle) + sum(e.total for e in loading)
+        for instance in room_for(name, need, available, [(i, i.ram_bytes) for i in idle], busy, self._reclaim):
+            log.info("unloading an idle model (%s) to make room for %s", gib(instance.ram_bytes), name)
+            self._unload_instance(instance)
 
     def _close(self, instance: Instance) -> None:
         try:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine import vllm as vllm_engine
 from lmserve.engine.factory import EngineSettings, engine_kind, open_engine
+from lmserve.engine.vllm import VllmOptions
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
 
@@ -31,3 +33,11 @@ def test_an_engine_named_for_weights_it_cannot_read_is_a_400(tmp_path: Path, eng
     gguf.write_bytes(b"GGUF")
     with pytest.raises(InvalidRequest, match=message):
         open_engine(tmp_path if is_repo else gguf, LoadOptions(), EngineSettings(engine=engine))
+
+
+def test_kv_offloading_on_vllms_cpu_build_is_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_engine, "is_cpu_build", lambda: True)  # as on this machine, without importing vLLM
+    (tmp_path / "config.json").write_text("{}")
+    settings = EngineSettings(vllm=VllmOptions(kv_offloading_size=2.0))
+    with pytest.raises(InvalidRequest, match="--kv-offloading-size moves vLLM's KV cache from GPU memory to CPU RAM"):
+        open_engine(tmp_path, LoadOptions(), settings)

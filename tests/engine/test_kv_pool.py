@@ -31,9 +31,9 @@ def test_idle_prefix_caches_are_evicted_longest_idle_first() -> None:
     started(scheduler, a, b)
     scheduler.remove(a)
     scheduler.remove(b)
-    assert scheduler.evict_idle() == a.slot
+    assert scheduler.evict_idle() == (a.slot, a.held)
     assert scheduler.slot_tokens[a.slot] == []
-    assert scheduler.evict_idle() == b.slot
+    assert scheduler.evict_idle() == (b.slot, b.held)
     assert scheduler.evict_idle() is None
 
 

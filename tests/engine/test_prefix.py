@@ -10,6 +10,7 @@ import pytest
 
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.prompt_cache import PromptCache
 from lmserve.engine.scheduler import common_prefix_length
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
@@ -90,7 +91,7 @@ async def test_a_hybrid_chat_turn_restores_its_snapshot_after_another_request_to
 
     options = LoadOptions(num_ctx=2048, num_parallel=1, num_batch=512)
     with_snapshots = BatchingEngine(LlamaCppBackend(path, options))
-    without = BatchingEngine(LlamaCppBackend(path, options), snapshot_bytes=0)
+    without = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(0))
     try:
         assert not with_snapshots.info.can_cut_memory
         reused_text, reused = await conversation(with_snapshots)
@@ -99,7 +100,7 @@ async def test_a_hybrid_chat_turn_restores_its_snapshot_after_another_request_to
     finally:
         with_snapshots.close()
         without.close()
-    assert cached(reused) == num_turn1
+    assert cached(reused) >= num_turn1  # the prompt-end snapshot, or the state saved when the slot was taken
     assert cached(fresh) == 0
     assert reused_text == fresh_text
 
@@ -126,7 +127,7 @@ async def test_hybrid_users_sharing_a_system_prompt_restore_its_checkpoint(tmp_p
         return [await one(p) for p in prompts]
 
     shared = BatchingEngine(LlamaCppBackend(path, options))
-    alone = BatchingEngine(LlamaCppBackend(path, options), snapshot_bytes=0)
+    alone = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(0))
     try:
         num_system = len(shared.tokenize(system))
         together = await answers(shared, together=True)
@@ -140,3 +141,38 @@ async def test_hybrid_users_sharing_a_system_prompt_restore_its_checkpoint(tmp_p
     assert cached(final) >= num_system  # a later user starts from the snapshot too
     assert [text for text, _ in together] == [text for text, _ in expected]
     assert later == expected_later
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+async def test_a_conversation_whose_slot_was_taken_restores_its_saved_state(
+    tmp_path: Path, kv_type: str, request: pytest.FixtureRequest
+) -> None:
+    """One slot, two conversations taking turns: the slot's state is saved before the other takes it, and the
+    returning turn restores it (quantized KV cells too) and answers as computing it all again does."""
+    exact = kv_type == "f16"  # F32 tiny llama: bit-exact; SmolLM2 Q4_1 (head size 64 for q8_0 KV): rounding
+    path = write_tiny_llama(tmp_path / "tiny-llama.gguf") if exact else request.getfixturevalue("model_path")
+    options = LoadOptions(num_ctx=256, num_parallel=1, num_batch=256, cache_type_k=kv_type, cache_type_v=kv_type,
+                          flash_attn="on")
+    turn1 = SYSTEM[:120] + " first question?"
+
+    async def conversation(engine: BatchingEngine) -> tuple[str, Chunk]:
+        answer, _ = await run(engine, turn1)
+        await run(engine, "Another user asks about something else entirely, at length.")  # takes the slot
+        return await run(engine, turn1 + answer + " and then?")
+
+    cached_engine = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(2**26))
+    fresh_engine = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(0))
+    try:
+        reused_text, reused = await conversation(cached_engine)
+        fresh_text, fresh = await conversation(fresh_engine)
+        num_turn1 = len(cached_engine.tokenize(turn1))
+        stats = cached_engine.stats
+    finally:
+        cached_engine.close()
+        fresh_engine.close()
+    assert cached(reused) >= num_turn1 and cached(fresh) < 16
+    assert stats.cache_hits["ram"] == 1 and stats.cache_tokens["ram"] == cached(reused)
+    if exact:
+        assert reused_text == fresh_text
+    else:
+        assert reused_text.split()[:2] == fresh_text.split()[:2]

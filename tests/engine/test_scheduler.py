@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.scheduler import Scheduler, Sequence
 from lmserve.types import SamplingParams
@@ -95,6 +97,45 @@ def test_a_new_sequence_gets_the_free_slot_holding_the_longest_prefix_of_its_pro
     scheduler.add(s)
     scheduler.admit()
     assert (s.slot, s.num_cached) == (1, 4)
+
+
+@pytest.mark.parametrize(("held", "prompt", "expected"), [
+    # a prompt keeping most of a slot's tokens takes it (the next turn of that conversation)
+    ([[1, 2, 3, 4], [], [1, 2, 7, 7]], [1, 2, 3, 4, 5], (0, 4)),
+    # a short match (the template's first tokens) never takes a slot holding a long prefix: an empty slot does
+    ([[1, 2, 3, 4, 5, 6], [], [1, 9, 9, 9, 9, 9]], [1, 8, 8], (1, 0)),
+    # a prompt the slot holds whole (a repeated request) takes it, however much more the slot holds
+    ([[1, 2, 3, 4, 5, 6], [], [1, 9, 9, 9, 9, 9]], [1, 2, 3], (0, 2)),
+    # no empty slot: the least recently freed one (the first in the free list)
+    ([[1, 2, 3, 4, 5, 6], [1, 9, 9, 9, 9, 9], [1, 7, 7, 7, 7, 7]], [1, 8, 8], (2, 1)),
+])
+def test_a_slot_is_reused_only_when_the_prompt_keeps_enough_of_it(
+    held: list[list[int]], prompt: list[int], expected: tuple[int, int]
+) -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=64, slot_similarity=0.5)
+    scheduler.slot_tokens = held
+    s = Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert (s.slot, s.num_cached) == expected
+    assert s.evicts == held[s.slot]
+
+
+def test_two_users_taking_turns_on_two_slots_keep_their_own_slot() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    chats = {"a": [1, 10, 11, 12, 13], "b": [1, 20, 21, 22, 23]}
+    slots: dict[str, list[int]] = {}
+    for _ in range(3):
+        for name, prompt in chats.items():
+            s = Sequence(prompt=list(prompt), sampling=SamplingParams(), max_new_tokens=4)
+            scheduler.add(s)
+            scheduler.admit()
+            slots.setdefault(name, []).append(s.slot)
+            scheduler.reused(s, s.num_cached)
+            s.num_prefilled, s.output = len(s.prompt), [99, 98]
+            scheduler.remove(s)
+            prompt += [99, 5]
+    assert slots == {"a": [0, 0, 0], "b": [1, 1, 1]}
 
 
 def test_at_least_the_last_prompt_token_is_always_decoded() -> None:

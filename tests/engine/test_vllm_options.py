@@ -8,6 +8,7 @@ import pytest
 
 from lmserve.engine.vllm import (
     VllmOptions,
+    check_kv_offloading,
     cpu_binding,
     engine_args,
     kv_bytes_per_token,
@@ -43,6 +44,9 @@ def test_launch_options_map_to_vllm_engine_arguments() -> None:
     (VllmOptions(pipeline_parallel_size=2), {"enforce_eager": False, "compilation_config": {"mode": 2,
                                                                                             "backend": "eager"}}),
     (VllmOptions(pipeline_parallel_size=2, is_cpu=False), {"enforce_eager": True}),
+    (VllmOptions(kv_offloading_size=2.5, is_cpu=False), {"kv_offloading_size": 2.5, "kv_offloading_backend": "native"}),
+    (VllmOptions(kv_offloading_size=8, kv_offloading_backend="lmcache", is_cpu=False),
+     {"kv_offloading_size": 8, "kv_offloading_backend": "lmcache"}),
 ])
 def test_each_option_reaches_vllm_only_when_given(options: VllmOptions, expected: dict[str, object]) -> None:
     args = engine_args(Path("/m"), options, kv_bytes=None)
@@ -51,6 +55,26 @@ def test_each_option_reaches_vllm_only_when_given(options: VllmOptions, expected
         assert "max_num_batched_tokens" not in args and "enable_chunked_prefill" not in args
     if options.dtype == "auto":
         assert "mamba_cache_dtype" not in args
+    if not options.kv_offloading_size:
+        assert "kv_offloading_size" not in args and "kv_offloading_backend" not in args
+
+
+@pytest.mark.parametrize(("options", "lmcache_installed", "refusal"), [
+    (VllmOptions(), False, None),  # nothing asked: the CPU build is fine
+    (VllmOptions(kv_offloading_size=4), False, "this machine runs vLLM's CPU build, whose KV cache"),
+    (VllmOptions(kv_offloading_size=4, kv_offloading_backend="lmcache"), True, "vLLM's CPU build"),
+    (VllmOptions(kv_offloading_size=4, is_cpu=False), False, None),
+    (VllmOptions(kv_offloading_size=4, kv_offloading_backend="lmcache", is_cpu=False), False,
+     "needs the LMCache package"),
+    (VllmOptions(kv_offloading_size=4, kv_offloading_backend="lmcache", is_cpu=False), True, None),
+])
+def test_kv_offloading_is_refused_where_vllm_cannot_offload(options: VllmOptions, lmcache_installed: bool,
+                                                             refusal: str | None) -> None:
+    if refusal is None:
+        check_kv_offloading(options, lmcache_installed=lmcache_installed)
+        return
+    with pytest.raises(InvalidRequest, match=refusal):
+        check_kv_offloading(options, lmcache_installed=lmcache_installed)
 
 
 def test_the_cpu_kv_cache_holds_parallel_times_context_for_attention_layers_only() -> None:
