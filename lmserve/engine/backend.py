@@ -110,11 +110,11 @@ class Backend(Protocol):
         None for a slot it could not fork (that slot's memory is then empty)."""
         ...
 
-    def save_state(self, slot: int) -> bytes:
+    def save_state(self, slot: int) -> bytes | bytearray:
         """The slot's whole memory state (a snapshot to restore later with `restore_state`)."""
         ...
 
-    def restore_state(self, slot: int, state: bytes, length: int) -> bool:
+    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
         """Replace the slot's memory with a state from `save_state` and keep its first `length` positions (a model
         whose memory cannot be cut is given whole states only); False when it does not fit."""
         ...

@@ -174,10 +174,10 @@ class FakeBackend:
         self.held.update({slot: self.held.get(source, 0) for slot in slots})
         return [self._next(slot) for slot in slots]
 
-    def save_state(self, slot: int) -> bytes:
+    def save_state(self, slot: int) -> bytes | bytearray:
         return b"fake-state-%d" % slot
 
-    def restore_state(self, slot: int, state: bytes, length: int) -> bool:
+    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
         if not state.startswith(b"fake-state-"):
             return False
         self.held[slot] = length

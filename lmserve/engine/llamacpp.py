@@ -367,17 +367,21 @@ class LlamaCppBackend:
             tokens.append(self._sample(slot, row))
         return tokens
 
-    def save_state(self, slot: int) -> bytes:
+    def save_state(self, slot: int) -> bytes | bytearray:
+        """The slot's state, copied once: llama.cpp writes it straight into the buffer returned (tens of MiB for a
+        long prompt, so no second copy into an immutable bytes object; nobody writes to it afterwards)."""
         self._redecode()
         size = lc.llama_state_seq_get_size(self._ctx, slot)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self._ctx, buf, size, slot)
-        return ctypes.string_at(buf, written)
+        state = bytearray(size)
+        written = lc.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size, slot)
+        del state[written:]
+        return state
 
-    def restore_state(self, slot: int, state: bytes, length: int) -> bool:
+    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
         self._redo.pop(slot, None)
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        array = ctypes.c_uint8 * len(state)  # read in place when writable (a saved state), else copied
+        buf = array.from_buffer(state) if isinstance(state, bytearray) else array.from_buffer_copy(state)
         if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0 or \
                 not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)

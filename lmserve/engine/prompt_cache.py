@@ -34,7 +34,7 @@ class Hit:
     """A saved state usable for a prompt: restore `state`, then keep `length` positions of it."""
 
     length: int
-    state: bytes
+    state: bytes | bytearray
     num_tokens: int
     """The positions the state holds (`length` or more: a cuttable model's entry may go further)."""
     tier: Tier
@@ -62,7 +62,7 @@ class PromptCache:
         self.disk = disk if disk is not None and disk.budget_bytes > 0 else None
         self.num_bytes = 0
         """Bytes the RAM tier holds."""
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], bytes] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], bytes | bytearray] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -91,7 +91,7 @@ class PromptCache:
                 return True
             return can_cut and any(key == model_key and held[: len(wanted)] == wanted for key, held in self._entries)
 
-    def put(self, model_key: str, tokens: list[int], state: bytes, *, can_cut: bool, persist: bool = False) -> None:
+    def put(self, model_key: str, tokens: list[int], state: bytes | bytearray, *, can_cut: bool, persist: bool = False) -> None:
         """Keep `state` as the memory after `tokens`; with `persist`, also on disk. The least recently used entries
         leave RAM beyond the budget; a cuttable model's entries that this one extends leave at once."""
         if not tokens:
@@ -99,6 +99,9 @@ class PromptCache:
         held = tuple(tokens)
         if persist and self.disk is not None:
             self.disk.put(model_key, held, state)
+            for covered in self.disk.keys(model_key) if can_cut else ():
+                if len(covered) < len(held) and held[: len(covered)] == covered:
+                    self.disk.remove(model_key, covered)
         if len(state) > self.ram_budget:
             return
         with self._lock:

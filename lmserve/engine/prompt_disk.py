@@ -7,7 +7,8 @@ An entry is one file, `root/<digest of model key>/<digest of model key + tokens>
     tokens                                                             int32 little-endian
     state                                                              opaque bytes (a llama.cpp sequence state)
 
-The digest is blake2b over tokens + state. A file is handed out only after its magic, version, header, model key,
+The digest is a CRC-32 of tokens + state (it catches corruption, at 5x blake2b's speed: a 22 MiB state is checked in
+about 6 ms where the cache is read; the file name and header bind the model key and tokens). A file is handed out only after its magic, version, header, model key,
 tokens, length and digest check out; anything else is deleted and forgotten with one warning, so a corrupt,
 truncated or foreign file never reaches llama.cpp.
 
@@ -28,6 +29,7 @@ import secrets
 import sys
 import threading
 import time
+import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"lmserve-prompt-state"
 VERSION = 1
+WRITER_NICENESS = 10
+"""The writer thread yields the cores to the engine's decoding (on Linux, where a thread has its own niceness)."""
 SUFFIX = ".state"
 TEMP_SUFFIX = ".tmp"
 MAX_HEADER_BYTES = 64 * 1024
@@ -89,13 +93,11 @@ def _file_name(model_key: str, token_bytes: bytes) -> str:
     return digest.hexdigest() + SUFFIX
 
 
-def _content_digest(token_bytes: bytes, state: bytes) -> str:
-    digest = hashlib.blake2b(token_bytes, digest_size=32)
-    digest.update(state)
-    return digest.hexdigest()
+def _content_digest(token_bytes: bytes, state: bytes | bytearray) -> str:
+    return f"crc32:{zlib.crc32(state, zlib.crc32(token_bytes)):08x}"
 
 
-def _encode_head(model_key: str, token_bytes: bytes, state: bytes) -> bytes:
+def _encode_head(model_key: str, token_bytes: bytes, state: bytes | bytearray) -> bytes:
     header = {
         "model_key": model_key,
         "num_tokens": len(token_bytes) // 4,
@@ -187,7 +189,7 @@ class DiskTier:
         self._bytes = 0
         self._tokens: dict[str, set[tuple[int, ...]]] = {}  # model key → token tuples known to be on disk
         self._indexed: set[str] = set()  # model keys whose folder's headers were read
-        self._pending: OrderedDict[tuple[str, tuple[int, ...]], bytes] = OrderedDict()  # until written
+        self._pending: OrderedDict[tuple[str, tuple[int, ...]], bytes | bytearray] = OrderedDict()  # until written
         self._pending_bytes = 0
         self._max_pending_bytes = min(self.budget_bytes // 4, MAX_PENDING_BYTES)
         self._closing = False
@@ -212,7 +214,7 @@ class DiskTier:
         with self._cond:
             return len(self._files)
 
-    def put(self, model_key: str, tokens: tuple[int, ...], state: bytes) -> None:
+    def put(self, model_key: str, tokens: tuple[int, ...], state: bytes | bytearray) -> None:
         """Queue a write (returns at once). Skips when the same (model_key, tokens) is already on disk or queued,
         or state is larger than the budget. If the queue already holds more than ~budget/4 bytes (or 64 entries)
         of pending writes, drop this one (count it in `num_dropped`) instead of growing memory."""
@@ -245,7 +247,7 @@ class DiskTier:
             found += [tokens for queued_key, tokens in self._pending if queued_key == model_key and tokens not in known]
         return found
 
-    def load(self, model_key: str, tokens: tuple[int, ...]) -> bytes | None:
+    def load(self, model_key: str, tokens: tuple[int, ...]) -> bytes | bytearray | None:
         """The state saved for exactly these tokens, verified; None when absent, or when the file is corrupt,
         truncated, of another model key, of other tokens, or of another format version (such a file is deleted
         and forgotten, with one log warning). A hit touches the entry (LRU). A queued, not yet written entry is
@@ -273,6 +275,20 @@ class DiskTier:
             return None
         self._touch(rel, model_key, tokens)
         return state
+
+    def remove(self, model_key: str, tokens: tuple[int, ...]) -> None:
+        """Forget an entry, queued or on disk (another entry now serves what it did)."""
+        if not self.budget_bytes or not tokens:
+            return
+        rel = f"{_folder_name(model_key)}/{_file_name(model_key, _token_bytes(tokens))}"
+        with self._cond:
+            queued = self._pending.pop((model_key, tokens), None)
+            if queued is not None:
+                self._pending_bytes -= len(queued)
+            on_disk = rel in self._files
+            self._drop_from_index(rel)
+        if on_disk:
+            self._unlink([rel])
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued writes are on disk (or timeout)."""
@@ -401,6 +417,8 @@ class DiskTier:
     # -- writer --------------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        with suppress(OSError, AttributeError):  # Linux: a thread's own niceness, so decoding comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending) or self._closing)
@@ -416,7 +434,7 @@ class DiskTier:
                     self._pending_bytes -= len(state)
                 self._cond.notify_all()
 
-    def _write_entry(self, model_key: str, tokens: tuple[int, ...], state: bytes) -> None:
+    def _write_entry(self, model_key: str, tokens: tuple[int, ...], state: bytes | bytearray) -> None:
         """Write one entry (this thread only): make room, write it atomically, then index it."""
         token_bytes = _token_bytes(tokens)
         rel = f"{_folder_name(model_key)}/{_file_name(model_key, token_bytes)}"
@@ -437,7 +455,7 @@ class DiskTier:
             self._files[rel] = _File(size, model_key, tokens)
             self._tokens.setdefault(model_key, set()).add(tokens)
 
-    def _write_file(self, path: Path, chunks: Sequence[bytes]) -> None:
+    def _write_file(self, path: Path, chunks: Sequence[bytes | bytearray]) -> None:
         """Write `chunks` to `path` atomically: a temporary file in the same folder, then os.replace (no fsync)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")

@@ -89,3 +89,14 @@ def test_a_persisted_entry_is_found_on_disk_by_a_new_cache_and_kept_in_ram_again
         assert again.lookup(B, [1, 2, 3, 7], 3, True) is None
     finally:
         again.close()
+
+
+def test_on_disk_an_entry_that_another_extends_is_removed_too(tmp_path: Path) -> None:
+    cache = PromptCache(100, DiskTier(tmp_path, 10_000))
+    cache.put(A, [1, 2, 3], b"turn1", can_cut=True, persist=True)
+    cache.put(A, [1, 2, 3, 4, 5], b"turn2", can_cut=True, persist=True)
+    cache.put(A, [1, 7], b"other", can_cut=True, persist=True)
+    assert cache.disk is not None
+    cache.disk.flush()
+    assert sorted(cache.disk.keys(A)) == [(1, 2, 3, 4, 5), (1, 7)]
+    cache.close()

@@ -273,3 +273,12 @@ def test_concurrent_puts_and_loads_from_threads_keep_every_entry_whole(tier: Dis
     assert not wrong and len(keys) == len(set(keys)) == tier.num_entries <= 40 <= tier.num_entries + tier.num_dropped
     assert all(tier.load(MODEL, tokens) == bytes(tokens) * 100 for tokens in keys)
     assert tier.num_bytes == sum(p.stat().st_size for p in entry_files(tier.root))
+
+
+def test_a_removed_entry_is_gone_from_disk_and_from_the_queue(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "cache", 10_000)
+    tier.put(MODEL, (1, 2), b"written")
+    tier.flush()
+    tier.remove(MODEL, (1, 2))
+    assert tier.keys(MODEL) == [] and tier.num_bytes == 0 and not list((tmp_path / "cache").rglob("*.state"))
+    tier.close()
