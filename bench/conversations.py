@@ -166,7 +166,8 @@ def make_server(name: str, args: argparse.Namespace, store: Path, logdir: Path) 
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}, "LMSERVE_MODELS": str(store)}
         return Server(name, lambda port: [
             args.python, "-m", "lmserve", "serve", "-m", model, "--host", "127.0.0.1", "--port", str(port),
-            "--threads", t, "--parallel", str(args.parallel), "-c", str(args.ctx)], env, logdir, args.start_timeout)
+            "--threads", t, "--parallel", str(args.parallel), "-c", str(args.ctx), *args.lmserve_args.split()],
+            env, logdir, args.start_timeout)
     if not os.access(args.llama_server_bin, os.X_OK):
         raise throughput.StartError(f"binary {args.llama_server_bin} not found; run `make llama-server`")
     return Server(name, lambda port: [
@@ -389,6 +390,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=4, help="slots on each server")
     p.add_argument("--ctx", type=int, default=2048, help="context tokens per slot")
     p.add_argument("--no-restart", action="store_true", help="skip the restart case")
+    p.add_argument("--lmserve-args", default="", help="more lmserve flags, e.g. \"--cache-disk 0\"")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for /health")
     args = throughput.parse_bench_args(p)
     args.counts = sorted({int(c) for c in args.counts.split(",") if c.strip()})

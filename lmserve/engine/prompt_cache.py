@@ -91,7 +91,9 @@ class PromptCache:
                 return True
             return can_cut and any(key == model_key and held[: len(wanted)] == wanted for key, held in self._entries)
 
-    def put(self, model_key: str, tokens: list[int], state: bytes | bytearray, *, can_cut: bool, persist: bool = False) -> None:
+    def put(
+        self, model_key: str, tokens: list[int], state: bytes | bytearray, *, can_cut: bool, persist: bool = False
+    ) -> None:
         """Keep `state` as the memory after `tokens`; with `persist`, also on disk. The least recently used entries
         leave RAM beyond the budget; a cuttable model's entries that this one extends leave at once."""
         if not tokens:
