@@ -277,7 +277,8 @@ def test_the_ollama_clients_tools_reach_the_default_model_and_calls_come_back(pl
             reply = c.chat(model=MODEL, messages=FEW_SHOT, tools=[WEATHER], options=options)
             calls, prompt_count = list(reply.message.tool_calls or []), reply.prompt_eval_count
         without = c.chat(model=MODEL, messages=FEW_SHOT, options={"temperature": 0, "num_predict": 1})
-    assert (prompt_count or 0) > (without.prompt_eval_count or 0) + 20  # the tools are in the prompt
+    if not stream:  # the streamed run finds this prompt cached (prompt_eval_count counts the tokens computed)
+        assert (prompt_count or 0) > (without.prompt_eval_count or 0) + 20  # the tools are in the prompt
     [call] = calls
     assert call.function.name == "get_weather"
     jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lmserve.engine.logprobs import Ranked
+from lmserve.engine.prompt_disk import SavedState
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.types import Bitmap, SamplingParams
 
@@ -110,13 +111,15 @@ class Backend(Protocol):
         None for a slot it could not fork (that slot's memory is then empty)."""
         ...
 
-    def save_state(self, slot: int) -> bytes | bytearray:
-        """The slot's whole memory state (a snapshot to restore later with `restore_state`)."""
+    def save_state(self, slot: int) -> SavedState | None:
+        """The slot's whole memory state (a snapshot to restore later with `restore_state`); None while a copy into
+        the slot waits for the next decode (its memory is not what it will be)."""
         ...
 
-    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
         """Replace the slot's memory with a state from `save_state` and keep its first `length` positions (a model
-        whose memory cannot be cut is given whole states only); False when it does not fit."""
+        whose memory cannot be cut is given whole states only); False when it does not fit, or while a copy from or
+        into the slot waits for the next decode (it would overwrite the state, or read it)."""
         ...
 
     def embed(self, tokens: list[int]) -> list[float]:

@@ -377,7 +377,7 @@ class BatchingEngine:
             if self.backend.copy_prefix(source, seq.slot, length):
                 self.scheduler.reused(seq, length)
             else:
-                self.scheduler.reused(seq, self._restore_cached(seq, seq.num_prefilled, count=False))
+                self.scheduler.reused(seq, self._restore_cached(seq, seq.num_prefilled)[0] or seq.num_prefilled)
         self._draft([seq for seq in self.scheduler.running if not seq.is_prefilling])
         decode_started = time.perf_counter_ns()
         decoded = self._decode(outbox)
@@ -391,9 +391,10 @@ class BatchingEngine:
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.is_prefilling:
                 seq.num_prefilled += entry.num_positions
-                if self._snapshots and (not seq.is_prefilling or seq.num_prefilled in seq.checkpoints):
-                    self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled],
-                                   self.backend.save_state(seq.slot), can_cut=False)
+                snapshot = self.backend.save_state(seq.slot) if self._snapshots and (
+                    not seq.is_prefilling or seq.num_prefilled in seq.checkpoints) else None
+                if snapshot is not None:
+                    self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled], snapshot, can_cut=False)
                 if not seq.is_prefilling:
                     forked += self._fork(seq)
             if token is not None:
@@ -521,13 +522,21 @@ class BatchingEngine:
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
-        another slot, or a saved state). What the slot held before and loses now is saved in the prompt cache."""
+        another slot, or a saved state). What the slot held before and loses now is saved in the prompt cache.
+
+        A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
+        restored after it would be overwritten (the backend refuses that)."""
         self._save(seq.slot, seq.evicts, seq.num_cached)
         kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached)
-        if seq.copy_from >= 0 and seq.copy_len > kept and self.backend.copy_prefix(seq.copy_from, seq.slot,
-                                                                                   seq.copy_len):
-            kept = seq.copy_len
-        return self._restore_cached(seq, kept)
+        copy = seq.copy_len if seq.copy_from >= 0 and seq.copy_len > kept else 0
+        restored, tier = self._restore_cached(seq, max(kept, copy))
+        if restored:
+            self._count(tier, restored)
+            return restored
+        if copy and self.backend.copy_prefix(seq.copy_from, seq.slot, copy):
+            kept = copy
+        self._count("slot", kept)
+        return kept
 
     def _save(self, slot: int, tokens: list[int], num_kept: int, *, persist: bool = True) -> None:
         """Save the state of `slot`, which holds `tokens`, in the prompt cache before it keeps only `num_kept` of
@@ -538,26 +547,25 @@ class BatchingEngine:
             return
         if self.cache.covers(self.cache_key, tokens, can_cut):
             return
-        self.cache.put(self.cache_key, tokens, self.backend.save_state(slot), can_cut=can_cut, persist=persist)
-        self.cache_stats.saves += 1
+        state = self.backend.save_state(slot)
+        if state is not None:
+            self.cache.put(self.cache_key, tokens, state, can_cut=can_cut, persist=persist)
+            self.cache_stats.saves += 1
 
-    def _restore_cached(self, seq: Sequence, kept: int, *, count: bool = True) -> int:
-        """Restore the saved state of the longest prefix of the prompt into the slot when it beats the `kept`
-        positions the slot holds; return the positions held now (counted by tier in `cache_stats`)."""
+    def _restore_cached(self, seq: Sequence, floor: int) -> tuple[int, Tier]:
+        """Restore into the slot the saved state of the longest prefix of the prompt when it holds at least
+        `min_share` more than `floor` positions: (the positions held now, where they came from), or (0, "slot")."""
         limit = len(seq.prompt) - 1
         hit = self.cache.lookup(self.cache_key, seq.prompt, limit, self.info.can_cut_memory) \
-            if self.cache.is_enabled and kept < limit else None
-        length = seq.cut_outside_images(hit.length) if hit is not None else 0
-        if hit is not None and length >= kept + self.scheduler.min_share and \
-                self.backend.restore_state(seq.slot, hit.state, length):
-            self._count(hit.tier, length, count)
-            return length
-        self._count("slot", kept, count)
-        return kept
+            if self.cache.is_enabled and floor < limit else None
+        if hit is None:
+            return 0, "slot"
+        length = seq.cut_outside_images(hit.length)
+        if length >= floor + self.scheduler.min_share and self.backend.restore_state(seq.slot, hit.state, length):
+            return length, hit.tier
+        return 0, "slot"
 
-    def _count(self, tier: Tier, num_tokens: int, count: bool) -> None:
-        if not count:
-            return
+    def _count(self, tier: Tier, num_tokens: int) -> None:
         if num_tokens <= 0:
             self.cache_stats.misses += 1
             return

@@ -10,6 +10,7 @@ import time
 import zlib
 
 from lmserve.engine.backend import BatchEntry, PoolFull
+from lmserve.engine.prompt_disk import SavedState
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.errors import InvalidRequest
 from lmserve.types import Bitmap, SamplingParams
@@ -174,11 +175,11 @@ class FakeBackend:
         self.held.update({slot: self.held.get(source, 0) for slot in slots})
         return [self._next(slot) for slot in slots]
 
-    def save_state(self, slot: int) -> bytes | bytearray:
+    def save_state(self, slot: int) -> SavedState | None:
         return b"fake-state-%d" % slot
 
-    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
-        if not state.startswith(b"fake-state-"):
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
+        if bytes(state[:11]) != b"fake-state-":
             return False
         self.held[slot] = length
         return True

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import random
 import secrets
@@ -29,6 +30,7 @@ from lmserve.engine.cpu_load import ThreadGovernor
 from lmserve.engine.draft_model import DraftModel
 from lmserve.engine.llamacpp_memory import context_choice
 from lmserve.engine.logprobs import Ranked, rank_candidates
+from lmserve.engine.prompt_disk import SavedState
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, LoadOptions, SamplingParams
@@ -91,6 +93,15 @@ def image_id(bitmap: Bitmap) -> bytes:
 def image_placeholder(chunk_id: bytes) -> int:
     """The negative id that fills the prompt positions of an image chunk with id `chunk_id` (see `image_id`)."""
     return -1 - int(chunk_id[:8] or b"0", 16) % (2**31 - 1)
+
+
+def _state_buffer(size: int) -> SavedState:
+    """A writable buffer of `size` bytes for a saved state: pre-faulted anonymous memory where the platform has
+    MAP_POPULATE, else a bytearray."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if not populate or size == 0:
+        return bytearray(size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
 
 
 def default_threads() -> int:
@@ -194,6 +205,9 @@ class LlamaCppBackend:
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
         self._drafted: dict[int, list[int]] = {}
         """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
+        self._copying: set[int] = set()
+        """Slots a copy between KV streams reads from or writes to: llama.cpp copies the buffers at the next decode,
+        so until then their states must be neither saved (stale) nor restored (overwritten by, or into, the copy)."""
         self._redo: dict[int, tuple[int, list[int]]] = {}
         """Slots of a hybrid model rewound after a rejected draft → (position, the accepted tokens to decode again
         there), decoded before anything else touches the memory (`_redecode`)."""
@@ -346,6 +360,7 @@ class LlamaCppBackend:
         self._redecode()
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         lc.llama_memory_seq_cp(self._memory, source, slot, -1, -1)
+        self._copying.update((source, slot))
         if not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
             return False
@@ -364,24 +379,29 @@ class LlamaCppBackend:
         for slot in slots:
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
             lc.llama_memory_seq_cp(self._memory, source, slot, -1, -1)
+            self._copying.update((source, slot))
             tokens.append(self._sample(slot, row))
         return tokens
 
-    def save_state(self, slot: int) -> bytes | bytearray:
+    def save_state(self, slot: int) -> SavedState | None:
         """The slot's state, copied once: llama.cpp writes it straight into the buffer returned (tens of MiB for a
-        long prompt, so no second copy into an immutable bytes object; nobody writes to it afterwards)."""
+        long prompt), an anonymous mapping whose pages the kernel faults in at once (half the time of touching
+        them one by one) and gives back when it is dropped; nobody writes to it afterwards."""
         self._redecode()
+        if slot in self._copying:
+            return None
         size = lc.llama_state_seq_get_size(self._ctx, slot)
-        state = bytearray(size)
+        state = _state_buffer(size)
         written = lc.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size, slot)
-        del state[written:]
-        return state
+        return state if written == size else state[:written]
 
-    def restore_state(self, slot: int, state: bytes | bytearray, length: int) -> bool:
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
+        if slot in self._copying:
+            return False
         self._redo.pop(slot, None)
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         array = ctypes.c_uint8 * len(state)  # read in place when writable (a saved state), else copied
-        buf = array.from_buffer(state) if isinstance(state, bytearray) else array.from_buffer_copy(state)
+        buf = array.from_buffer_copy(state) if isinstance(state, bytes) else array.from_buffer(state)
         if lc.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == 0 or \
                 not lc.llama_memory_seq_rm(self._memory, slot, length, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
@@ -453,6 +473,7 @@ class LlamaCppBackend:
             raise PoolFull(f"no room for a batch of {n} tokens in the KV pool")
         if rc != 0:
             raise EngineFailure(f"llama_decode failed with code {rc}")
+        self._copying.clear()  # the decode made the pending copies
         self._ranked.clear()
         self._drafted.clear()
         self._last_rows = {entry.slot: output for entry, output in zip(entries, outputs, strict=True) if output >= 0}

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lmserve.engine.prompt_disk import DiskTier
+from lmserve.engine.prompt_disk import DiskTier, SavedState
 
 Tier = Literal["slot", "ram", "disk"]
 TIERS: tuple[Tier, ...] = ("slot", "ram", "disk")
@@ -34,7 +34,7 @@ class Hit:
     """A saved state usable for a prompt: restore `state`, then keep `length` positions of it."""
 
     length: int
-    state: bytes | bytearray
+    state: SavedState
     num_tokens: int
     """The positions the state holds (`length` or more: a cuttable model's entry may go further)."""
     tier: Tier
@@ -62,7 +62,7 @@ class PromptCache:
         self.disk = disk if disk is not None and disk.budget_bytes > 0 else None
         self.num_bytes = 0
         """Bytes the RAM tier holds."""
-        self._entries: OrderedDict[tuple[str, tuple[int, ...]], bytes | bytearray] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], SavedState] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -92,7 +92,7 @@ class PromptCache:
             return can_cut and any(key == model_key and held[: len(wanted)] == wanted for key, held in self._entries)
 
     def put(
-        self, model_key: str, tokens: list[int], state: bytes | bytearray, *, can_cut: bool, persist: bool = False
+        self, model_key: str, tokens: list[int], state: SavedState, *, can_cut: bool, persist: bool = False
     ) -> None:
         """Keep `state` as the memory after `tokens`; with `persist`, also on disk. The least recently used entries
         leave RAM beyond the budget; a cuttable model's entries that this one extends leave at once."""

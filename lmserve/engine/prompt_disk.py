@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import secrets
 import sys
@@ -36,27 +37,27 @@ from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeAlias
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"lmserve-prompt-state"
 VERSION = 1
+SavedState: TypeAlias = bytes | bytearray | mmap.mmap
+"""A sequence state as the engine saved it: any buffer of bytes, never written to once saved."""
 WRITER_NICENESS = 19
-"""Where the idle scheduling class is not available: the writer thread's niceness."""
+"""The writer thread's niceness (Linux sets it per thread): the lowest, short of starving it."""
 
 
 def _yield_to_decoding() -> None:
-    """Let the calling thread run only on cores nothing else wants (Linux's SCHED_IDLE, per thread), else at the
-    lowest niceness: llama.cpp's threads meet at a barrier after each operation, so a core taken from one of them
-    for a write stalls the whole step (measured: 10 conversations on 4 slots, 2 cores, returning turns 8% slower
-    with the writer at normal priority)."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):
-        with suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICENESS)
+    """Give the calling thread the lowest niceness: llama.cpp's threads meet at a barrier after each operation, so a
+    core taken from one of them for a write stalls the whole step (measured: 10 conversations on 4 slots, 2 cores,
+    returning turns 8% slower with the writer at normal priority). Not the idle class: on a machine kept busy by
+    others the writes would never run, and an unprivileged thread cannot raise its priority again to finish them
+    at shutdown (`close` writes what is left on its caller's thread)."""
+    with suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+
 SUFFIX = ".state"
 TEMP_SUFFIX = ".tmp"
 MAX_HEADER_BYTES = 64 * 1024
@@ -106,11 +107,11 @@ def _file_name(model_key: str, token_bytes: bytes) -> str:
     return digest.hexdigest() + SUFFIX
 
 
-def _content_digest(token_bytes: bytes, state: bytes | bytearray) -> str:
+def _content_digest(token_bytes: bytes, state: SavedState) -> str:
     return f"crc32:{zlib.crc32(state, zlib.crc32(token_bytes)):08x}"
 
 
-def _encode_head(model_key: str, token_bytes: bytes, state: bytes | bytearray) -> bytes:
+def _encode_head(model_key: str, token_bytes: bytes, state: SavedState) -> bytes:
     header = {
         "model_key": model_key,
         "num_tokens": len(token_bytes) // 4,
@@ -202,10 +203,11 @@ class DiskTier:
         self._bytes = 0
         self._tokens: dict[str, set[tuple[int, ...]]] = {}  # model key → token tuples known to be on disk
         self._indexed: set[str] = set()  # model keys whose folder's headers were read
-        self._pending: OrderedDict[tuple[str, tuple[int, ...]], bytes | bytearray] = OrderedDict()  # until written
+        self._pending: OrderedDict[tuple[str, tuple[int, ...]], SavedState] = OrderedDict()  # until written
         self._pending_bytes = 0
         self._max_pending_bytes = min(self.budget_bytes // 4, MAX_PENDING_BYTES)
         self._closing = False
+        self._doomed: list[str] = []  # files to unlink (removed entries), on the writer thread
         self._writer: threading.Thread | None = None
         if not self.budget_bytes:
             return
@@ -227,7 +229,7 @@ class DiskTier:
         with self._cond:
             return len(self._files)
 
-    def put(self, model_key: str, tokens: tuple[int, ...], state: bytes | bytearray) -> None:
+    def put(self, model_key: str, tokens: tuple[int, ...], state: SavedState) -> None:
         """Queue a write (returns at once). Skips when the same (model_key, tokens) is already on disk or queued,
         or state is larger than the budget. If the queue already holds more than ~budget/4 bytes (or 64 entries)
         of pending writes, drop this one (count it in `num_dropped`) instead of growing memory."""
@@ -260,7 +262,7 @@ class DiskTier:
             found += [tokens for queued_key, tokens in self._pending if queued_key == model_key and tokens not in known]
         return found
 
-    def load(self, model_key: str, tokens: tuple[int, ...]) -> bytes | bytearray | None:
+    def load(self, model_key: str, tokens: tuple[int, ...]) -> SavedState | None:
         """The state saved for exactly these tokens, verified; None when absent, or when the file is corrupt,
         truncated, of another model key, of other tokens, or of another format version (such a file is deleted
         and forgotten, with one log warning). A hit touches the entry (LRU). A queued, not yet written entry is
@@ -298,10 +300,10 @@ class DiskTier:
             queued = self._pending.pop((model_key, tokens), None)
             if queued is not None:
                 self._pending_bytes -= len(queued)
-            on_disk = rel in self._files
+            if rel in self._files:
+                self._doomed.append(rel)  # unlinked by the writer: freeing a large file's pages takes milliseconds
+                self._cond.notify_all()
             self._drop_from_index(rel)
-        if on_disk:
-            self._unlink([rel])
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued writes are on disk (or timeout)."""
@@ -309,16 +311,29 @@ class DiskTier:
             self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """flush, then stop the writer thread (writes still queued after the timeout are dropped)."""
+        """Stop the writer thread after the write it is doing, and write what is still queued on this thread, at
+        its priority (writes still queued after the timeout are dropped)."""
         deadline = time.monotonic() + timeout
-        self.flush(timeout)
         with self._cond:
             self._closing = True
-            self._pending.clear()
-            self._pending_bytes = 0
             self._cond.notify_all()
         if self._writer is not None:
             self._writer.join(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            with self._cond:
+                item = next(iter(self._pending.items()), None)
+            if item is None:
+                break
+            (model_key, tokens), state = item
+            try:
+                self._write_entry(model_key, tokens, state)
+            except Exception:
+                log.exception("prompt cache: could not save a prompt state to %s", self.root)
+            with self._cond:
+                self._pending.pop((model_key, tokens), None)
+        with self._cond:
+            self._pending.clear()
+            self._pending_bytes = 0
 
     # -- index ---------------------------------------------------------------------------------------------------
 
@@ -433,10 +448,15 @@ class DiskTier:
         _yield_to_decoding()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending) or self._closing)
+                self._cond.wait_for(lambda: bool(self._pending or self._doomed) or self._closing)
+                doomed, self._doomed = self._doomed, []
+                item = None if self._closing else next(iter(self._pending.items()), None)
+            self._unlink(doomed)  # before any write: a removed entry written again later is kept
+            if item is None:
                 if self._closing:
                     return
-                key, state = next(iter(self._pending.items()))
+                continue
+            key, state = item
             try:
                 self._write_entry(key[0], key[1], state)
             except Exception:
@@ -446,7 +466,7 @@ class DiskTier:
                     self._pending_bytes -= len(state)
                 self._cond.notify_all()
 
-    def _write_entry(self, model_key: str, tokens: tuple[int, ...], state: bytes | bytearray) -> None:
+    def _write_entry(self, model_key: str, tokens: tuple[int, ...], state: SavedState) -> None:
         """Write one entry (this thread only): make room, write it atomically, then index it."""
         token_bytes = _token_bytes(tokens)
         rel = f"{_folder_name(model_key)}/{_file_name(model_key, token_bytes)}"
@@ -467,7 +487,7 @@ class DiskTier:
             self._files[rel] = _File(size, model_key, tokens)
             self._tokens.setdefault(model_key, set()).add(tokens)
 
-    def _write_file(self, path: Path, chunks: Sequence[bytes | bytearray]) -> None:
+    def _write_file(self, path: Path, chunks: Sequence[SavedState]) -> None:
         """Write `chunks` to `path` atomically: a temporary file in the same folder, then os.replace (no fsync)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine.backend import BatchEntry
 from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.llamacpp import LlamaCppBackend
 from lmserve.engine.prompt_cache import PromptCache
@@ -176,3 +177,25 @@ async def test_a_conversation_whose_slot_was_taken_restores_its_saved_state(
         assert reused_text == fresh_text
     else:
         assert reused_text.split()[:2] == fresh_text.split()[:2]
+
+
+async def test_no_state_is_saved_from_or_restored_into_a_slot_a_pending_copy_touches(tmp_path: Path) -> None:
+    """llama.cpp copies KV streams at the next decode: until then the copy's target holds no saved-worthy state,
+    and a state restored into its source (or target) would be overwritten or copied in its place."""
+    backend = LlamaCppBackend(write_tiny_llama(tmp_path / "tiny-llama.gguf"),
+                              LoadOptions(num_ctx=256, num_parallel=3, num_batch=256))
+    try:
+        tokens = list(range(10, 60))
+        for slot in (0, 2):
+            backend.start(slot, SamplingParams(temperature=0), tokens, 0)
+        backend.step([BatchEntry(0, tokens, 0, True)])
+        state = backend.save_state(0)
+        assert state is not None
+        assert backend.copy_prefix(0, 1, 40)
+        assert backend.save_state(1) is None
+        assert not backend.restore_state(0, state, 50)
+        backend.step([BatchEntry(2, tokens[:5], 0, True)])  # any decode makes the copy
+        assert backend.save_state(1) is not None
+        assert backend.restore_state(0, state, 50)
+    finally:
+        backend.close()

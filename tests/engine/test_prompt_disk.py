@@ -280,5 +280,16 @@ def test_a_removed_entry_is_gone_from_disk_and_from_the_queue(tmp_path: Path) ->
     tier.put(MODEL, (1, 2), b"written")
     tier.flush()
     tier.remove(MODEL, (1, 2))
-    assert tier.keys(MODEL) == [] and tier.num_bytes == 0 and not list((tmp_path / "cache").rglob("*.state"))
+    assert tier.keys(MODEL) == [] and tier.num_bytes == 0
+    tier.close()  # the writer unlinks removed files
+    assert not list((tmp_path / "cache").rglob("*.state"))
+
+
+def test_an_entry_removed_then_written_again_stays(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "cache", 10_000)
+    tier.put(MODEL, (1, 2), b"first")
+    tier.flush()
+    tier.remove(MODEL, (1, 2))
+    tier.put(MODEL, (1, 2), b"again")
     tier.close()
+    assert DiskTier(tmp_path / "cache", 10_000).load(MODEL, (1, 2)) == b"again"
