@@ -550,7 +550,6 @@ class BatchingEngine:
         state = self.backend.save_state(slot)
         if state is not None:
             self.cache.put(self.cache_key, tokens, state, can_cut=can_cut, persist=persist)
-            self.cache_stats.saves += 1
 
     def _restore_cached(self, seq: Sequence, floor: int) -> tuple[int, Tier]:
         """Restore into the slot the saved state of the longest prefix of the prompt when it holds at least

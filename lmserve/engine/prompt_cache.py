@@ -35,8 +35,6 @@ class Hit:
 
     length: int
     state: SavedState
-    num_tokens: int
-    """The positions the state holds (`length` or more: a cuttable model's entry may go further)."""
     tier: Tier
 
 
@@ -50,8 +48,6 @@ class CacheStats:
     """Prompt tokens not computed again, by where they came from."""
     misses: int = 0
     """Prompts that found nothing to reuse."""
-    saves: int = 0
-    """States saved from slots about to lose them."""
 
 
 class PromptCache:
@@ -127,7 +123,7 @@ class PromptCache:
                 if key[0] == model_key:
                     length = _usable(key[1], prompt, limit, can_cut)
                     if length > 0 and (best is None or length > best.length):
-                        best, best_key = Hit(length, state, len(key[1]), "ram"), key
+                        best, best_key = Hit(length, state, "ram"), key
             if best_key is not None:
                 self._entries.move_to_end(best_key)
         if self.disk is None:
@@ -138,7 +134,7 @@ class PromptCache:
             loaded = self.disk.load(model_key, from_disk[1])
             if loaded is not None:
                 self.put(model_key, list(from_disk[1]), loaded, can_cut=can_cut)
-                return Hit(from_disk[0], loaded, len(from_disk[1]), "disk")
+                return Hit(from_disk[0], loaded, "disk")
         return best
 
     def reclaim(self, num_bytes: int) -> int:
@@ -147,12 +143,6 @@ class PromptCache:
             before = self.num_bytes
             self._shrink_to(max(self.num_bytes - num_bytes, 0))
             return before - self.num_bytes
-
-    def drop_model(self, model_key: str) -> None:
-        """Forget one model's RAM entries (its disk entries stay for its next load)."""
-        with self._lock:
-            for key in [k for k in self._entries if k[0] == model_key]:
-                self.num_bytes -= len(self._entries.pop(key))
 
     def close(self) -> None:
         """Write what the disk tier still has queued, and stop its writer."""
