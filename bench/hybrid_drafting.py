@@ -3,7 +3,8 @@
 
 A hybrid model's convolution state exists only for its last position, so a rejected draft cannot be cut off its
 memory: the engine could refuse drafts for it (as it first did), or take the state restore path (as it does now,
-engine/recurrent_state.py): save the slot's state before a drafted step, and after a rejection restore it and decode
+engine/llamacpp/recurrent_state.py): save the slot's state before a drafted step, and after a rejection restore it
+and decode
 the pending and accepted tokens again. This measures, with the llama.cpp backend directly (`LlamaCppBackend`, one
 slot, greedy, ``--threads`` threads, fixed), on random LFM2s written by the tests' generator (tests/tiny_lfm2.py:
 the tiny one, and the LFM2-350M-shaped ``SMALL`` quantized to Q4_0; ``--shapes``), at a context of ``--context``
@@ -50,11 +51,11 @@ import speculative
 import throughput
 
 sys.path.insert(0, str(throughput.ROOT))
-from lmserve.engine.backend import BatchEntry
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.quantize import quantize
-from lmserve.engine.scheduler import Sequence
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.quantize import quantize
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.scheduler import Sequence
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_lfm2 import SMALL, write_tiny_lfm2
 

@@ -641,7 +641,7 @@ def lfm2_models(folder: Path) -> list[Model]:
     small model's does; [] when they cannot be made."""
     sys.path.insert(0, str(ROOT))
     try:
-        from lmserve.engine.quantize import quantize
+        from lmserve.engine.llamacpp.quantize import quantize
         from tests.tiny_lfm2 import SMALL, write_tiny_lfm2
     except ImportError as e:
         print(f"LFM2 models skipped: {e}")

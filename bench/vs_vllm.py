@@ -38,7 +38,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench.throughput import RequestResult, StartError, chat, free_port, running  # noqa: E402
-from lmserve.engine.vllm import VllmOptions, available_memory, kv_cache_bytes  # noqa: E402
+from lmserve.engine.vllm.engine import VllmOptions, available_memory, kv_cache_bytes  # noqa: E402
 
 PEERS = ("vLLM", "lmserve")
 SERVED_NAME = "bench"
@@ -116,7 +116,7 @@ def machine_info(gpu: bool) -> str:
 
 
 def cpu_kv_bytes(args: argparse.Namespace) -> int:
-    """The KV cache lmserve's vLLM engine gives this model on the CPU build (engine/vllm.py `kv_cache_bytes`)."""
+    """The KV cache lmserve's vLLM engine gives this model on the CPU build (engine/vllm/engine.py `kv_cache_bytes`)."""
     config = json.loads((args.model / "config.json").read_text())
     options = VllmOptions(num_ctx=args.max_model_len, num_parallel=args.max_num_seqs, dtype=args.dtype)
     return kv_cache_bytes(config, options, available_memory())

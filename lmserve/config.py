@@ -45,7 +45,7 @@ DEFAULT_CACHE_RAM_MIB = _default_cache_ram_mib()
 T = TypeVar("T")
 DRAFT_MODEL_MAX = 16
 """The draft cap with --model-draft when --draft-max is not given: drafts start at 4 tokens and double up to it while
-they are accepted whole (engine/drafting.py `DraftLength`)."""
+they are accepted whole (engine/slots/drafting.py `DraftLength`)."""
 Kind = Literal["str", "int", "float", "bool", "list", "duration"]
 EngineName = Literal["llamacpp", "vllm"]
 

@@ -20,8 +20,8 @@ import uvicorn
 
 from lmserve.config import ConfigError, ServerConfig, resolve
 from lmserve.engine.factory import EngineSettings
-from lmserve.engine.prompt_cache import PromptCache
-from lmserve.engine.prompt_disk import DiskTier
+from lmserve.engine.slots.prompt_cache import PromptCache
+from lmserve.engine.slots.prompt_disk import DiskTier
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
@@ -186,7 +186,7 @@ def prompt_cache(config: ServerConfig) -> PromptCache:
 
 def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
-    from lmserve.engine.vllm import VllmOptions
+    from lmserve.engine.vllm.engine import VllmOptions
 
     launch = VllmOptions(
         dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
@@ -244,7 +244,7 @@ def run(config: ServerConfig) -> int:
 
     Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
     """
-    from lmserve.engine.llamacpp import default_threads
+    from lmserve.engine.llamacpp.backend import default_threads
     from lmserve.parsing import Address
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -96,7 +96,8 @@ class SamplingParams:
 
 
 DRAFT_P_MIN = 0.0
-"""The default `LoadOptions.draft_p_min` (llama-server's too): no floor. The adaptive draft length (engine/drafting.py
+"""The default `LoadOptions.draft_p_min` (llama-server's too): no floor. The adaptive draft length
+(engine/slots/drafting.py
 `DraftLength`) already backs off from a draft model that guesses wrong; a floor of 0.75 cut a story's drafts from
 159 to 43 with SmolLM2 Q4_1 drafting for its F32 self, whose unsure guesses were still right (1.53x plain decoding
 without the floor, 0.83x with it)."""
@@ -146,13 +147,13 @@ class LoadOptions:
     """Flash attention: "on", "off", or "auto" (llama.cpp uses it where the backend has it)."""
     thread_policy: str = "adaptive"
     """"adaptive": llama.cpp computes with the cores the rest of the machine leaves free, up to `num_threads`
-    (engine/cpu_load.py); "fixed": always with `num_threads`."""
+    (engine/llamacpp/cpu_load.py); "fixed": always with `num_threads`."""
     kv_unified: bool = False
     """One KV pool of `num_ctx` tokens shared by all `num_parallel` slots (each may grow to all of it) instead of
-    `num_ctx` tokens reserved per slot; a full pool is handled by the engine (engine/scheduler.py: `park`)."""
+    `num_ctx` tokens reserved per slot; a full pool is handled by the engine (engine/slots/scheduler.py: `park`)."""
     draft_model: str | None = None
     """Path of a small GGUF with the same vocabulary that drafts tokens for speculative decoding
-    (engine/draft_model.py); None: drafts come from the sequence's own context."""
+    (engine/llamacpp/draft_model.py); None: drafts come from the sequence's own context."""
     draft_p_min: float = DRAFT_P_MIN
     """The draft model's draft stops before a token it gives less probability than this (DRAFT_P_MIN)."""
 
@@ -161,7 +162,8 @@ KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"
 """The KV cache types llama.cpp takes (`--cache-type-k/-v`): q8_0 is about half of f16's memory, q4_0 about 0.28."""
 FLASH_ATTN_MODES = ("on", "off", "auto")
 THREAD_POLICIES = ("adaptive", "fixed")
-"""`--thread-policy`: adaptive follows the outside load (engine/cpu_load.py); fixed always uses all the threads."""
+"""`--thread-policy`: adaptive follows the outside load (engine/llamacpp/cpu_load.py); fixed always uses all the
+threads."""
 
 
 EFFORTS: dict[str, bool | str] = {

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from lmserve.engine.vllm import VllmOptions, context_choice
+from lmserve.engine.vllm.engine import VllmOptions, context_choice
 from lmserve.types import AUTO_CONTEXT
 from tests.hf_repos import smollm2_repo
 from tests.test_server import Server

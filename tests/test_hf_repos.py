@@ -1,6 +1,6 @@
 """The test repositories of tests/hf_repos.py are what they claim: transformers loads each LFM2 member with every
 tensor matched (none missing, unexpected or of another size), config.json describes the weights (lmserve's own
-check, engine/weights_check.py, agrees), and each text member's GGUF, converted by llama.cpp's converter, has the
+check, engine/vllm/weights_check.py, agrees), and each text member's GGUF, converted by llama.cpp's converter, has the
 architecture and FFN width of its repository."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from lmserve.engine.weights_check import check_weights, lfm2_ffn_width
+from lmserve.engine.vllm.weights_check import check_weights, lfm2_ffn_width
 from tests.hf_repos import (
     ConverterMissing,
     lfm2_gguf,

@@ -219,7 +219,8 @@ def test_streamed_chat_equals_the_whole_reply(server: Server) -> None:
 
 
 def test_a_hybrid_model_drafts_on_request_and_answers_the_same(server: Server) -> None:
-    """Speculative decoding on hybrid memory (engine/recurrent_state.py), asked per request through the native API."""
+    """Speculative decoding on hybrid memory (engine/llamacpp/recurrent_state.py), asked per request through the
+    native API."""
     body = {"model": SERVED, "stream": False, "messages": [{"role": "user", "content": "abc abc abc abc abc abc"}],
             "options": {"temperature": 0, "num_predict": 60}}
     plain = httpx.post(server.base_url + "/api/chat", json=body, timeout=60).json()

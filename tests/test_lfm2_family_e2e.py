@@ -37,7 +37,7 @@ import pytest
 from PIL import Image
 from safetensors import safe_open
 
-from lmserve.engine.vllm import vision_support_missing
+from lmserve.engine.vllm.engine import vision_support_missing
 from lmserve.service.catalog import StoreCatalog
 from lmserve.service.defaults import Defaults
 from lmserve.store.modelfile import Modelfile

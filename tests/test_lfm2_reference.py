@@ -19,9 +19,9 @@ may pick either.
 
 Before issue 17, vLLM's CPU build failed this from the second prompt token on (its rotary kernel misreads LFM2's
 3-D query and key; lmserve turned it off for hybrids only, so the all-attention member still fails with the old
-rule; now for the whole family, engine/vllm.py `CPU_ROPE_KERNEL_WRONG`), and the hybrid repository itself was
+rule; now for the whole family, engine/vllm/engine.py `CPU_ROPE_KERNEL_WRONG`), and the hybrid repository itself was
 inconsistent (config.json described an FFN half as wide as its weights; lmserve now refuses such a repository,
-engine/weights_check.py). llama.cpp cannot run the all-attention member at all (`LLAMA_CPP_ABORTS`).
+engine/vllm/weights_check.py). llama.cpp cannot run the all-attention member at all (`LLAMA_CPP_ABORTS`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import gguf
 import pytest
 import pytest_asyncio
 
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.vllm import VllmEngine, VllmOptions, vision_support_missing
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, vision_support_missing
 from lmserve.errors import InvalidRequest
 from lmserve.store.gguf_check import check_gguf
 from lmserve.types import Chunk, LoadOptions, SamplingParams

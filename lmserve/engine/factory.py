@@ -1,7 +1,7 @@
 """Which engine serves a model, and how one is opened: the one place a model's format maps to an engine.
 
 A GGUF file goes to llama.cpp (the batching engine over the llama.cpp backend). A hub repository or a directory
-of safetensors (config.json beside the weights) goes to vLLM (engine/vllm.py). `--engine` may name one; a model
+of safetensors (config.json beside the weights) goes to vLLM (engine/vllm/engine.py). `--engine` may name one; a model
 the named engine cannot read is a clear 400.
 """
 
@@ -15,9 +15,9 @@ from typing import Any, Literal
 from lmserve.engine.memory_estimate import HeaderReader, estimate_gguf, estimate_repository
 from lmserve.engine.memory_estimate import MemoryEstimate as MemoryEstimate  # re-exported: the service's view
 from lmserve.engine.memory_estimate import available_memory as available_memory
-from lmserve.engine.prompt_cache import PromptCache as PromptCache  # re-exported: the service closes it
 from lmserve.engine.protocol import Engine
-from lmserve.engine.vllm import VllmOptions  # no vLLM import: that happens when a model is opened
+from lmserve.engine.slots.prompt_cache import PromptCache as PromptCache  # re-exported: the service closes it
+from lmserve.engine.vllm.engine import VllmOptions  # no vLLM import: that happens when a model is opened
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
 
@@ -38,7 +38,8 @@ class EngineSettings:
     prompt_cache: PromptCache | None = None
     """Saved prompt states beyond the slots, shared by every llama.cpp model (None: each engine keeps a small one)."""
     slot_similarity: float = 0.5
-    """Least fraction of a free slot's cached tokens a prompt must keep to take that slot (engine/scheduler.py)."""
+    """Least fraction of a free slot's cached tokens a prompt must keep to take that slot
+    (engine/slots/scheduler.py)."""
     draft_max: int = 0
     """Speculative decoding on llama.cpp: most tokens drafted per step for requests that do not say; 0: off."""
     vllm: VllmOptions = field(default_factory=VllmOptions)
@@ -63,8 +64,8 @@ def open_engine(path: Path, options: LoadOptions, settings: EngineSettings) -> E
                                 "the vLLM engine serves safetensors repositories, not GGUF files"), param="model")
     if kind == "vllm":
         return _open_vllm(path, options, settings)
-    from lmserve.engine.batching import BatchingEngine
-    from lmserve.engine.llamacpp import LlamaCppBackend
+    from lmserve.engine.llamacpp.backend import LlamaCppBackend
+    from lmserve.engine.slots.batching import BatchingEngine
 
     chunk = settings.max_prefill_tokens or LLAMACPP_PREFILL_CHUNK
     backend = LlamaCppBackend(path, options)
@@ -103,21 +104,21 @@ def estimate_memory(path: Path, options: LoadOptions, read_header: HeaderReader)
 
 
 def _open_vllm(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
-    from lmserve.engine.vllm import VllmEngine
+    from lmserve.engine.vllm.engine import VllmEngine
 
     return VllmEngine(path, _vllm_options(path, options, settings))
 
 
 def serve_headless(path: Path, options: LoadOptions, settings: EngineSettings) -> None:
     """Run this node's share of a multi-node vLLM model (no HTTP) until SIGTERM/SIGINT or node rank 0 is gone."""
-    from lmserve.engine.vllm import serve_headless as run
+    from lmserve.engine.vllm.engine import serve_headless as run
 
     run(path, _vllm_options(path, options, settings))
 
 
 def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> VllmOptions:
     try:
-        from lmserve.engine.vllm import check_kv_offloading, is_cpu_build
+        from lmserve.engine.vllm.engine import check_kv_offloading, is_cpu_build
     except ImportError as exc:
         raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
                              f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "
@@ -138,8 +139,8 @@ def _vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) ->
 
 def vision_missing(config: dict[str, Any]) -> str | None:
     """What this machine lacks for the vLLM engine to serve the images of the repository `config` (its config.json)
-    describes, or None (engine/vllm.py `vision_support_missing`)."""
-    from lmserve.engine.vllm import vision_support_missing
+    describes, or None (engine/vllm/engine.py `vision_support_missing`)."""
+    from lmserve.engine.vllm.engine import vision_support_missing
 
     return vision_support_missing(config)
 
@@ -150,13 +151,13 @@ def quantize_weights(source: Path, destination: Path, level: str, *, label: str 
     InvalidRequest (param `quantize`) for an unknown level or weights that cannot be quantized; `label` names the
     source in errors.
     """
-    from lmserve.engine.quantize import quantize
+    from lmserve.engine.llamacpp.quantize import quantize
 
     quantize(source, destination, level, label=label)
 
 
 def check_quantization(level: str) -> None:
     """InvalidRequest (param `quantize`) unless llama.cpp can quantize to `level`."""
-    from lmserve.engine.quantize import parse_quant
+    from lmserve.engine.llamacpp.quantize import parse_quant
 
     parse_quant(level)

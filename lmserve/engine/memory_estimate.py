@@ -5,11 +5,11 @@ Residency (service/residency.py) holds every load against one memory budget with
 - llama.cpp (a GGUF file), read from the file's header only: the weights (the file's size; llama.cpp maps the file,
   so the kernel counts those pages as reclaimable cache: `mapped_bytes`), the KV cache as the load will allocate it
   (one token of every attention layer in the cache types x the context per sequence x the slots, or one pool of
-  num_ctx tokens with --kv-unified), the context resolved as engine/llamacpp_memory.py `context_choice` resolves it
+  num_ctx tokens with --kv-unified), the context resolved as engine/llamacpp/memory.py `context_choice` resolves it
   (auto: engine/context_size.py), a recurrent or hybrid model's state per slot, compute buffers (a base and a share
   per batch token), and a draft model, a projector and adapters. Sliding-window layers count whole, as the context
   choice counts them (an upper bound).
-- vLLM (a repository), roughly: its safetensors, the KV cache the CPU build is given (engine/vllm.py
+- vLLM (a repository), roughly: its safetensors, the KV cache the CPU build is given (engine/vllm/engine.py
   `kv_cache_bytes`, or VLLM_CPU_KVCACHE_SPACE) and its engine process's runtime. On a GPU the load takes GPU memory,
   which vLLM budgets itself (--gpu-memory-utilization): such an estimate is `on_gpu` and not held against RAM; so is
   a llama.cpp load with layers on a GPU.
@@ -117,7 +117,7 @@ def estimate_gguf(path: Path, options: LoadOptions, read_header: HeaderReader) -
 
 
 def header_kv_bytes_per_token(header: Mapping[str, Any], options: LoadOptions) -> int:
-    """One token's KV cache in one sequence, from a GGUF header: as engine/llamacpp_memory.py
+    """One token's KV cache in one sequence, from a GGUF header: as engine/llamacpp/memory.py
     `kv_bytes_per_token` counts it from a loaded model (0 when the model keeps none per token)."""
     heads = _first(header, "attention.head_count")
     head_dim = _number(header, "embedding_length") // heads if heads > 0 else 0
@@ -155,7 +155,7 @@ def state_bytes_per_sequence(header: Mapping[str, Any]) -> int:
 def estimate_repository(path: Path, options: LoadOptions) -> MemoryEstimate | None:
     """A rough estimate of what vLLM holds for the repository at `path` (None without vLLM). Blocking (imports
     vLLM to learn whether it runs on the CPU)."""
-    from lmserve.engine.vllm import VllmOptions, is_cpu_build, kv_bytes_per_token, kv_cache_bytes
+    from lmserve.engine.vllm.engine import VllmOptions, is_cpu_build, kv_bytes_per_token, kv_cache_bytes
 
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     try:
@@ -179,7 +179,7 @@ def estimate_repository(path: Path, options: LoadOptions) -> MemoryEstimate | No
 def available_memory() -> int | None:
     """The memory another load may take now, in bytes: MemAvailable, capped by the room left in this process's
     control group (its limit less its usage, reclaimable page cache counted as room); None where unknown."""
-    from lmserve.engine.vllm import available_memory as mem_available
+    from lmserve.engine.vllm.engine import available_memory as mem_available
 
     found = mem_available()
     for limit_file, usage_file, inactive_key in _CGROUP_ROOMS:
@@ -203,7 +203,7 @@ def _cgroup_room(limit_file: Path, usage_file: Path, inactive_key: str) -> int |
 
 
 def _gpu_memory() -> int | None:
-    from lmserve.engine.llamacpp_memory import gpu_free_memory
+    from lmserve.engine.llamacpp.memory import gpu_free_memory
 
     return gpu_free_memory()
 

@@ -1,6 +1,7 @@
 """The engine seam: what any engine offers the service (model facts, tokenizing, submitting, embedding).
 
-llama.cpp (engine/batching.py over engine/llamacpp.py) is one implementation; a second engine implements the same
+llama.cpp (engine/slots/batching.py over engine/llamacpp/backend.py) is one implementation; a second engine
+implements the same
 protocol without the layers above (service, chat, store, api) changing.
 """
 

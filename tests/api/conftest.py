@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import Service, static_service
 from lmserve.service.residency import LoadedModel
 

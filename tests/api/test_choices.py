@@ -16,8 +16,8 @@ from lmserve.api.app import create_app
 from lmserve.api.choices import interleave, summed_usage
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

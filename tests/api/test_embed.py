@@ -11,7 +11,7 @@ import httpx
 import pytest
 from api_wire import assert_openai_error
 
-from lmserve.engine.fake import EMBED_SIZE
+from lmserve.engine.slots.fake import EMBED_SIZE
 
 NUM_CTX = 2048  # the fake engine's context in conftest.py
 

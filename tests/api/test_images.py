@@ -18,8 +18,8 @@ from PIL import Image
 from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

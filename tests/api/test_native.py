@@ -10,7 +10,7 @@ import pytest
 
 from lmserve.api.native import parse_keep_alive, to_load_options, to_messages, to_sampling_params
 from lmserve.api.native_schemas import ChatMessage
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
 from lmserve.types import LoadOptions, SamplingParams
@@ -156,7 +156,7 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
     from lmserve.api.app import create_app
     from lmserve.chat.template import ChatTemplate
     from lmserve.config import ServerConfig
-    from lmserve.engine.batching import BatchingEngine
+    from lmserve.engine.slots.batching import BatchingEngine
     from lmserve.service import static_service
     from lmserve.service.residency import LoadedModel
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from api_wire import assert_openai_error
 
-from lmserve.engine.batching import BatchingEngine
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.service import Service
 from lmserve.types import SamplingParams
 

@@ -23,8 +23,8 @@ from lmserve.api.responses import Framer, OutputBuilder, parse_items, stream_eve
 from lmserve.api.responses_schemas import ResponseRequest
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import Chunk, TokenLogprob, ToolCall

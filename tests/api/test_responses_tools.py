@@ -23,8 +23,8 @@ from lmserve.api.app import create_app
 from lmserve.api.responses_tools import IGNORED_TOOLS_HEADER, chat_tools, ignored_header, offered_tools
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel

@@ -18,8 +18,8 @@ from api_wire import API_KEY, assert_openai_error, sse_json
 from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

@@ -18,9 +18,9 @@ from lmserve.api.app import create_app
 from lmserve.api.streaming import HOLE, TextFrame, dumps, until_disconnect
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.backend import BatchEntry
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

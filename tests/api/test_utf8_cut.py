@@ -19,8 +19,8 @@ from api_wire import sse_json
 from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import LoadOptions

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from lmserve.chat.structured import ANNOTATIONS, ENFORCED, json_object_grammar, schema_grammar
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.errors import InvalidRequest
 from tests.chat.gbnf import Grammar
 

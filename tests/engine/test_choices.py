@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.backend import BatchEntry
-from lmserve.engine.batching import BatchingEngine, RequestStream
-from lmserve.engine.fake import FakeBackend
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.protocol import choice_sampling
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.batching import BatchingEngine, RequestStream
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest, Overloaded
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.detokenize import IncrementalDecoder
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.types import SamplingParams
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.batching import BatchingEngine, RequestStream
-from lmserve.engine.fake import FakeBackend
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.protocol import unit_vector
+from lmserve.engine.slots.batching import BatchingEngine, RequestStream
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 

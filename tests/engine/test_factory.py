@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine import vllm as vllm_engine
 from lmserve.engine.factory import EngineSettings, engine_kind, open_engine
-from lmserve.engine.vllm import VllmOptions
+from lmserve.engine.vllm import engine as vllm_engine
+from lmserve.engine.vllm.engine import VllmOptions
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
 

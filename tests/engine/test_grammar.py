@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from lmserve.chat.structured import json_object_grammar, schema_grammar
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 

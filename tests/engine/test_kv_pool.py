@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
-from lmserve.engine.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
+from lmserve.engine.slots.scheduler import Scheduler, Sequence
 from lmserve.types import Chunk, SamplingParams
 
 

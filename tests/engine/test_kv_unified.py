@@ -16,9 +16,9 @@ from pathlib import Path
 import llama_cpp as lc
 import pytest
 
-from lmserve.engine.backend import BatchEntry, PoolFull
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.backend import BatchEntry, PoolFull
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_lfm2 import write_tiny_lfm2
 

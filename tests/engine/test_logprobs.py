@@ -12,10 +12,10 @@ import llama_cpp as lc
 import numpy as np
 import pytest
 
-from lmserve.engine.backend import BatchEntry
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.logprobs import LogprobAligner, rank_candidates
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.types import Chunk, LoadOptions, SamplingParams, TokenLogprob
 
 aio = pytest.mark.asyncio(loop_scope="module")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import EngineFailure
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama

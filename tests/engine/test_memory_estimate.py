@@ -12,8 +12,8 @@ import llama_cpp as lc
 import pytest
 
 from lmserve.engine.factory import estimate_memory
-from lmserve.engine.llamacpp import LlamaCppBackend, init_llama_backend
-from lmserve.engine.llamacpp_memory import KV_TYPE_BYTES, kv_bytes_per_token
+from lmserve.engine.llamacpp.backend import LlamaCppBackend, init_llama_backend
+from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, kv_bytes_per_token
 from lmserve.engine.memory_estimate import (
     COMPUTE_BASE_BYTES,
     VLLM_RUNTIME_BYTES,

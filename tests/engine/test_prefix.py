@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.backend import BatchEntry
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
-from lmserve.engine.prompt_cache import PromptCache
-from lmserve.engine.scheduler import common_prefix_length
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.prompt_cache import PromptCache
+from lmserve.engine.slots.scheduler import common_prefix_length
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lfm2 import write_tiny_lfm2

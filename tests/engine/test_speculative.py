@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.types import Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lfm2 import write_tiny_lfm2
@@ -120,7 +120,7 @@ async def test_a_tiny_random_model_decodes_the_same_with_drafts(tmp_path: Path) 
 
 
 async def test_a_hybrid_lfm2_drafts_and_rewinds_to_the_same_output(tmp_path: Path) -> None:
-    """LFM2's convolution state cannot be cut: a rejected draft rewinds it (engine/recurrent_state.py) and the
+    """LFM2's convolution state cannot be cut: a rejected draft rewinds it (engine/llamacpp/recurrent_state.py) and the
     accepted tokens are decoded again; alone and two at once, greedy and seeded, the output is plain decoding's."""
     path = write_tiny_lfm2(tmp_path / "lfm2.gguf")
     plain_engine, drafting_engine = open_engine(path, 0, parallel=2), open_engine(path, 8, parallel=2)

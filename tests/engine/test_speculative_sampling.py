@@ -28,8 +28,8 @@ import gguf
 import numpy as np
 import pytest
 
-from lmserve.engine.batching import BatchingEngine, RequestStream
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine, RequestStream
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_gguf import (
     NUM_EMBD,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.llamacpp import LlamaCppBackend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, Chunk, LoadOptions, SamplingParams
 from tests.tiny_lfm2 import write_tiny_lfm2

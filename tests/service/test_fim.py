@@ -10,9 +10,9 @@ import pytest
 
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
 from lmserve.engine.protocol import FimTokens
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import fim
 from lmserve.service.residency import LoadedModel, Prompter

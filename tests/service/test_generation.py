@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import static_service
 from lmserve.service.generation import stop_after

@@ -18,8 +18,8 @@ import pytest
 from lmserve.chat.structured import schema_grammar
 from lmserve.chat.tools import get_parser
 from lmserve.chat.tools.forcing import ANY_TOOL, forced_call_grammar
-from lmserve.engine.batching import BatchingEngine
 from lmserve.engine.protocol import Engine
+from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import InvalidRequest
 from lmserve.service.json_budget import ClosingStream, check_budget, close_in_budget, minimum_tokens
 from lmserve.types import ChatRequest, Chunk, Message, SamplingParams, TokenLogprob, Usage

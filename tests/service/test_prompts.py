@@ -12,8 +12,8 @@ import pytest
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.template import ChatTemplate
 from lmserve.chat.tools import tools_prompt
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import prompts, static_service
 from lmserve.service.residency import LoadedModel, Prompter
 from lmserve.store.gguf_check import gguf_metadata

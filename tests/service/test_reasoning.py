@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import ChatRequest, Message, SamplingParams

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.batching import BatchingEngine
-from lmserve.engine.fake import FakeBackend
 from lmserve.engine.protocol import Engine, ModelInfo
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service.residency import LoadedModel, LoadPlan, Residency, Resident, WeightsKey, log_load
 from lmserve.types import AUTO_CONTEXT, LoadOptions, SamplingParams

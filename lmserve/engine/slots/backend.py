@@ -1,0 +1,129 @@
+"""What the batching engine needs from a backend: a model that decodes batches of several sequences, one slot each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from lmserve.engine.logprobs import Ranked
+from lmserve.engine.protocol import ModelInfo, PromptImage
+from lmserve.engine.slots.prompt_disk import SavedState
+from lmserve.types import Bitmap, SamplingParams
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    """Tokens of one sequence to decode in this step, starting at position `pos` of its slot.
+
+    An image entry has no tokens: the backend encodes `image` into its `length` positions from `pos`.
+    """
+
+    slot: int
+    tokens: list[int]
+    pos: int
+    wants_sample: bool
+    image: PromptImage | None = None
+    draft: int = 0
+    """The last `draft` tokens are drafted (speculative decoding): the backend samples after the first token, then
+    after each drafted token while its samples agree with the draft (`take_drafted`), and forgets the rest."""
+
+    @property
+    def num_positions(self) -> int:
+        return self.image.length if self.image is not None else len(self.tokens)
+
+
+class PoolFull(Exception):
+    """`Backend.step` found no room for the batch in a KV pool shared by the slots (`--kv-unified`).
+
+    The backend left every slot's memory as it was before the step and sampled nothing: the engine may free
+    memory (`clear` idle slots, or pause a sequence) and step again.
+    """
+
+
+class Backend(Protocol):
+    """A model that decodes batches of several sequences, one slot per sequence.
+
+    Called from the engine thread only. `start` prepares a slot for a new prompt: it keeps the first
+    `num_reused` positions of the slot's memory (a prefix the slot already holds) when the model can cut its
+    memory there, drops the rest, builds a fresh sampler from `sampling` primed with `prompt`, and returns
+    how many positions it kept. `step` decodes one batch and returns, for each entry that wants a sample,
+    the token sampled after its last token (image entries are decoded first, each on its own), or raises
+    PoolFull when the slots' shared memory has no room for the batch (nothing changed then). `release`
+    frees the slot's sampler; its memory stays as a prefix cache for the next request in that slot. `embed`
+    pools one text's hidden states into a vector without touching any slot.
+    """
+
+    info: ModelInfo
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
+
+        Returns the tokens, with each image's positions filled by its placeholder id, and the images' places.
+        Raises InvalidRequest when the markers and images do not match or an image cannot be preprocessed.
+        Callable from any thread.
+        """
+        ...
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int: ...
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise InvalidRequest unless `grammar` (GBNF) can constrain sampling; callable from any thread."""
+        ...
+
+    def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def clear(self, slot: int) -> None:
+        """Drop everything the slot's memory holds; its sampler (a running sequence's) stays as it is."""
+        ...
+
+    def take_drafted(self, slot: int) -> list[int]:
+        """The tokens the last `step` sampled for `slot` after its first one, verifying its entry's draft: the i-th
+        was sampled after the i-th drafted token, because every earlier sample equalled the draft. The slot's memory
+        keeps the pending token and the drafted tokens those samples accepted, nothing after them."""
+        ...
+
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """With a draft model (`info.draft_model`): for each slot → (its sequence's tokens, the last one not yet
+        decoded; most tokens to draft), the tokens the draft model predicts next (maybe fewer, or none)."""
+        ...
+
+    def take_logprobs(self, slot: int) -> Ranked | None:
+        """The ranked log-probabilities (engine/logprobs.py) of the token the last `step` sampled for `slot`, when
+        its request asked for them (`SamplingParams.logprobs`); None otherwise."""
+        ...
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """Make `slot` hold the first `length` positions of `source`'s memory; False when it cannot."""
+        ...
+
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        """Give each of `slots` (started, as `start` does) a whole copy of `source`'s memory, and sample each one's
+        first token from the logits `source` sampled from in the last `step` (n choices of one prefilled prompt).
+
+        None for a slot it could not fork (that slot's memory is then empty)."""
+        ...
+
+    def save_state(self, slot: int) -> SavedState | None:
+        """The slot's whole memory state (a snapshot to restore later with `restore_state`); None while a copy into
+        the slot waits for the next decode (its memory is not what it will be)."""
+        ...
+
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
+        """Replace the slot's memory with a state from `save_state` and keep its first `length` positions (a model
+        whose memory cannot be cut is given whole states only); False when it does not fit, or while a copy from or
+        into the slot waits for the next decode (it would overwrite the state, or read it)."""
+        ...
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """The mean of the model's last hidden states over `tokens` (not normalized); uses no slot."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,201 @@
+"""A deterministic fake backend: no weights, same engine loop. For HTTP and scheduler tests.
+
+Its vocabulary is the 256 byte values plus an end-of-generation token (256). A prompt's continuation is
+a pure function of the prompt and the sampling seed, so a test can predict it (`FakeBackend.expected`).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+from lmserve.engine.protocol import ModelInfo, PromptImage
+from lmserve.engine.slots.backend import BatchEntry, PoolFull
+from lmserve.engine.slots.prompt_disk import SavedState
+from lmserve.errors import InvalidRequest
+from lmserve.types import Bitmap, SamplingParams
+
+EOG = 256
+EMBED_SIZE = 256
+IMAGE_MARKER = "<image>"
+PIXELS_PER_IMAGE_TOKEN = 256
+_TEXT = b"The quick brown fox jumps over the lazy dog. "
+
+
+class FakeBackend:
+    """Decodes by echoing a fixed sentence, rotated by the prompt length and the seed."""
+
+    def __init__(
+        self,
+        *,
+        num_ctx: int = 2048,
+        num_parallel: int = 4,
+        eog_after: int | None = None,
+        step_delay: float = 0.0,
+        script: str | None = None,
+        vision: bool = False,
+        draft_model: bool = False,
+        pool_size: int | None = None,
+        num_ctx_train: int = 0,
+    ) -> None:
+        self.info = ModelInfo(
+            path="fake.gguf",
+            architecture="fake",
+            num_ctx=num_ctx,
+            num_parallel=num_parallel,
+            num_vocab=257,
+            num_ctx_train=num_ctx_train,
+            chat_template=None,
+            image_marker=IMAGE_MARKER if vision else None,
+            draft_model="fake-draft" if draft_model else None,
+        )
+        self.eog_after = eog_after
+        self.step_delay = step_delay
+        self.script = script.encode() if script is not None else None
+        """When set, every sequence answers exactly these bytes, then ends."""
+        self.steps: list[list[BatchEntry]] = []
+        self.copies: list[tuple[int, int, int]] = []
+        self.forks: list[tuple[int, list[int]]] = []
+        self._slots: dict[int, tuple[int, int]] = {}
+        self._counts: dict[int, int] = {}
+        self._drafted: dict[int, list[int]] = {}
+        self.pool_size = pool_size
+        """When set, the slots share a KV pool of this many positions (`--kv-unified`): a step that would hold more
+        raises PoolFull and changes nothing."""
+        self.held: dict[int, int] = {}
+        """Positions each slot's memory holds (kept for every slot, counted against `pool_size`)."""
+        self.num_full = 0
+        """Steps refused with PoolFull."""
+        self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        """Text as bytes; each marker becomes one position per 256 pixels (at least one) of its image."""
+        pieces = text.split(IMAGE_MARKER)
+        if len(pieces) != len(images) + 1:
+            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
+        tokens = list(pieces[0].encode("utf-8"))
+        places: list[PromptImage] = []
+        for image, piece in zip(images, pieces[1:], strict=True):
+            length = max(1, image.width * image.height // PIXELS_PER_IMAGE_TOKEN)
+            places.append(PromptImage(len(tokens), length, image))
+            tokens += [-1 - zlib.crc32(image.rgb)] * length
+            tokens += piece.encode("utf-8")
+        return tokens, places
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        return b"" if token == EOG else bytes([token])
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+        self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
+        self._counts[slot] = 0
+        self.held[slot] = num_reused
+        return num_reused
+
+    def check_grammar(self, grammar: str) -> None:
+        """Any grammar with a root rule passes; the fake never constrains what it echoes."""
+        if "root ::=" not in grammar:
+            raise InvalidRequest("the output grammar is invalid: it has no root rule")
+
+    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        after = dict(self.held)
+        for entry in entries:
+            after[entry.slot] = entry.pos + entry.num_positions
+        if self.pool_size is not None and sum(after.values()) > self.pool_size:
+            self.num_full += 1
+            raise PoolFull(f"{sum(after.values())} positions do not fit in a pool of {self.pool_size}")
+        self.held = after
+        self.steps.append(entries)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        sampled: list[int | None] = []
+        for entry in entries:
+            if not entry.wants_sample:
+                sampled.append(None)
+                continue
+            first = token = self._next(entry.slot)
+            draft = entry.tokens[len(entry.tokens) - entry.draft:]
+            taken: list[int] = []
+            while len(taken) < entry.draft and token == draft[len(taken)]:  # verify as a model would
+                token = self._next(entry.slot)
+                taken.append(token)
+            self._drafted[entry.slot] = taken
+            self.held[entry.slot] = entry.pos + len(entry.tokens) - entry.draft + len(taken)  # rejected: forgotten
+            sampled.append(first)
+        return sampled
+
+    def take_drafted(self, slot: int) -> list[int]:
+        return self._drafted.pop(slot, [])
+
+    def take_logprobs(self, slot: int) -> None:
+        """The fake ranks no tokens: a request that asks for log-probabilities gets none (not a failure)."""
+        return None
+
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """With `draft_model`: guess that the sentence goes on after the first place the last token occurs in it
+        (right after a unique letter, wrong after a repeated one, as a small model would be)."""
+        self.draft_requests.append(requests)
+        drafts: dict[int, list[int]] = {}
+        for slot, (tokens, most) in requests.items():
+            at = _TEXT.find(bytes([tokens[-1]])) if 0 <= tokens[-1] < 256 else -1
+            drafts[slot] = [] if at < 0 else [_TEXT[(at + 1 + i) % len(_TEXT)] for i in range(most)]
+        return drafts
+
+    def _next(self, slot: int) -> int:
+        """The slot's next token: a function of its prompt length, its seed and how many it produced."""
+        offset, _ = self._slots[slot]
+        count = self._counts[slot]
+        self._counts[slot] = count + 1
+        if self.script is not None:
+            return self.script[count] if count < len(self.script) else EOG
+        if self.eog_after is not None and count >= self.eog_after:
+            return EOG
+        return _TEXT[(offset + count) % len(_TEXT)]
+
+    def release(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def clear(self, slot: int) -> None:
+        self.held[slot] = 0
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """The fake's memory is positions counted (`held`); copies are recorded for tests (`copies`)."""
+        self.copies.append((source, slot, length))
+        self.held[slot] = length
+        return True
+
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        """Each slot answers as a fresh sequence would (its own seed); forks are recorded for tests (`forks`)."""
+        self.forks.append((source, list(slots)))
+        self.held.update({slot: self.held.get(source, 0) for slot in slots})
+        return [self._next(slot) for slot in slots]
+
+    def save_state(self, slot: int) -> SavedState | None:
+        return b"fake-state-%d" % slot
+
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
+        if bytes(state[:11]) != b"fake-state-":
+            return False
+        self.held[slot] = length
+        return True
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """A histogram of the token (byte) values: texts with the same bytes point the same way."""
+        counts = [0.0] * EMBED_SIZE
+        for token in tokens:
+            counts[token % EMBED_SIZE] += 1.0
+        return counts
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def expected(prompt_len: int, num_tokens: int, seed: int = 0) -> str:
+        """The text the fake produces for a prompt of `prompt_len` tokens."""
+        offset = prompt_len + seed
+        return bytes(_TEXT[(offset + i) % len(_TEXT)] for i in range(num_tokens)).decode()

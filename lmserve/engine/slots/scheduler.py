@@ -1,0 +1,370 @@
+"""Continuous-batching scheduler: pure and synchronous, no threads, no llama.cpp.
+
+Sequences wait in FIFO order for a free slot. Each step, every sequence that has finished its prompt
+decodes one token, and the rest of the token budget goes to prompt prefill in chunks, oldest first, so
+running streams keep producing tokens while a long prompt is processed.
+
+A slot's memory outlives its sequence: the scheduler remembers which tokens each slot holds, so a prefix is not
+computed again (a multi-turn chat, or many requests with one system prompt). A new sequence takes the free slot
+sharing the longest prefix with its prompt only when that prefix keeps enough of what the slot holds
+(`slot_similarity`); otherwise an empty slot, else the least recently used one, so a short match (the chat
+template's first tokens) never costs another conversation its cache. What a slot loses when it is taken is the
+engine's to save first (`Sequence.evicts`: the prompt cache beyond the slots, engine/slots/prompt_cache.py).
+
+An image in a prompt is prefilled whole, in a step of its own for that sequence: it takes its length from
+the prefill budget, and may exceed the budget when it is the first prefill of the step (else it could wait
+forever behind a small budget).
+
+Where the backend can copy a prefix between slots (`can_copy`: memory that can be cut at any position), a new
+sequence also looks past its own slot: it copies a longer prefix held by another slot, or, when a sequence still
+prefilling will soon hold one (many users arriving with one system prompt), waits for that leader and copies
+from it instead of computing the same tokens again.
+
+A model whose memory cannot be cut (hybrid) shares through snapshots instead: a sequence may carry checkpoints
+(prompt positions, e.g. the end of the system prompt) where its prefill stops so the engine can save the slot's
+state; a new sequence sharing a checkpointed prefix with a prefilling leader waits for that checkpoint and
+restores the snapshot.
+
+The n choices of one request (the OpenAI `n`) prefill their prompt once: the first choice prefills it, and the
+others admitted meanwhile wait for it (`fork_of`) and are forked from it when it is done (`forks`/`forked`). A
+choice admitted later, when no slot was free, shares the prompt as any other request does.
+
+When the slots share one KV pool (`--kv-unified`) and a step does not fit in it, the engine asks for room: first
+the prefix caches of idle slots go (`evict_idle`, oldest first), then the newest running sequence is parked
+(`park`, preemption by recompute as in vLLM): its memory is dropped but it keeps its slot and sampler, and when it
+resumes it prefills its prompt and the tokens it has output so far (`num_refill`), samples the token after them
+and goes on as if nothing happened. Parked sequences resume oldest first, one each time a running sequence leaves
+(its memory becomes an evictable prefix cache), or when nothing else could run; no new sequence is admitted while
+one is parked, so the pool is not refilled behind it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmserve.engine.protocol import PromptImage
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.types import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Engine-side state of one request."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    special: bool = False
+    slot: int = -1
+    num_prefilled: int = 0
+    num_cached: int = 0
+    output: list[int] = field(default_factory=list)
+    is_aborted: bool = False
+    images: list[PromptImage] = field(default_factory=list)
+    """Images in the prompt, in order; their positions hold placeholder ids."""
+    copy_from: int = -1
+    """At admission: a slot holding a longer prefix of the prompt than this one's, to copy `copy_len` from."""
+    copy_len: int = 0
+    leader: Sequence | None = None
+    """A sequence prefilling the first `share_len` tokens of this prompt; this one waits and copies them."""
+    share_len: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+    """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens the engine drafted to follow the pending one (speculative decoding), verified in the next step."""
+    fork_of: Sequence | None = None
+    """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
+    this one waits, then takes a whole copy of its memory and samples its first token from the same logits."""
+    is_parked: bool = False
+    """Its memory was dropped to make room in a shared KV pool; it waits to prefill again (`Scheduler.park`)."""
+    num_refill: int = 0
+    """Output tokens prefilled after the prompt, once parked: the prefill recomputes what the slot lost."""
+    evicts: list[int] = field(default_factory=list)
+    """At admission: the tokens the slot held before this sequence took it (it keeps `num_cached` of them)."""
+
+    @property
+    def held(self) -> list[int]:
+        """The tokens whose state this sequence's slot holds now."""
+        if self.is_prefilling:
+            return self.prefill_tokens[: self.num_prefilled]
+        return self.prompt + self.output[:-1]
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What prefill puts in the slot: the prompt, and after a park the output tokens sampled before it."""
+        return self.prompt + self.output[: self.num_refill] if self.num_refill else self.prompt
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt) + self.num_refill
+
+    def image_at(self, pos: int) -> PromptImage | None:
+        """The image starting at prompt position `pos`, if any."""
+        for image in self.images:
+            if image.start == pos:
+                return image
+        return None
+
+    def text_end(self, pos: int) -> int:
+        """Where the run of text tokens starting at `pos` ends: the next image or checkpoint, or the prompt's end."""
+        stops = [image.start for image in self.images if image.start >= pos]
+        stops += [checkpoint for checkpoint in self.checkpoints if checkpoint > pos]
+        return min(stops, default=len(self.prompt) + self.num_refill)
+
+    def cut_outside_images(self, pos: int) -> int:
+        """`pos`, moved back to an image's start when it falls inside that image (an image is decoded whole)."""
+        for image in self.images:
+            if image.start < pos < image.end:
+                return image.start
+        return pos
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the slot's memory after this step's input (prompt + generated, minus the pending one)."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+
+class Scheduler:
+    """Decides which tokens of which sequences go into the next batch."""
+
+    def __init__(
+        self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int, *, can_copy: bool = False,
+        can_snapshot: bool = False, min_share: int = 16, slot_similarity: float = 0.5,
+    ) -> None:
+        if num_slots < 1 or max_batch_tokens < 1 or max_prefill_tokens < 1:
+            raise ValueError("scheduler sizes must be positive")
+        self.num_slots = num_slots
+        self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        """Tokens whose state each free slot's memory holds, position by position."""
+        self.can_copy = can_copy
+        self.can_snapshot = can_snapshot
+        """Followers may wait for a leader's checkpoint and restore its snapshot (when copies are impossible)."""
+        self.min_share = min_share
+        """Fewest extra tokens that make copying from another slot (or waiting for a leader) worth it."""
+        self.slot_similarity = slot_similarity
+        """Least fraction of a free slot's tokens a prompt must keep to take that slot for its prefix."""
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def can_admit(self) -> bool:
+        """A sequence waits and a slot is free (and no parked sequence waits for room before it)."""
+        return bool(self.waiting and self._free_slots) and not any(seq.is_parked for seq in self.running)
+
+    def admit(self) -> Sequence:
+        """Move the oldest waiting sequence into a free slot (`choose_slot`).
+
+        `num_cached` is set to the prefix of the prompt the slot holds (at most all but the last prompt token, which
+        must be decoded to get the next token's logits); the backend may still refuse to reuse it. `evicts` is what
+        the slot held before.
+        """
+        seq = self.waiting.popleft()
+        index, length = self.choose_slot(seq.prompt)
+        seq.slot = self._free_slots.pop(index)
+        seq.evicts = self.slot_tokens[seq.slot]
+        seq.num_cached = seq.cut_outside_images(min(length, len(seq.prompt) - 1))
+        if seq.fork_of is not None and not (seq.fork_of in self.running and seq.fork_of.is_prefilling):
+            seq.fork_of = None  # it was admitted too late to be forked: share the prompt as others do
+        if seq.fork_of is None and self.can_copy:
+            self._plan_sharing(seq)
+        elif seq.fork_of is None and self.can_snapshot:
+            self._plan_checkpoint_sharing(seq)
+        self.running.append(seq)
+        return seq
+
+    def choose_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The index in the free list of the slot for `prompt`, and the prefix of it that slot holds.
+
+        The slot sharing the longest prefix, when that prefix is at least `slot_similarity` of the slot's tokens or
+        the whole prompt (all it could reuse); else an empty slot; else the least recently freed (the free list is in
+        the order slots were freed).
+        """
+        best, best_len = -1, 0
+        for i, slot in enumerate(self._free_slots):
+            held = self.slot_tokens[slot]
+            length = common_prefix_length(held, prompt)
+            if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
+                best, best_len = i, length
+        if best >= 0:
+            return best, best_len
+        empty = [i for i, slot in enumerate(self._free_slots) if not self.slot_tokens[slot]]
+        index = empty[-1] if empty else 0
+        return index, common_prefix_length(self.slot_tokens[self._free_slots[index]], prompt)
+
+    def _usable(self, seq: Sequence, tokens: list[int]) -> int:
+        return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1))
+
+    def _plan_sharing(self, seq: Sequence) -> None:
+        """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""
+        best = seq.num_cached
+        held = [(slot, self.slot_tokens[slot]) for slot in self._free_slots]
+        held += [(other.slot, other.held) for other in self.running]
+        for slot, tokens in held:
+            length = self._usable(seq, tokens)
+            if length >= best + self.min_share:
+                seq.copy_from, seq.copy_len, best = slot, length, length
+        for other in self.running:
+            if other.is_prefilling and other.leader is None and other.fork_of is None:
+                length = self._usable(seq, other.prompt)
+                if length >= best + self.min_share:
+                    seq.leader, seq.share_len, best = other, length, length
+
+    def _plan_checkpoint_sharing(self, seq: Sequence) -> None:
+        """Wait for a prefilling leader that will snapshot a checkpoint this prompt shares."""
+        best = seq.num_cached
+        for other in self.running:
+            if not other.is_prefilling or other.leader is not None:
+                continue
+            shared = self._usable(seq, other.prompt)
+            for checkpoint in other.checkpoints:
+                if other.num_prefilled < checkpoint <= shared and checkpoint >= best + self.min_share:
+                    seq.leader, seq.share_len, best = other, checkpoint, checkpoint
+
+    def ready_shares(self) -> list[tuple[Sequence, int, int]]:
+        """Waiting followers whose leader now holds their shared prefix: (follower, source slot, length).
+
+        A follower whose leader left early copies from a free slot that still holds the prefix, or prefills alone.
+        """
+        ready = []
+        for seq in self.running:
+            leader = seq.leader
+            if leader is None:
+                continue
+            if leader in self.running:
+                if leader.num_prefilled >= seq.share_len:
+                    ready.append((seq, leader.slot, seq.share_len))
+                    seq.leader = None
+                continue
+            seq.leader = None
+            for slot in self._free_slots:
+                if self._usable(seq, self.slot_tokens[slot]) >= seq.share_len:
+                    ready.append((seq, slot, seq.share_len))
+                    break
+        return ready
+
+    def forks(self, seq: Sequence) -> list[Sequence]:
+        """The choices waiting to be forked from `seq` (once it has prefilled its prompt)."""
+        return [other for other in self.running if other.fork_of is seq]
+
+    def forked(self, seq: Sequence) -> None:
+        """`seq`'s slot now holds a copy of its whole prompt, and its first token was sampled."""
+        seq.fork_of = None
+        seq.num_cached = seq.num_prefilled = len(seq.prompt)
+
+    def reused(self, seq: Sequence, num_reused: int) -> None:
+        """Record how much of the slot's memory the backend kept for `seq`."""
+        seq.num_cached = seq.num_prefilled = num_reused
+        self.slot_tokens[seq.slot] = seq.prompt[:num_reused]
+
+    def forget(self, slot: int) -> None:
+        """The slot's memory is no longer trusted (a failed decode): reuse nothing from it."""
+        self.slot_tokens[slot] = []
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take a sequence out (finished or aborted); return True when it held a slot to release."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return False
+        if seq in self.running:
+            for other in self.forks(seq):
+                other.fork_of = None  # it left before its prompt was done: they prefill their own
+            self.running.remove(seq)
+            self._free_slots.append(seq.slot)
+            self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
+            self._resume(1)
+            return True
+        return False
+
+    def evict_idle(self) -> tuple[int, list[int]] | None:
+        """Forget the prefix cache of the free slot that has held it longest; return that slot (its memory must be
+        cleared) and the tokens it held, or None when no free slot holds anything."""
+        for slot in self._free_slots:
+            tokens = self.slot_tokens[slot]
+            if tokens:
+                self.slot_tokens[slot] = []
+                return slot, tokens
+        return None
+
+    def park(self) -> Sequence | None:
+        """Park the newest running sequence that could run (its slot's memory must be cleared) and return it; None
+        when at most one could run: it does not fit alone, and parking it would free nothing lasting.
+
+        It keeps its slot (and so its sampler's state); when it resumes it prefills its prompt and its output so
+        far, and the token sampled after them is its next one. Sequences waiting to copy from it prefill alone.
+        """
+        active = [seq for seq in self.running if not seq.is_parked and seq.fork_of is None]
+        if len(active) <= 1:
+            return None
+        seq = active[-1]
+        seq.is_parked = True
+        seq.num_refill = len(seq.output)
+        seq.num_prefilled = 0
+        seq.draft = []
+        seq.leader, seq.share_len = None, 0
+        for other in self.running:
+            if other.leader is seq:
+                other.leader, other.share_len = None, 0
+        return seq
+
+    def _resume(self, count: int) -> None:
+        """Let the `count` oldest parked sequences prefill again."""
+        for seq in self.running:
+            if count <= 0:
+                return
+            if seq.is_parked:
+                seq.is_parked = False
+                count -= 1
+
+    def schedule(self) -> list[tuple[Sequence, BatchEntry]]:
+        """Plan one step: one token per decoding sequence (and the tokens drafted after it), then prefill chunks
+        within the budget."""
+        plan: list[tuple[Sequence, BatchEntry]] = []
+        budget = self.max_batch_tokens
+        if all(seq.is_parked or seq.fork_of is not None for seq in self.running):
+            self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
+        for seq in self.running:
+            if not seq.is_prefilling and budget > 0:
+                draft = seq.draft[: budget - 1]
+                plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
+                                             draft=len(draft))))
+                budget -= 1 + len(draft)
+        budget = min(budget, self.max_prefill_tokens)
+        has_prefill = False
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.is_prefilling or seq.leader is not None or seq.fork_of is not None or seq.is_parked:
+                continue
+            start = seq.num_prefilled
+            image = seq.image_at(start)
+            if image is not None:
+                if image.length > budget and has_prefill:
+                    continue  # next step, first in line
+                plan.append((seq, BatchEntry(seq.slot, [], start, False, image=image)))
+                budget -= image.length
+            else:
+                tokens = seq.prefill_tokens
+                chunk = tokens[start : min(start + budget, seq.text_end(start))]
+                is_last = start + len(chunk) == len(tokens)
+                plan.append((seq, BatchEntry(seq.slot, chunk, start, is_last)))
+                budget -= len(chunk)
+            has_prefill = True
+        return plan
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

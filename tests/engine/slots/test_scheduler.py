@@ -1,0 +1,320 @@
+"""The scheduler admits in order, decodes every running sequence each step, and prefills in chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve.engine.protocol import PromptImage
+from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.types import SamplingParams
+
+
+def seq(num_prompt: int) -> Sequence:
+    return Sequence(prompt=list(range(num_prompt)), sampling=SamplingParams(), max_new_tokens=16)
+
+
+def admit_all(scheduler: Scheduler) -> None:
+    while scheduler.can_admit():
+        scheduler.admit()
+
+
+def test_admits_fifo_up_to_the_number_of_slots() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    a, b, c = seq(3), seq(3), seq(3)
+    for s in (a, b, c):
+        scheduler.add(s)
+    admit_all(scheduler)
+    assert scheduler.running == [a, b]
+    assert list(scheduler.waiting) == [c]
+    assert {a.slot, b.slot} == {0, 1}
+
+
+def test_a_removed_sequence_frees_its_slot_for_the_next() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    a, b = seq(3), seq(3)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit_all(scheduler)
+    assert scheduler.remove(a) is True
+    admit_all(scheduler)
+    assert scheduler.running == [b]
+    assert b.slot == a.slot
+
+
+def test_removing_a_waiting_sequence_releases_nothing() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    a = seq(3)
+    scheduler.add(a)
+    assert scheduler.remove(a) is False
+    assert not scheduler.has_work
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=10)
+    decoding, long = seq(4), seq(25)
+    decoding.num_prefilled = 4
+    decoding.output = [7]
+    scheduler.add(decoding)
+    scheduler.add(long)
+    admit_all(scheduler)
+
+    chunks = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        entries = {s is long: e for s, e in plan}
+        assert entries[False].tokens == [7]  # the running stream decodes in every step
+        assert entries[False].pos == 4
+        chunk = entries[True]
+        chunks.append((chunk.pos, len(chunk.tokens), chunk.wants_sample))
+        long.num_prefilled += len(chunk.tokens)
+    assert chunks == [(0, 10, False), (10, 10, False), (20, 5, True)]
+
+
+def test_decode_position_follows_generated_tokens() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=8, max_prefill_tokens=8)
+    s = seq(5)
+    scheduler.add(s)
+    admit_all(scheduler)
+    s.num_prefilled = 5
+    s.output = [1, 2, 3]
+    [(_, entry)] = scheduler.schedule()
+    assert (entry.tokens, entry.pos, entry.wants_sample) == ([3], 7, True)
+
+
+def test_batch_budget_is_never_exceeded() -> None:
+    scheduler = Scheduler(num_slots=4, max_batch_tokens=12, max_prefill_tokens=100)
+    for _ in range(4):
+        scheduler.add(seq(9))
+    admit_all(scheduler)
+    plan = scheduler.schedule()
+    assert sum(len(e.tokens) for _, e in plan) == 12
+
+
+def test_a_new_sequence_gets_the_free_slot_holding_the_longest_prefix_of_its_prompt() -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.slot_tokens = [[1, 2, 9], [1, 2, 3, 4, 5], [7]]
+    s = Sequence(prompt=[1, 2, 3, 4, 6], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert (s.slot, s.num_cached) == (1, 4)
+
+
+@pytest.mark.parametrize(("held", "prompt", "expected"), [
+    # a prompt keeping most of a slot's tokens takes it (the next turn of that conversation)
+    ([[1, 2, 3, 4], [], [1, 2, 7, 7]], [1, 2, 3, 4, 5], (0, 4)),
+    # a short match (the template's first tokens) never takes a slot holding a long prefix: an empty slot does
+    ([[1, 2, 3, 4, 5, 6], [], [1, 9, 9, 9, 9, 9]], [1, 8, 8], (1, 0)),
+    # a prompt the slot holds whole (a repeated request) takes it, however much more the slot holds
+    ([[1, 2, 3, 4, 5, 6], [], [1, 9, 9, 9, 9, 9]], [1, 2, 3], (0, 2)),
+    # no empty slot: the least recently freed one (the first in the free list)
+    ([[1, 2, 3, 4, 5, 6], [1, 9, 9, 9, 9, 9], [1, 7, 7, 7, 7, 7]], [1, 8, 8], (2, 1)),
+])
+def test_a_slot_is_reused_only_when_the_prompt_keeps_enough_of_it(
+    held: list[list[int]], prompt: list[int], expected: tuple[int, int]
+) -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=64, slot_similarity=0.5)
+    scheduler.slot_tokens = held
+    s = Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert (s.slot, s.num_cached) == expected
+    assert s.evicts == held[s.slot]
+
+
+def test_two_users_taking_turns_on_two_slots_keep_their_own_slot() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    chats = {"a": [1, 10, 11, 12, 13], "b": [1, 20, 21, 22, 23]}
+    slots: dict[str, list[int]] = {}
+    for _ in range(3):
+        for name, prompt in chats.items():
+            s = Sequence(prompt=list(prompt), sampling=SamplingParams(), max_new_tokens=4)
+            scheduler.add(s)
+            scheduler.admit()
+            slots.setdefault(name, []).append(s.slot)
+            scheduler.reused(s, s.num_cached)
+            s.num_prefilled, s.output = len(s.prompt), [99, 98]
+            scheduler.remove(s)
+            prompt += [99, 5]
+    assert slots == {"a": [0, 0, 0], "b": [1, 1, 1]}
+
+
+def test_at_least_the_last_prompt_token_is_always_decoded() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.slot_tokens = [[1, 2, 3, 4]]
+    s = Sequence(prompt=[1, 2, 3], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    assert s.num_cached == 2
+
+
+def test_a_finished_slot_remembers_the_tokens_it_decoded() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    s = seq(3)
+    scheduler.add(s)
+    scheduler.admit()
+    s.num_prefilled = 3
+    s.output = [10, 11, 12]
+    scheduler.remove(s)
+    assert scheduler.slot_tokens[0] == [0, 1, 2, 10, 11]
+
+
+def image_seq(layout: list[int | str]) -> Sequence:
+    """A prompt from a layout: an int is that many text tokens, "imgN" an image of N positions."""
+    prompt: list[int] = []
+    images: list[PromptImage] = []
+    for part in layout:
+        if isinstance(part, int):
+            prompt += range(100, 100 + part)
+        else:
+            length = int(part.removeprefix("img"))
+            images.append(PromptImage(len(prompt), length, handle=part))
+            prompt += [-5] * length
+    return Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=4, images=images)
+
+
+def prefill_plan(scheduler: Scheduler, s: Sequence) -> list[tuple[int, int, bool, bool]]:
+    """Run the prefill to the end: (pos, positions, is image, wants sample) per step."""
+    steps = []
+    while s.is_prefilling:
+        (entry,) = [e for q, e in scheduler.schedule() if q is s]
+        steps.append((entry.pos, entry.num_positions, entry.image is not None, entry.wants_sample))
+        s.num_prefilled += entry.num_positions
+    return steps
+
+
+def test_an_image_is_prefilled_whole_in_a_step_of_its_own() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=8)
+    s = image_seq([5, "img12", 10])
+    scheduler.add(s)
+    admit_all(scheduler)
+    # Text stops at the image; the image goes whole even over the budget (it is the step's first prefill).
+    assert prefill_plan(scheduler, s) == [(0, 5, False, False), (5, 12, True, False), (17, 8, False, False),
+                                          (25, 2, False, True)]
+
+
+def test_an_image_over_the_remaining_budget_waits_for_the_next_step() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=16)
+    text, image = seq(10), image_seq(["img12", 3])
+    for s in (text, image):
+        scheduler.add(s)
+    admit_all(scheduler)
+    plan = scheduler.schedule()
+    assert [(q is text, e.num_positions) for q, e in plan] == [(True, 10)]  # 10 + 12 > 16: the image waits
+    text.num_prefilled = 10
+    text.output = [1]
+    plan = scheduler.schedule()
+    assert [(q is image, e.image is not None) for q, e in plan] == [(False, False), (True, True)]
+
+
+def test_a_reused_prefix_never_ends_inside_an_image() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    first = image_seq([4, "img8", 2])
+    scheduler.add(first)
+    admit_all(scheduler)
+    first.num_prefilled = len(first.prompt)
+    scheduler.remove(first)
+    # Same text and image, then different text: the whole image is reusable.
+    again = image_seq([4, "img8", 1])
+    again.prompt[-1] = 7
+    scheduler.add(again)
+    admit_all(scheduler)
+    assert again.num_cached == 12
+    # A slot holding only part of an image (cut memory) reuses up to the image's start.
+    scheduler.remove(again)
+    scheduler.slot_tokens[again.slot] = again.prompt[:9]
+    third = image_seq([4, "img8", 3])
+    scheduler.add(third)
+    admit_all(scheduler)
+    assert third.num_cached == 4
+
+
+def sharing(num_slots: int = 4) -> Scheduler:
+    return Scheduler(num_slots=num_slots, max_batch_tokens=512, max_prefill_tokens=512, can_copy=True, min_share=4)
+
+
+def test_a_longer_prefix_held_by_another_slot_is_copied() -> None:
+    scheduler = sharing()
+    busy = seq(40)  # still running, its slot holds 40 prompt tokens and 2 decoded ones
+    scheduler.add(busy)
+    admit_all(scheduler)
+    busy.num_prefilled = 40
+    busy.output = [7, 8, 9]
+    follow_up = Sequence(prompt=[*busy.prompt, 7, 8, 5], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(follow_up)
+    admit_all(scheduler)
+    assert follow_up.slot != busy.slot
+    assert (follow_up.copy_from, follow_up.copy_len) == (busy.slot, 42)
+    short = Sequence(prompt=[*busy.prompt[:3], 1], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(short)
+    admit_all(scheduler)
+    assert short.copy_from == -1  # 3 shared tokens are not worth a copy (min_share 4)
+
+
+def test_followers_wait_for_a_leader_prefilling_their_shared_prefix_then_copy_it() -> None:
+    scheduler = sharing()
+    system = list(range(100))
+    users = [Sequence(prompt=[*system, 1000 + i, 2000 + i], sampling=SamplingParams(), max_new_tokens=4)
+             for i in range(3)]
+    for s in users:
+        scheduler.add(s)
+    admit_all(scheduler)
+    leader, *followers = users
+    assert all(f.leader is leader and f.share_len == 100 for f in followers)
+    plan = scheduler.schedule()
+    assert [s for s, _ in plan] == [leader]  # followers compute nothing meanwhile
+    assert scheduler.ready_shares() == []
+    leader.num_prefilled = 100
+    assert scheduler.ready_shares() == [(f, leader.slot, 100) for f in followers]
+    for f in followers:
+        scheduler.reused(f, 100)
+    plan = scheduler.schedule()
+    assert sorted(len(e.tokens) for _, e in plan) == [2, 2, 2]  # only each user's own tail is left
+
+
+def test_a_follower_whose_leader_left_early_prefills_alone() -> None:
+    scheduler = sharing()
+    system = list(range(100))
+    leader = Sequence(prompt=[*system, 1], sampling=SamplingParams(), max_new_tokens=4)
+    follower = Sequence(prompt=[*system, 2], sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(leader)
+    scheduler.add(follower)
+    admit_all(scheduler)
+    leader.num_prefilled = 30
+    scheduler.remove(leader)  # aborted after 30 tokens: its slot holds too little to copy
+    assert scheduler.ready_shares() == []
+    assert follower.leader is None
+    assert [s for s, _ in scheduler.schedule()] == [follower]
+
+
+def test_without_copies_nothing_is_shared() -> None:
+    scheduler = Scheduler(num_slots=4, max_batch_tokens=512, max_prefill_tokens=512)
+    a, b = seq(100), seq(100)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit_all(scheduler)
+    assert b.leader is None and b.copy_from == -1
+
+
+def test_prefill_pauses_at_a_checkpoint() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64, can_snapshot=True)
+    s = seq(50)
+    s.checkpoints = [20]
+    scheduler.add(s)
+    admit_all(scheduler)
+    assert prefill_plan(scheduler, s) == [(0, 20, False, False), (20, 30, False, True)]
+
+
+def test_without_copies_followers_wait_for_a_leaders_checkpoint() -> None:
+    scheduler = Scheduler(num_slots=4, max_batch_tokens=512, max_prefill_tokens=512, can_snapshot=True, min_share=4)
+    system = list(range(100))
+    leader = Sequence(prompt=[*system, 1, 2], sampling=SamplingParams(), max_new_tokens=4, checkpoints=[100])
+    follower = Sequence(prompt=[*system, 3, 4], sampling=SamplingParams(), max_new_tokens=4, checkpoints=[100])
+    stranger = Sequence(prompt=[7, *system], sampling=SamplingParams(), max_new_tokens=4)
+    for s in (leader, follower, stranger):
+        scheduler.add(s)
+    admit_all(scheduler)
+    assert (follower.leader, follower.share_len) == (leader, 100)
+    assert stranger.leader is None
+    assert {s for s, _ in scheduler.schedule()} == {leader, stranger}
+    leader.num_prefilled = 100
+    assert scheduler.ready_shares() == [(follower, leader.slot, 100)]
