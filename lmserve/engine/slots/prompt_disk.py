@@ -462,8 +462,13 @@ class DiskTier:
             except Exception:
                 log.exception("prompt cache: could not save a prompt state to %s", self.root)
             with self._cond:
-                if self._pending.pop(key, None) is not None:
+                if self._pending.get(key) is state:
+                    del self._pending[key]
                     self._pending_bytes -= len(state)
+                elif key not in self._pending:  # removed while it was written: the file goes too
+                    rel = f"{_folder_name(key[0])}/{_file_name(key[0], _token_bytes(key[1]))}"
+                    self._drop_from_index(rel)
+                    self._doomed.append(rel)
                 self._cond.notify_all()
 
     def _write_entry(self, model_key: str, tokens: tuple[int, ...], state: SavedState) -> None:
