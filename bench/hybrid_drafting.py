@@ -52,6 +52,7 @@ import throughput
 
 sys.path.insert(0, str(throughput.ROOT))
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.llamacpp.quantize import quantize
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
@@ -170,9 +171,8 @@ def check_partial_path(backend: LlamaCppBackend, prompt: list[int]) -> bool:
 
 
 def measure(path: Path, threads: int, context: int, reps: int) -> tuple[Costs, bool]:
-    options = LoadOptions(num_ctx=context + 2048, num_parallel=2, num_batch=64, num_threads=threads,
-                          thread_policy="fixed")
-    backend = LlamaCppBackend(path, options)
+    options = LoadOptions(num_ctx=context + 2048, num_parallel=2, num_batch=64, num_threads=threads)
+    backend = LlamaCppBackend(path, options, LlamaCppLaunch(thread_policy="fixed"))
     try:
         prompt = backend.tokenize(("The survey of 1872 counted the parts of the lighthouse. " * 200), add_special=True,
                                   parse_special=False)[:context]

@@ -1,9 +1,11 @@
-"""Server configuration: every flag and LMSERVE_* environment variable is declared here once, nowhere else.
+"""Server configuration: every flag and LMSERVE_* environment variable, in one table.
 
-Each field of `ServerConfig` is one entry of the options table: its default, its flags, its environment variable,
-how its text is read, the bounds it must keep, and a help text into which the default is filled from the value
-(in the spirit of llama.cpp's `add_opt(...).set_env(...)`). `add_arguments` builds `lmserve serve`'s flags from
-the table, so adding an option is adding one field.
+Each field of `ServerConfig` is one entry of the options table (option_table.py): its default, its flags, its
+environment variable, how its text is read, the bounds it must keep, and a help text into which the default is
+filled from the value. Each engine declares its own options the same way, as the fields of its launch record
+(engine/<name>/options.py); `OPTIONS` gathers the server's and every engine's (engine/registry.py), `add_arguments`
+builds `lmserve serve`'s flags from it, and a given option of another engine than the model's is refused
+(`refused_by`). Adding an option is adding one field.
 
 Precedence: command-line flag → environment variable → default.
 """
@@ -13,111 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Literal, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
-from lmserve.parsing import ParseError, format_duration, parse_address, parse_duration
-from lmserve.types import (
-    AUTO_CONTEXT,
-    AUTO_CONTEXT_CEILING,
-    AUTO_CONTEXT_FLOOR,
-    AUTO_KV_FRACTION,
-    DRAFT_P_MIN,
-    FLASH_ATTN_MODES,
-    KV_CACHE_TYPES,
-    THREAD_POLICIES,
-    LoadOptions,
-)
+from lmserve.engine.registry import AUTO, ENGINES
+from lmserve.option_table import ConfigError as ConfigError  # re-exported: the CLI catches it
+from lmserve.option_table import Option, entries, option
+from lmserve.parsing import ParseError, parse_address, parse_duration
+from lmserve.types import AUTO_CONTEXT, AUTO_CONTEXT_CEILING, AUTO_CONTEXT_FLOOR, AUTO_KV_FRACTION, LoadOptions
 
-ENV_PREFIX = "LMSERVE_"
-
-
-def _default_cache_ram_mib() -> int:
-    """A quarter of the machine's memory, at most 8 GiB (llama-server's --cache-ram default), in MiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1024
-    return min(8192, total // 4 // 2**20)
-
-
-DEFAULT_CACHE_RAM_MIB = _default_cache_ram_mib()
 T = TypeVar("T")
-DRAFT_MODEL_MAX = 16
-"""The draft cap with --model-draft when --draft-max is not given: drafts start at 4 tokens and double up to it while
-they are accepted whole (engine/slots/drafting.py `DraftLength`)."""
-Kind = Literal["str", "int", "float", "bool", "list", "duration"]
-EngineName = Literal["llamacpp", "vllm"]
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One server option: how it is given (flags, environment), read (`kind`), checked and described."""
-
-    env: str
-    """The environment variable, without the LMSERVE_ prefix."""
-    help: str
-    flags: tuple[str, ...] = ()
-    """`-c`, `--ctx-size` …; none: set through the environment only."""
-    kind: Kind = "str"
-    """How a text value is read: as is, an integer, a number, a switch (a flag without a value; 1/true/yes/on in
-    the environment), a comma-separated list, or a duration (negative: forever)."""
-    minimum: float | None = None
-    maximum: float | None = None
-    special: int | None = None
-    """One value allowed outside the bounds (e.g. -1 for "unlimited")."""
-    metavar: str | None = None
-    shown: str | None = None
-    """How the default reads in the help when the value alone says nothing ("all cores")."""
-    positional: str | None = None
-    """The option is also the positional argument of this name (the model to serve)."""
-    choices: tuple[str, ...] = ()
-    """The values allowed (none: any)."""
-    engine: EngineName | None = None
-    """The one engine that understands the option (None: both); given for a model on the other, it is an error."""
-    env_aliases: tuple[str, ...] = ()
-    """More environment variables (without the prefix) that set it, under the names other servers use."""
-
-    @property
-    def env_name(self) -> str:
-        return ENV_PREFIX + self.env
-
-    @property
-    def name(self) -> str:
-        """What an error message calls the option: its first long flag, else its variable."""
-        return next((flag for flag in self.flags if flag.startswith("--")), self.env_name)
-
-    def describe_default(self, default: object) -> str:
-        if self.shown is not None:
-            return self.shown
-        if self.kind == "duration":
-            return format_duration(default if isinstance(default, int | float) else None)
-        if default is None or default == ():
-            return "none"
-        return str(default)
-
-    @property
-    def env_names(self) -> tuple[str, ...]:
-        return (self.env_name, *(ENV_PREFIX + alias for alias in self.env_aliases))
-
-    def help_text(self, default: object) -> str:
-        """The help line: the text, then the default (filled in from the value) and the variable(s)."""
-        engine = f"{ENGINE_LABELS[self.engine]} only; " if self.engine else ""
-        return f"{self.help} (default {self.describe_default(default)}; {engine}{', '.join(self.env_names)})"
-
-
-ENGINE_LABELS: dict[str, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
-
-
-def option(default: T, *flags: str, env: str, help: str, kind: Kind = "str", minimum: float | None = None,
-           maximum: float | None = None, special: int | None = None, metavar: str | None = None,
-           shown: str | None = None, positional: str | None = None, choices: tuple[str, ...] = (),
-           engine: EngineName | None = None, env_aliases: tuple[str, ...] = ()) -> T:
-    """A ServerConfig field that is also an entry of the options table."""
-    entry = Option(env=env, help=help, flags=flags, kind=kind, minimum=minimum, maximum=maximum, special=special,
-                   metavar=metavar, shown=shown, positional=positional, choices=choices, engine=engine,
-                   env_aliases=env_aliases)
-    return field(default=default, metadata={"option": entry})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,32 +35,27 @@ class ServerConfig:
                         help="a stored model's name, a hub repository <org>/<repo> (pulled when not stored; gated "
                         "ones read the token from HF_TOKEN), a .gguf file, or a directory with config.json and "
                         "safetensors")
-    engine: str = option("auto", "--engine", env="ENGINE", choices=("auto", "llamacpp", "vllm"),
-                         help="the engine: auto picks llama.cpp for GGUF weights and vLLM for safetensors")
+    engine: str = option(AUTO, "--engine", env="ENGINE", choices=(AUTO, *(spec.name for spec in ENGINES)),
+                         help="the engine: auto picks by the model's kind ("
+                         + "; ".join(f"{spec.label} for {spec.serves}" for spec in ENGINES) + ")")
     host: str = option("127.0.0.1", "--host", env="HOST", help="address to listen on (host:port accepted)")
     port: int = option(11434, "--port", env="PORT", kind="int", minimum=1, maximum=65535,
                        help="port to listen on")
     ctx_size: int = option(AUTO_CONTEXT, "-c", "--ctx-size", "--max-model-len", env="CTX_SIZE", kind="int",
-                           minimum=1, metavar="N", env_aliases=("MAX_MODEL_LEN",),
+                           minimum=1, metavar="N", env_aliases=("MAX_MODEL_LEN",), load="num_ctx",
                            shown="auto: the largest power of two whose KV cache for all slots "
                            f"fits in {AUTO_KV_FRACTION:.0%} of the memory the weights leave (RAM, or the GPU memory "
                            f"on a GPU), from {AUTO_CONTEXT_FLOOR} to {AUTO_CONTEXT_CEILING} tokens",
                            help="context length PER SEQUENCE in tokens; each of the --parallel slots gets this many; "
                            "never more than the model was trained for (a larger N is capped there, with a warning)")
-    n_gpu_layers: int = option(0, "-ngl", "--n-gpu-layers", env="N_GPU_LAYERS", kind="int", minimum=-1, metavar="N",
-                               engine="llamacpp",
-                               help="layers to offload to a GPU (-1: all)")
     parallel: int = option(4, "-np", "--parallel", "--max-num-seqs", env="PARALLEL", kind="int", minimum=1,
-                           metavar="N", env_aliases=("MAX_NUM_SEQS",),
+                           metavar="N", env_aliases=("MAX_NUM_SEQS",), load="num_parallel",
                            help="sequences decoded together")
     threads: int | None = option(None, "-t", "--threads", env="THREADS", kind="int", minimum=1, metavar="N",
-                                 shown="all cores", help="CPU threads")
+                                 shown="all cores", load="num_threads", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
                                  "/health, / and the web page's /web/ files")
-    batch_size: int = option(512, "-b", "--batch-size", env="BATCH_SIZE", kind="int", minimum=1, metavar="N",
-                             engine="llamacpp",
-                             help="most tokens decoded in one step")
     prefill_chunk: int | None = option(None, "--prefill-chunk", "--chunked-prefill-size", env="PREFILL_CHUNK",
                                        kind="int", minimum=1, special=-1, metavar="N",
                                        env_aliases=("CHUNKED_PREFILL_SIZE",),
@@ -165,51 +67,6 @@ class ServerConfig:
                             help="most tokens a reply may have when the request and the Modelfile say nothing")
     alias: str | None = option(None, "-a", "--alias", "--served-model-name", env="ALIAS", metavar="NAME",
                                env_aliases=("SERVED_MODEL_NAME",), help="name the model answers to")
-    dtype: str = option("auto", "--dtype", env="DTYPE", choices=("auto", "float16", "bfloat16", "float32"),
-                        engine="vllm", help="weight and activation dtype (a hybrid model's convolution state "
-                        "follows it)")
-    gpu_memory_utilization: float | None = option(None, "--gpu-memory-utilization", env="GPU_MEMORY_UTILIZATION",
-                                                  kind="float", minimum=0.0, maximum=1.0, metavar="F",
-                                                  engine="vllm", shown="vLLM's 0.9 on a GPU",
-                                                  help="fraction of GPU memory for weights and KV cache, 0-1 (GPU "
-                                                  "only: vLLM's CPU build sizes its KV cache for --parallel x "
-                                                  "--ctx-size)")
-    tensor_parallel_size: int = option(1, "-tp", "--tensor-parallel-size", env="TENSOR_PARALLEL_SIZE", kind="int",
-                                       minimum=1, metavar="N", engine="vllm",
-                                       help="GPUs (or CPU workers) each layer is split over")
-    pipeline_parallel_size: int = option(1, "-pp", "--pipeline-parallel-size", env="PIPELINE_PARALLEL_SIZE",
-                                         kind="int", minimum=1, metavar="N", engine="vllm",
-                                         help="stages the layers are split into")
-    data_parallel_size: int = option(1, "-dp", "--data-parallel-size", env="DATA_PARALLEL_SIZE", kind="int",
-                                     minimum=1, metavar="N", engine="vllm", help="replicas of the model")
-    nnodes: int = option(1, "--nnodes", env="NNODES", kind="int", minimum=1, metavar="N", engine="vllm",
-                         help="machines one model spans (vLLM's multiprocessing multi-node: start the same command "
-                         "on each, with its --node-rank)")
-    node_rank: int = option(0, "--node-rank", env="NODE_RANK", kind="int", minimum=0, metavar="R", engine="vllm",
-                            help="this machine's rank among --nnodes; rank 0 serves HTTP, the others run --headless")
-    master_addr: str = option("127.0.0.1", "--master-addr", env="MASTER_ADDR", metavar="ADDR", engine="vllm",
-                              help="the address of node rank 0, which the other nodes join")
-    master_port: int = option(29501, "--master-port", env="MASTER_PORT", kind="int", minimum=1, maximum=65535,
-                              metavar="PORT", engine="vllm", help="the port node rank 0 is joined on")
-    distributed_executor_backend: str = option("auto", "--distributed-executor-backend", choices=("auto", "mp", "ray"),
-                                               env="DISTRIBUTED_EXECUTOR_BACKEND", engine="vllm",
-                                               help="how vLLM runs its workers: mp (processes, and --nnodes over "
-                                               "machines) or ray (a Ray cluster's GPUs; start Ray first)")
-    headless: bool = option(False, "--headless", env="HEADLESS", kind="bool", engine="vllm",
-                            help="run this node's vLLM workers only (no HTTP); it ends when node rank 0 does")
-    enable_torch_compile: bool = option(False, "--enable-torch-compile", env="ENABLE_TORCH_COMPILE", kind="bool",
-                                        engine="vllm", help="compile the model (and capture CUDA graphs): longer "
-                                        "start, faster tokens; off runs eagerly")
-    kv_offloading_size: float = option(0.0, "--kv-offloading-size", env="KV_OFFLOADING_SIZE", kind="float",
-                                       minimum=0.0, metavar="GIB", engine="vllm", shown="0, off",
-                                       help="GiB of CPU RAM that KV blocks leaving the GPU's KV cache go to, so a "
-                                       "returning prompt's prefix is copied back instead of prefilled (GPU only: "
-                                       "vLLM's CPU build keeps its KV cache in RAM already)")
-    kv_offloading_backend: str = option("native", "--kv-offloading-backend", env="KV_OFFLOADING_BACKEND",
-                                        choices=("native", "lmcache"), engine="vllm",
-                                        help="who keeps the offloaded KV blocks (with --kv-offloading-size): native "
-                                        "(vLLM's CPU offloading) or lmcache (an LMCache server, which sizes its own "
-                                        "RAM and disk tiers)")
     models_dir: str = option("~/.lmserve/models", env="MODELS", help="the model store (blobs and manifests)")
     keep_alive: float | None = option(300.0, env="KEEP_ALIVE", kind="duration",
                                       help="how long a model stays loaded after its last request")
@@ -247,63 +104,7 @@ class ServerConfig:
                                  help="largest request body in bytes (413 beyond it); blob uploads are exempt")
     max_messages: int = option(1024, env="MAX_MESSAGES", kind="int", minimum=1,
                                help="most messages one chat request may carry")
-    cache_type_k: str = option("f16", "-ctk", "--cache-type-k", env="CACHE_TYPE_K", choices=KV_CACHE_TYPES,
-                               metavar="TYPE", engine="llamacpp",
-                               help="KV cache type of the keys: f16, or quantized to save memory (q8_0 about half, "
-                               "q4_0 about a quarter)")
-    cache_type_v: str = option("f16", "-ctv", "--cache-type-v", env="CACHE_TYPE_V", choices=KV_CACHE_TYPES,
-                               metavar="TYPE", engine="llamacpp",
-                               help="KV cache type of the values (a quantized type needs flash attention)")
-    flash_attn: str = option("auto", "-fa", "--flash-attn", env="FLASH_ATTN", choices=FLASH_ATTN_MODES,
-                             engine="llamacpp",
-                             help="flash attention: on, off, or auto (where llama.cpp's backend has it)")
-    kv_unified: bool = option(False, "-kvu", "--kv-unified", env="KV_UNIFIED", kind="bool", engine="llamacpp",
-                              help="one KV pool of --ctx-size tokens shared by all --parallel slots, each growing "
-                              "up to all of it, instead of --ctx-size tokens reserved per slot; when the pool is "
-                              "full, idle slots' prefix caches go first, then the newest sequences pause and are "
-                              "recomputed later (their output unchanged)")
-    thread_policy: str = option("adaptive", "--thread-policy", env="THREAD_POLICY", choices=THREAD_POLICIES,
-                                engine="llamacpp",
-                                help="adaptive: compute with the cores other programs leave free (at most "
-                                "--threads), so a busy machine does not stall every step; fixed: always --threads")
-    draft_max: int = option(0, "--draft-max", env="DRAFT_MAX", kind="int", minimum=0, maximum=64,
-                            metavar="N", engine="llamacpp", shown=f"0, off; {DRAFT_MODEL_MAX} with --model-draft",
-                            help="speculative decoding: draft up to N tokens per step from the sequence's own "
-                            "context (prompt lookup) or the draft model, and keep what the model agrees with; the "
-                            "output is unchanged (a request's draft_max overrides it)")
-    model_draft: str | None = option(None, "-md", "--model-draft", env="MODEL_DRAFT", metavar="PATH",
-                                     engine="llamacpp",
-                                     help="speculative decoding with a small GGUF of the same vocabulary (e.g. a "
-                                     "smaller model of the family) drafting for each served GGUF model")
-    draft_p_min: float = option(DRAFT_P_MIN, "--draft-p-min", env="DRAFT_P_MIN", kind="float", minimum=0.0,
-                                maximum=1.0, metavar="P", engine="llamacpp",
-                                shown="0, no floor",
-                                help="the draft model's draft stops before a token it gives less probability than P")
-    cache_ram: int = option(DEFAULT_CACHE_RAM_MIB, "-cram", "--cache-ram", env="CACHE_RAM", kind="int", minimum=0,
-                            metavar="MiB", engine="llamacpp", shown=f"{DEFAULT_CACHE_RAM_MIB}: a quarter of this "
-                            "machine's memory, at most 8192",
-                            help="RAM for the prompt cache beyond the slots, all models together: a slot's state "
-                            "is saved there before another prompt takes the slot, and a returning prompt restores "
-                            "it instead of computing its prefix again; least recently used out first (0: off)")
-    cache_disk: int = option(4096, "--cache-disk", env="CACHE_DISK", kind="int", minimum=0, metavar="MiB",
-                             engine="llamacpp",
-                             help="disk for the prompt cache, under the model store (prompt-cache/): the states "
-                             "saved in RAM are also written there, so a conversation returning after a restart or "
-                             "a reload skips its prefill; least recently used out first (0: off)")
-    slot_prompt_similarity: float = option(0.5, "-sps", "--slot-prompt-similarity", env="SLOT_PROMPT_SIMILARITY",
-                                           kind="float", minimum=0.0, maximum=1.0, metavar="F", engine="llamacpp",
-                                           help="a prompt takes the free slot sharing its longest prefix only when "
-                                           "that prefix is at least F of the slot's cached tokens; otherwise an "
-                                           "empty slot, else the least recently used (its state saved first)")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
-    mmproj: str | None = option(None, "--mmproj", env="MMPROJ", metavar="PATH", engine="llamacpp",
-                                help="vision projector GGUF for a model given as a .gguf path")
-    image_min_tokens: int = option(0, "--image-min-tokens", env="IMAGE_MIN_TOKENS", kind="int", minimum=0,
-                                   metavar="N", shown="the projector's", engine="llamacpp",
-                                   help="fewest tokens per image or tile")
-    image_max_tokens: int = option(0, "--image-max-tokens", env="IMAGE_MAX_TOKENS", kind="int", minimum=0,
-                                   metavar="N", shown="the projector's", engine="llamacpp",
-                                   help="most tokens per image or tile")
     image_allow_hosts: tuple[str, ...] = option((), "--image-allow-host", env="IMAGE_ALLOW_HOSTS", kind="list",
                                                 metavar="HOST",
                                                 help="let image URLs reach HOST (name, IP or host:port) even when it "
@@ -320,52 +121,55 @@ class ServerConfig:
                                   "first)")
     completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
                                            help="how long a stored chat completion is kept (negative: forever)")
+    launch: tuple[Any, ...] = field(default_factory=lambda: tuple(spec.launch() for spec in ENGINES))
+    """Each engine's launch record (its options), in the order of engine/registry.py `ENGINES`."""
     given: frozenset[str] = field(default=frozenset())
     """The options set by a flag or a variable (not defaulted): those one engine does not understand are refused."""
 
-    def refused_by(self, engine: EngineName) -> str | None:
-        """Why this configuration cannot serve a model on `engine` (an option only the other engine understands
-        was given), or None."""
+    def value(self, name: str) -> Any:
+        """The value of option `name`, the server's or an engine's."""
+        owner = OPTIONS[name].engine
+        if owner is None:
+            return getattr(self, name)
+        return getattr(self.launch[ENGINE_INDEX[owner]], name)
+
+    def launch_of(self, kind: type[T]) -> T:
+        """The launch record of this type (an engine's options)."""
+        return next(record for record in self.launch if isinstance(record, kind))
+
+    def refused_by(self, engine: str) -> str | None:
+        """Why this configuration cannot serve a model on `engine` (an option only another engine understands was
+        given), or None."""
+        spec = ENGINES[ENGINE_INDEX[engine]]
         for name in sorted(self.given):
             entry = OPTIONS.get(name)
             if entry is not None and entry.engine is not None and entry.engine != engine:
-                return (f"{entry.name} is a {ENGINE_LABELS[entry.engine]} option, but {self.model} is served by "
-                        f"{ENGINE_LABELS[engine]}; drop it" + (" or pass --engine llamacpp with a .gguf model"
-                                                                 if engine == "vllm" else
-                                                                 " or serve a safetensors repository (--engine vllm)"))
+                owner = ENGINES[ENGINE_INDEX[entry.engine]]
+                return (f"{entry.name} is a {owner.label} option, but {self.model} is served by {spec.label}; drop "
+                        f"it, or serve one of the {owner.serves} that {owner.label} serves")
         return None
 
     @property
     def load_options(self) -> LoadOptions:
-        return LoadOptions(
-            num_ctx=self.ctx_size,
-            num_parallel=self.parallel,
-            num_gpu_layers=self.n_gpu_layers,
-            num_threads=self.threads,
-            num_batch=self.batch_size,
-            image_min_tokens=self.image_min_tokens,
-            image_max_tokens=self.image_max_tokens,
-            cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v,
-            flash_attn=self.flash_attn,
-            kv_unified=self.kv_unified,
-            thread_policy=self.thread_policy,
-            draft_model=self.model_draft,
-            draft_p_min=self.draft_p_min,
-        )
-
-    @property
-    def speculative_draft_max(self) -> int:
-        """The draft cap for requests that do not set their own: --draft-max, else DRAFT_MODEL_MAX with a draft
-        model (a draft model means speculative decoding), else 0 (off)."""
-        if "draft_max" in self.given or self.model_draft is None:
-            return self.draft_max
-        return DRAFT_MODEL_MAX
+        """The server's defaults of the per-model load options (the options that name a `load` field)."""
+        return LoadOptions(**{entry.load: self.value(name) for name, entry in OPTIONS.items() if entry.load})
 
 
-OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(ServerConfig) if "option" in f.metadata}
-"""The options table: ServerConfig field name → its entry."""
-DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(ServerConfig) if f.name in OPTIONS}
+def _table() -> tuple[dict[str, Option], dict[str, object]]:
+    """The options of the server and of every engine (names are unique across them), and their defaults."""
+    table = {name: entry for name, (entry, _) in entries(ServerConfig).items()}
+    defaults = {name: default for name, (_, default) in entries(ServerConfig).items()}
+    for spec in ENGINES:
+        for name, (entry, default) in entries(spec.launch).items():
+            assert name not in table, f"option {name} is declared twice"
+            table[name] = replace(entry, engine=spec.name, engine_label=spec.label)
+            defaults[name] = default
+    return table, defaults
+
+
+OPTIONS, DEFAULTS = _table()
+"""The options table: field name → its entry (an engine's options carry its name), and the defaults."""
+ENGINE_INDEX: dict[str, int] = {spec.name: index for index, spec in enumerate(ENGINES)}
 
 DEFAULT_ORIGINS: tuple[str, ...] = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
@@ -373,10 +177,6 @@ DEFAULT_ORIGINS: tuple[str, ...] = (
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
 )
 """Origins CORS always allows, as the local runner does: local pages on any port, and desktop-app webviews."""
-
-
-class ConfigError(ValueError):
-    """A flag or environment variable has a value lmserve cannot use."""
 
 
 def env_name(name: str) -> str:
@@ -439,12 +239,14 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     _split_host(values, sources)
     for name, value in values.items():
         _check(OPTIONS[name], value, sources[name])
-    low, high = values.get("image_min_tokens"), values.get("image_max_tokens")
-    if isinstance(low, int) and isinstance(high, int) and 0 < high < low:
-        raise ConfigError(f"image-max-tokens ({high}) is below image-min-tokens ({low})")
-    if "draft_p_min" in values and not values.get("model_draft"):
-        raise ConfigError(f"{sources['draft_p_min']} applies to a draft model's drafts: give --model-draft too")
-    return ServerConfig(**values, given=frozenset(values))  # type: ignore[arg-type]
+    launch = []
+    for spec in ENGINES:
+        own = {name: values.pop(name) for name in entries(spec.launch) if name in values}
+        check = getattr(spec.launch, "check", None)
+        if check is not None:
+            check(own, sources)
+        launch.append(spec.launch(**own))
+    return ServerConfig(**values, launch=tuple(launch), given=frozenset(sources))  # type: ignore[arg-type]
 
 
 def _read(entry: Option, value: object, source: str) -> object:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from lmserve.config import ConfigError, ServerConfig, resolve
-from lmserve.engine.factory import EngineSettings
-from lmserve.engine.slots.prompt_cache import PromptCache
+from lmserve.engine.factory import EngineSettings, PromptCache
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.prompt_disk import DiskTier
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service import Service
@@ -38,7 +38,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     """The service over the model store, and the name of the model `serve` was asked for."""
     from functools import partial
 
-    from lmserve.engine.factory import engine_kind, open_engine
+    from lmserve.engine.factory import engine_of, open_engine
     from lmserve.errors import ModelNotFound
     from lmserve.parsing import model_name_for_file
     from lmserve.service.catalog import StoreCatalog, gguf_details
@@ -50,7 +50,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     settings = engine_settings(config)
     store = Store(Path(config.models_dir).expanduser())
-    catalog = StoreCatalog(store, partial(open_engine, settings=settings))
+    catalog = StoreCatalog(store, partial(open_engine, settings=settings), settings=settings)
     try:
         store.find(DEFAULT_MODEL_NAME)
     except LmserveError:
@@ -61,12 +61,13 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
         else:
             store.ensure_embedded(DEFAULT_MODEL_NAME, embedded, gguf_details(gguf_metadata(embedded)))
     name = config.model
+    mmproj = config.launch_of(LlamaCppLaunch).mmproj
     path = local_model(name, catalog)
     if path is not None:
         name = model_name_for_file(path.absolute())  # as `lmserve run FILE` names it (a link by its own name)
-        projector = str(Path(config.mmproj).expanduser().resolve()) if config.mmproj else None
+        projector = str(Path(mmproj).expanduser().resolve()) if mmproj else None
         catalog.create(name, Modelfile(from_=str(path.resolve()), projector=projector))
-    elif config.mmproj:
+    elif mmproj:
         raise InvalidRequest(f"--mmproj goes with a model given as a .gguf path, not the name '{name}' (a stored "
                              "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
@@ -84,7 +85,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
             raise
         service.models.pull(name, ProgressLines())  # a hub repository, as vLLM's `serve <org>/<repo>` fetches it
         name = catalog.resolve(name)
-    refusal = config.refused_by(engine_kind(store.model_path(store.find(name).manifest)))
+    refusal = config.refused_by(engine_of(store.model_path(store.find(name).manifest), settings).name)
     if refusal:
         raise InvalidRequest(refusal)
     if config.alias:
@@ -179,27 +180,16 @@ class ProgressLines:
 def prompt_cache(config: ServerConfig) -> PromptCache:
     """The prompt cache beyond the slots that every llama.cpp model of this server shares (RAM, and disk under the
     store)."""
-    disk = DiskTier(Path(config.models_dir).expanduser() / "prompt-cache", config.cache_disk * 2**20) \
-        if config.cache_disk else None
-    return PromptCache(config.cache_ram * 2**20, disk)
+    launch = config.launch_of(LlamaCppLaunch)
+    disk = DiskTier(Path(config.models_dir).expanduser() / "prompt-cache", launch.cache_disk * 2**20) \
+        if launch.cache_disk else None
+    return PromptCache(launch.cache_ram * 2**20, disk)
 
 
 def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
-    from lmserve.engine.vllm.engine import VllmOptions
-
-    launch = VllmOptions(
-        dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
-        tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
-        data_parallel_size=config.data_parallel_size, torch_compile=config.enable_torch_compile,
-        nnodes=config.nnodes, node_rank=config.node_rank, master_addr=config.master_addr,
-        master_port=config.master_port, executor=config.distributed_executor_backend,
-        kv_offloading_size=config.kv_offloading_size, kv_offloading_backend=config.kv_offloading_backend,
-    )
     return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-                          prompt_cache=prompt_cache(config), slot_similarity=config.slot_prompt_similarity,
-                          draft_max=config.speculative_draft_max,
-                          vllm=launch)
+                          prompt_cache=prompt_cache(config), launch=config.launch)
 
 
 class GracefulServer(uvicorn.Server):
@@ -248,7 +238,7 @@ def run(config: ServerConfig) -> int:
     from lmserve.parsing import Address
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if config.headless:
+    if config.value("headless"):
         return run_headless(config)
     try:
         sock = bind_socket(config.host, config.port)
@@ -299,18 +289,21 @@ def _context_line(ctx_size: int) -> str:
 
 
 def run_headless(config: ServerConfig) -> int:
-    """A worker node of a multi-node vLLM model: no HTTP; it runs until SIGTERM or until node rank 0 is gone."""
-    from lmserve.engine.factory import engine_kind, serve_headless
+    """A worker node of a model that spans machines: no HTTP; it runs until SIGTERM or until node rank 0 is gone."""
+    from lmserve.engine.factory import engine_of
 
     try:
         service, name = build_service(config)
         store = service.models.store
         path = store.model_path(store.find(name).manifest)
-        if engine_kind(path) != "vllm":
-            raise InvalidRequest(f"--headless runs a node of a vLLM model; {name} is a GGUF (llama.cpp)")
-        print(f"lmserve: node {config.node_rank} of {config.nnodes} for {name}, joining {config.master_addr}:"
-              f"{config.master_port}", file=sys.stderr, flush=True)
-        serve_headless(path, config.load_options, engine_settings(config))
+        settings = engine_settings(config)
+        spec = engine_of(path, settings)
+        if spec.serve_headless is None:
+            raise InvalidRequest(f"--headless runs this machine's share of a model that spans several; {name} is "
+                                 f"served by {spec.label}, which runs on one")
+        print(f"lmserve: node {config.value('node_rank')} of {config.value('nnodes')} for {name}, joining "
+              f"{config.value('master_addr')}:{config.value('master_port')}", file=sys.stderr, flush=True)
+        spec.serve_headless(path, config.load_options, settings)
     except LmserveError as exc:
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1

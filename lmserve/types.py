@@ -95,14 +95,6 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-DRAFT_P_MIN = 0.0
-"""The default `LoadOptions.draft_p_min` (llama-server's too): no floor. The adaptive draft length
-(engine/slots/drafting.py
-`DraftLength`) already backs off from a draft model that guesses wrong; a floor of 0.75 cut a story's drafts from
-159 to 43 with SmolLM2 Q4_1 drafting for its F32 self, whose unsure guesses were still right (1.53x plain decoding
-without the floor, 0.83x with it)."""
-
-
 AUTO_CONTEXT = 0
 """`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each
 sequence's context from the model and the machine when it loads it (engine/context_size.py)."""
@@ -116,7 +108,9 @@ AUTO_KV_FRACTION = 0.25
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
-    """Options fixed when a model is loaded; a change means a reload."""
+    """Options fixed when a model is loaded, that requests and Modelfiles may set per model (the local runner's
+    load options); a change means a reload. What only one engine understands is that engine's launch record
+    (engine/<name>/options.py), fixed for the server."""
 
     num_ctx: int = AUTO_CONTEXT
     """Context tokens per sequence; AUTO_CONTEXT: sized by the engine at load. Never more than the model was
@@ -135,35 +129,6 @@ class LoadOptions:
     """Paths of LoRA adapter GGUFs applied at scale 1.0 (the Modelfile's ADAPTERs; set by the catalog)."""
     projector: str | None = None
     """Path of the vision projector (mmproj) GGUF; None: the model takes no images (set by the catalog)."""
-    image_min_tokens: int = 0
-    """Fewest tokens one image (or tile) may become; 0: the projector's own default."""
-    image_max_tokens: int = 0
-    """Most tokens one image (or tile) may become; 0: the projector's own default."""
-    cache_type_k: str = "f16"
-    """The KV cache's type for keys (KV_CACHE_TYPES): f16, or quantized to save memory."""
-    cache_type_v: str = "f16"
-    """The KV cache's type for values (quantized values need flash attention)."""
-    flash_attn: str = "auto"
-    """Flash attention: "on", "off", or "auto" (llama.cpp uses it where the backend has it)."""
-    thread_policy: str = "adaptive"
-    """"adaptive": llama.cpp computes with the cores the rest of the machine leaves free, up to `num_threads`
-    (engine/llamacpp/cpu_load.py); "fixed": always with `num_threads`."""
-    kv_unified: bool = False
-    """One KV pool of `num_ctx` tokens shared by all `num_parallel` slots (each may grow to all of it) instead of
-    `num_ctx` tokens reserved per slot; a full pool is handled by the engine (engine/slots/scheduler.py: `park`)."""
-    draft_model: str | None = None
-    """Path of a small GGUF with the same vocabulary that drafts tokens for speculative decoding
-    (engine/llamacpp/draft_model.py); None: drafts come from the sequence's own context."""
-    draft_p_min: float = DRAFT_P_MIN
-    """The draft model's draft stops before a token it gives less probability than this (DRAFT_P_MIN)."""
-
-
-KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-"""The KV cache types llama.cpp takes (`--cache-type-k/-v`): q8_0 is about half of f16's memory, q4_0 about 0.28."""
-FLASH_ATTN_MODES = ("on", "off", "auto")
-THREAD_POLICIES = ("adaptive", "fixed")
-"""`--thread-policy`: adaptive follows the outside load (engine/llamacpp/cpu_load.py); fixed always uses all the
-threads."""
 
 
 EFFORTS: dict[str, bool | str] = {

@@ -10,6 +10,8 @@ import pytest
 
 from lmserve.cli import build_parser
 from lmserve.config import OPTIONS, ConfigError, ServerConfig, env_name, environment_help, resolve
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.registry import ENGINES
 from lmserve.types import AUTO_CONTEXT
 
 
@@ -104,7 +106,7 @@ def test_defaults() -> None:
     ],
 )
 def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str], field: str, expected: object) -> None:
-    assert getattr(resolve(flags(*argv), env=env), field) == expected
+    assert resolve(flags(*argv), env=env).value(field) == expected
 
 
 @pytest.mark.parametrize(
@@ -155,7 +157,7 @@ def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: d
 def test_an_option_only_the_other_engine_understands_is_refused(argv: list[str], env: dict[str, str], engine: str,
                                                                message: str) -> None:
     config = resolve(flags("m", *argv), env=env)
-    refusal = config.refused_by(engine)  # type: ignore[arg-type]
+    refusal = config.refused_by(engine)
     assert refusal is not None and refusal.startswith(message) and "drop it" in refusal
 
 
@@ -165,41 +167,57 @@ def test_options_both_engines_understand_are_accepted_by_each(argv: list[str]) -
     assert config.refused_by("vllm") is None and config.refused_by("llamacpp") is None
 
 
-def test_kv_cache_flags_and_variables_reach_the_load_options() -> None:
-    options = resolve(flags("-ctk", "q8_0", "--cache-type-v", "q4_0", "-fa", "on"), env={}).load_options
+def llama(*argv: str, env: dict[str, str] | None = None) -> LlamaCppLaunch:
+    return resolve(flags(*argv), env=env or {}).launch_of(LlamaCppLaunch)
+
+
+def test_kv_cache_flags_and_variables_reach_the_llama_cpp_launch_options() -> None:
+    options = llama("-ctk", "q8_0", "--cache-type-v", "q4_0", "-fa", "on")
     assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q8_0", "q4_0", "on")
-    options = resolve(flags(), env={"LMSERVE_CACHE_TYPE_K": "q5_1", "LMSERVE_FLASH_ATTN": "off"}).load_options
+    options = llama(env={"LMSERVE_CACHE_TYPE_K": "q5_1", "LMSERVE_FLASH_ATTN": "off"})
     assert (options.cache_type_k, options.cache_type_v, options.flash_attn) == ("q5_1", "f16", "off")
 
 
+def test_engine_options_that_are_load_options_are_the_servers_defaults_for_them() -> None:
+    """-ngl and -b are llama.cpp's flags for the load options num_gpu and num_batch (which requests and Modelfiles
+    may set per model); -c, -np and -t are every engine's."""
+    options = resolve(flags("-ngl", "7", "-b", "64", "-c", "2048", "-np", "3", "-t", "2"), env={}).load_options
+    assert (options.num_gpu_layers, options.num_batch, options.num_ctx, options.num_parallel, options.num_threads) \
+        == (7, 64, 2048, 3, 2)
+
+
 def test_one_shared_kv_pool_is_off_unless_asked() -> None:
-    assert resolve(flags(), env={}).load_options.kv_unified is False
-    assert resolve(flags("--kv-unified"), env={}).load_options.kv_unified is True
-    assert resolve(flags("-kvu"), env={}).load_options.kv_unified is True
-    assert resolve(flags(), env={"LMSERVE_KV_UNIFIED": "yes"}).load_options.kv_unified is True
+    assert llama().kv_unified is False
+    assert llama("--kv-unified").kv_unified is True
+    assert llama("-kvu").kv_unified is True
+    assert llama(env={"LMSERVE_KV_UNIFIED": "yes"}).kv_unified is True
 
 
 def test_the_thread_policy_is_adaptive_unless_fixed() -> None:
-    assert resolve(flags(), env={}).load_options.thread_policy == "adaptive"
-    assert resolve(flags("--thread-policy", "fixed"), env={}).load_options.thread_policy == "fixed"
-    assert resolve(flags(), env={"LMSERVE_THREAD_POLICY": "fixed"}).load_options.thread_policy == "fixed"
+    assert llama().thread_policy == "adaptive"
+    assert llama("--thread-policy", "fixed").thread_policy == "fixed"
+    assert llama(env={"LMSERVE_THREAD_POLICY": "fixed"}).thread_policy == "fixed"
     with pytest.raises(ConfigError, match="--thread-policy must be one of adaptive, fixed"):
         resolve(flags("--thread-policy", "spin"), env={})
 
 
 def test_a_draft_model_turns_speculative_decoding_on_unless_draft_max_says_otherwise() -> None:
-    assert resolve(flags(), env={}).speculative_draft_max == 0
-    config = resolve(flags("-md", "small.gguf"), env={})
-    assert config.speculative_draft_max == 16 and config.load_options.draft_model == "small.gguf"
-    assert resolve(flags("--model-draft", "small.gguf", "--draft-max", "0"), env={}).speculative_draft_max == 0
-    config = resolve(flags(), env={"LMSERVE_MODEL_DRAFT": "small.gguf", "LMSERVE_DRAFT_MAX": "4",
-                                   "LMSERVE_DRAFT_P_MIN": "0.5"})
-    assert (config.speculative_draft_max, config.load_options.draft_p_min) == (4, 0.5)
+    assert llama().draft_limit == 0
+    options = llama("-md", "small.gguf")
+    assert options.draft_limit == 16 and options.model_draft == "small.gguf"
+    assert llama("--model-draft", "small.gguf", "--draft-max", "0").draft_limit == 0
+    options = llama(env={"LMSERVE_MODEL_DRAFT": "small.gguf", "LMSERVE_DRAFT_MAX": "4", "LMSERVE_DRAFT_P_MIN": "0.5"})
+    assert (options.draft_limit, options.draft_p_min) == (4, 0.5)
     assert "--model-draft is a llama.cpp option" in str(resolve(flags("-md", "x"), env={}).refused_by("vllm"))
 
 
 def test_every_field_is_one_entry_with_its_own_variable() -> None:
-    assert list(OPTIONS) == [f.name for f in fields(ServerConfig) if f.name != "given"]
+    """The server's options, then each engine's (its launch record's fields), each tagged with its engine."""
+    engines = [(spec.name, f.name) for spec in ENGINES for f in fields(spec.launch)]
+    server = [f.name for f in fields(ServerConfig) if f.name not in ("launch", "given")]
+    assert list(OPTIONS) == server + [name for _, name in engines]
+    assert all(OPTIONS[name].engine == engine for engine, name in engines)
+    assert all(OPTIONS[name].engine is None for name in server)
     variables = [env_name(name) for name in OPTIONS]
     assert len(set(variables)) == len(variables)
     assert all(v.startswith("LMSERVE_") for v in variables)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lmserve"
-BASE = {"lmserve.types", "lmserve.errors", "lmserve.config", "lmserve.options", "lmserve.parsing"}
+BASE = {"lmserve.types", "lmserve.errors", "lmserve.config", "lmserve.options", "lmserve.parsing",
+        "lmserve.option_table"}
 SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory"}
 """What the service may know of engines: the protocol, and the factory that picks one (and quantizes GGUFs)."""
 
@@ -18,7 +19,9 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.errors": set(),
     "lmserve.parsing": {"lmserve.errors", "lmserve.types"},
     "lmserve.options": {"lmserve.types", "lmserve.errors"},
-    "lmserve.config": {"lmserve.types", "lmserve.errors", "lmserve.parsing"},
+    "lmserve.option_table": {"lmserve.parsing"},
+    "lmserve.config": {"lmserve.types", "lmserve.errors", "lmserve.parsing", "lmserve.option_table",
+                       "lmserve.engine.registry"},
     "lmserve.engine": BASE,
     "lmserve.store": BASE,
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
@@ -72,3 +75,30 @@ def test_imports_follow_the_dependency_direction(path: Path) -> None:
         assert any(m == a or m.startswith(a + ".") for a in allowed for m in (target, imported)), (
             f"{name} must not import {imported}"
         )
+
+
+ENGINE_PACKAGES = sorted(p.name for p in (PACKAGE / "engine").iterdir() if (p / "__init__.py").is_file()
+                         and p.name != "slots")
+"""The engines' packages (engine/slots/ is the slot engine several engines may run on, not an engine)."""
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "engine").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_an_engine_imports_no_other_engine(path: Path) -> None:
+    own = path.relative_to(PACKAGE / "engine").parts[0]
+    for imported in imports(path):
+        for engine in ENGINE_PACKAGES:
+            if engine != own and imported.startswith(f"lmserve.engine.{engine}"):
+                assert path.name in ("registry.py", "factory.py"), f"{path.name} imports {imported}"
+
+
+def test_the_service_and_the_dialects_never_name_an_engine() -> None:
+    """Which engine serves a model is the engine table's business (engine/registry.py): nothing above the seam
+    compares with an engine's name."""
+    from lmserve.engine.registry import ENGINES
+
+    names = {spec.name for spec in ENGINES}
+    for layer in ("service", "api", "chat", "store"):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            found = {node.value for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Constant) and node.value in names}
+            assert not found, f"{path.relative_to(PACKAGE)} names the engine(s) {sorted(found)}"

@@ -37,6 +37,7 @@ import pytest
 import pytest_asyncio
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, vision_support_missing
 from lmserve.errors import InvalidRequest
@@ -120,8 +121,9 @@ def summary() -> Iterator[None]:
 @pytest.mark.parametrize("member", [member for member in MEMBERS if member not in LLAMA_CPP_ABORTS])
 async def test_llama_cpp_matches_transformers(member: str, kv: str, flash_attn: str, tolerance: float) -> None:
     repo = MEMBERS[member]()
-    options = LoadOptions(num_ctx=1024, num_parallel=1, cache_type_k=kv, cache_type_v=kv, flash_attn=flash_attn)
-    engine = BatchingEngine(LlamaCppBackend(gguf_of(repo), options))
+    options = LoadOptions(num_ctx=1024, num_parallel=1)
+    launch = LlamaCppLaunch(cache_type_k=kv, cache_type_v=kv, flash_attn=flash_attn)
+    engine = BatchingEngine(LlamaCppBackend(gguf_of(repo), options, launch))
     try:
         await check_member(engine, repo, f"{member} llama.cpp {kv} KV, flash attention {flash_attn}", tolerance)
     finally:

@@ -20,7 +20,7 @@ from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.reasoning import detect_reasoning
 from lmserve.chat.template import ChatTemplate
-from lmserve.engine.factory import engine_kind, estimate_memory, vision_missing
+from lmserve.engine.factory import EngineSettings, engine_of, estimate_memory, vision_missing
 from lmserve.engine.protocol import Engine
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
 from lmserve.options import Layer
@@ -140,9 +140,11 @@ def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any
 class StoreCatalog:
     """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
-    def __init__(self, store: Store, open_engine: EngineOpener) -> None:
+    def __init__(self, store: Store, open_engine: EngineOpener, settings: EngineSettings | None = None) -> None:
         self._store = store
         self._open_engine = open_engine
+        self._settings = settings or EngineSettings()
+        """The server's engine settings: which engine a model goes to, and what its estimates count."""
         self._model_defaults: dict[str, Layer] = {}
         """Each weights blob's recommended sampling, by digest."""
 
@@ -164,7 +166,7 @@ class StoreCatalog:
             metadata = repository.model_info(directory)
             template = manifest.template or repository.chat_template(directory)
             config = repository.read_json(directory / repository.CONFIG)
-            vision = repository.has_vision(config) and _images_servable(config)
+            vision = repository.has_vision(config) and vision_missing(directory, config) is None
         else:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
@@ -238,7 +240,7 @@ class StoreCatalog:
 
         def open_engine() -> Engine:
             try:
-                if engine_kind(path) == "llamacpp":
+                if not manifest.files:  # a GGUF
                     if not path.is_file():
                         raise EngineFailure(f"its weights file {path.name} is missing from the store")
                     check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
@@ -267,7 +269,20 @@ class StoreCatalog:
 
         header = partial(gguf_metadata, max_array=4096)  # per-layer values kept, the vocabulary left out
         return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest,
-                        estimate=partial(estimate_memory, path, full, header))
+                        estimate=partial(estimate_memory, path, full, header, self._settings))
+
+    def _check_additions(self, manifest: Manifest, modelfile: Modelfile, quantize: bool) -> None:
+        """InvalidRequest unless the engine of the model `manifest` holds takes what the Modelfile adds to it
+        (adapters, a projector) and quantizes it if asked."""
+        spec = engine_of(self.store.model_path(manifest), self._settings)
+        refused = [what for what, name, asked in (("ADAPTER", "adapters", modelfile.adapters),
+                                                  ("a projector (mmproj)", "projector", modelfile.projector),
+                                                  ("quantize", "quantize", quantize))
+                   if asked and name not in spec.takes]
+        if refused:
+            raise InvalidRequest(f"{' and '.join(refused)} over {spec.serves} is not supported: {spec.label} serves "
+                                 "them as they are (GGUF adapters, projectors and quantization go with GGUF files)",
+                                 param="modelfile")
 
     def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
                quantize: Callable[[Path], Path] | None = None) -> None:
@@ -275,8 +290,7 @@ class StoreCatalog:
         repository directory)."""
         target = parse_name(name)
         manifest = self._base_manifest(modelfile.from_, base_dir)
-        if manifest.files:
-            _check_repository_modelfile(modelfile, quantize is not None)
+        self._check_additions(manifest, modelfile, quantize is not None)
         if quantize is not None:
             quantized = quantize(self.store.blob_path(manifest.model))
             try:
@@ -361,12 +375,6 @@ def _shortest_float32(value: float) -> float:
     return value
 
 
-def _images_servable(config: dict[str, Any]) -> bool:
-    """Whether the vLLM engine can serve the images of the vision-language repository `config` describes here
-    (engine/factory.py `vision_missing`: vLLM's image processor needs a working torchvision)."""
-    return vision_missing(config) is None
-
-
 def _repository_dir(text: str, base_dir: Path | None) -> Path | None:
     """The repository directory a FROM names: an absolute path (or `~/…`), or one relative to the Modelfile's
     folder; None when `text` names no directory (a file, or a model name). A directory without config.json is
@@ -382,16 +390,6 @@ def _repository_dir(text: str, base_dir: Path | None) -> Path | None:
         raise InvalidRequest(f"{text} is a directory without a config.json: FROM takes a .gguf file, a Hugging Face "
                              "repository directory (config.json and *.safetensors) or a model name", param="from")
     return path
-
-
-def _check_repository_modelfile(modelfile: Modelfile, quantize: bool) -> None:
-    """A repository is served by the vLLM engine, which takes no LoRA GGUF, mmproj projector or GGUF quantization."""
-    refused = [what for what, asked in (("ADAPTER", modelfile.adapters), ("a projector (mmproj)", modelfile.projector),
-                                        ("quantize", quantize)) if asked]
-    if refused:
-        raise InvalidRequest(f"{' and '.join(refused)} over a safetensors repository is not supported: the vLLM "
-                             "engine serves repositories as they are (GGUF adapters, projectors and quantization "
-                             "are llama.cpp's)", param="modelfile")
 
 
 def _local_path(text: str, base_dir: Path | None) -> Path:

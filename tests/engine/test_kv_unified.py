@@ -17,6 +17,7 @@ import llama_cpp as lc
 import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.types import Chunk, LoadOptions, SamplingParams
@@ -30,8 +31,9 @@ PROMPTS = [f"<|im_start|>user\nWrite a long story about {topic}.<|im_end|>\n<|im
 
 
 def open_engine(path: Path, *, parallel: int, unified: bool, ctx: int = 1024) -> BatchingEngine:
-    options = LoadOptions(num_ctx=ctx, num_parallel=parallel, num_batch=256, kv_unified=unified)
-    return BatchingEngine(LlamaCppBackend(path, options), max_batch_tokens=256)  # as the factory: -b per step
+    options = LoadOptions(num_ctx=ctx, num_parallel=parallel, num_batch=256)
+    backend = LlamaCppBackend(path, options, LlamaCppLaunch(kv_unified=unified))
+    return BatchingEngine(backend, max_batch_tokens=256)  # as the factory: -b per step
 
 
 async def reply(engine: BatchingEngine, prompt: str, max_tokens: int) -> tuple[list[int], str, Chunk]:
@@ -54,7 +56,8 @@ async def test_the_pool_is_the_context_and_each_sequence_may_fill_it(model_path:
 
 
 async def test_a_batch_the_pool_cannot_take_changes_nothing_and_fits_once_room_is_made(model_path: Path) -> None:
-    backend = LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=2, num_batch=256, kv_unified=True))
+    backend = LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=2, num_batch=256),
+                              LlamaCppLaunch(kv_unified=True))
     memory = lc.llama_get_memory(backend._ctx)
     try:
         tokens = backend.tokenize("once upon a time " * 80, add_special=False, parse_special=False)

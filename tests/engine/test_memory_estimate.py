@@ -13,25 +13,24 @@ import pytest
 
 from lmserve.engine.factory import estimate_memory
 from lmserve.engine.llamacpp.backend import LlamaCppBackend, init_llama_backend
-from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, kv_bytes_per_token
-from lmserve.engine.memory_estimate import (
-    COMPUTE_BASE_BYTES,
-    VLLM_RUNTIME_BYTES,
-    MemoryEstimate,
-    _cgroup_room,
-    available_memory,
+from lmserve.engine.llamacpp.estimate import (
     bytes_per_value,
     estimate_gguf,
     header_kv_bytes_per_token,
     state_bytes_per_sequence,
 )
+from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, kv_bytes_per_token
+from lmserve.engine.llamacpp.options import KV_CACHE_TYPES, LlamaCppLaunch
+from lmserve.engine.memory_estimate import COMPUTE_BASE_BYTES, MemoryEstimate, _cgroup_room, available_memory
+from lmserve.engine.vllm.estimate import VLLM_RUNTIME_BYTES
 from lmserve.store.gguf_check import gguf_metadata
-from lmserve.types import AUTO_CONTEXT, KV_CACHE_TYPES, LoadOptions
+from lmserve.types import AUTO_CONTEXT, LoadOptions
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lfm2 import CONV_L_CACHE, NUM_EMBD, TINY, write_tiny_lfm2
 
 HEADER = partial(gguf_metadata, max_array=4096)
 GiB = 2**30
+DEFAULTS = LlamaCppLaunch()
 
 
 @pytest.fixture(scope="module")
@@ -47,28 +46,30 @@ def files(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> dict[st
 def test_the_kv_per_token_from_the_header_is_the_loaded_models(name: str, cache_type: str,
                                                                 files: dict[str, Path]) -> None:
     path = files[name]
-    options = LoadOptions(cache_type_k=cache_type, cache_type_v=cache_type)
+    launch = LlamaCppLaunch(cache_type_k=cache_type, cache_type_v=cache_type)
     init_llama_backend()
     model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
     try:
-        assert header_kv_bytes_per_token(HEADER(path), options) == kv_bytes_per_token(model, path, options)
+        assert header_kv_bytes_per_token(HEADER(path), launch) == kv_bytes_per_token(model, path, launch)
     finally:
         lc.llama_model_free(model)
 
 
 @pytest.mark.parametrize(
-    ("name", "options"),
+    ("name", "options", "unified"),
     [
-        ("smollm2", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=4)),
-        ("smollm2", LoadOptions(num_ctx=32768, num_parallel=1)),  # capped at the trained 8192
-        ("long", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=2)),
-        ("long", LoadOptions(num_ctx=4096, num_parallel=3, kv_unified=True)),
-        ("lfm2", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=2)),
+        ("smollm2", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=4), False),
+        ("smollm2", LoadOptions(num_ctx=32768, num_parallel=1), False),  # capped at the trained 8192
+        ("long", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=2), False),
+        ("long", LoadOptions(num_ctx=4096, num_parallel=3), True),
+        ("lfm2", LoadOptions(num_ctx=AUTO_CONTEXT, num_parallel=2), False),
     ],
 )
-def test_the_context_is_the_one_the_load_chooses(name: str, options: LoadOptions, files: dict[str, Path]) -> None:
-    estimate = estimate_gguf(files[name], options, HEADER)
-    backend = LlamaCppBackend(files[name], options)
+def test_the_context_is_the_one_the_load_chooses(name: str, options: LoadOptions, unified: bool,
+                                                 files: dict[str, Path]) -> None:
+    launch = LlamaCppLaunch(kv_unified=unified)
+    estimate = estimate_gguf(files[name], options, launch, HEADER)
+    backend = LlamaCppBackend(files[name], options, launch)
     try:
         assert estimate.num_ctx == backend.info.num_ctx
     finally:
@@ -76,18 +77,19 @@ def test_the_context_is_the_one_the_load_chooses(name: str, options: LoadOptions
 
 
 @pytest.mark.parametrize(
-    ("options", "cells"),
+    ("options", "unified", "cells"),
     [
-        (LoadOptions(num_ctx=512, num_parallel=2), 1024),  # every slot its own context
-        (LoadOptions(num_ctx=2048, num_parallel=4), 8192),
-        (LoadOptions(num_ctx=2048, num_parallel=4, kv_unified=True), 2048),  # one pool for all of them
+        (LoadOptions(num_ctx=512, num_parallel=2), False, 1024),  # every slot its own context
+        (LoadOptions(num_ctx=2048, num_parallel=4), False, 8192),
+        (LoadOptions(num_ctx=2048, num_parallel=4), True, 2048),  # one pool for all of them
     ],
 )
-def test_the_kv_cache_is_a_token_times_the_context_times_the_slots(options: LoadOptions, cells: int,
+def test_the_kv_cache_is_a_token_times_the_context_times_the_slots(options: LoadOptions, unified: bool, cells: int,
                                                                    files: dict[str, Path]) -> None:
     path = files["smollm2"]
-    estimate = estimate_gguf(path, options, HEADER)
-    assert estimate.kv_bytes == header_kv_bytes_per_token(HEADER(path), options) * cells
+    launch = LlamaCppLaunch(kv_unified=unified)
+    estimate = estimate_gguf(path, options, launch, HEADER)
+    assert estimate.kv_bytes == header_kv_bytes_per_token(HEADER(path), launch) * cells
     assert estimate.weights_bytes == estimate.mapped_bytes == path.stat().st_size
     assert COMPUTE_BASE_BYTES < estimate.compute_bytes < COMPUTE_BASE_BYTES + 32 * 2**20
     assert estimate.total == estimate.weights_bytes + estimate.kv_bytes + estimate.compute_bytes
@@ -100,8 +102,8 @@ def test_a_hybrid_models_convolution_state_is_counted_per_slot(files: dict[str, 
     convolutions = sum(1 for kind in TINY.layer_types if "attention" not in kind)
     per_sequence = convolutions * (CONV_L_CACHE - 1) * NUM_EMBD * 4
     assert state_bytes_per_sequence(HEADER(path)) == per_sequence
-    estimate = estimate_gguf(path, options, HEADER)
-    assert estimate.kv_bytes == header_kv_bytes_per_token(HEADER(path), options) * 256 * 3 + per_sequence * 3
+    estimate = estimate_gguf(path, options, DEFAULTS, HEADER)
+    assert estimate.kv_bytes == header_kv_bytes_per_token(HEADER(path), DEFAULTS) * 256 * 3 + per_sequence * 3
 
 
 @pytest.mark.parametrize(
@@ -113,18 +115,18 @@ def test_a_hybrid_models_convolution_state_is_counted_per_slot(files: dict[str, 
     ],
 )
 def test_how_the_weights_are_held(options: LoadOptions, mapped: bool, on_gpu: bool, files: dict[str, Path]) -> None:
-    estimate = estimate_gguf(files["long"], options, HEADER)
+    estimate = estimate_gguf(files["long"], options, DEFAULTS, HEADER)
     assert (estimate.mapped_bytes == estimate.weights_bytes, estimate.on_gpu) == (mapped, on_gpu)
 
 
 def test_a_draft_model_and_a_projector_add_their_weights_and_kv(files: dict[str, Path]) -> None:
     options = LoadOptions(num_ctx=1024, num_parallel=2)
-    alone = estimate_gguf(files["smollm2"], options, HEADER)
+    alone = estimate_gguf(files["smollm2"], options, DEFAULTS, HEADER)
     draft = files["long"]
-    both = estimate_gguf(files["smollm2"], LoadOptions(num_ctx=1024, num_parallel=2, draft_model=str(draft),
-                                                       projector=str(files["lfm2"])), HEADER)
+    both = estimate_gguf(files["smollm2"], LoadOptions(num_ctx=1024, num_parallel=2, projector=str(files["lfm2"])),
+                         LlamaCppLaunch(model_draft=str(draft)), HEADER)
     assert both.weights_bytes == alone.weights_bytes + draft.stat().st_size + files["lfm2"].stat().st_size
-    assert both.kv_bytes == alone.kv_bytes + header_kv_bytes_per_token(HEADER(draft), options) * 1024 * 2
+    assert both.kv_bytes == alone.kv_bytes + header_kv_bytes_per_token(HEADER(draft), DEFAULTS) * 1024 * 2
 
 
 @pytest.mark.parametrize(
@@ -162,7 +164,7 @@ def repository(tmp_path: Path) -> Path:
 )
 def test_a_repository_is_estimated_roughly(repository: Path, is_cpu: bool, space: str | None, kv: int, on_gpu: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lmserve.engine.vllm.is_cpu_build", lambda: is_cpu)
+    monkeypatch.setattr("lmserve.engine.vllm.engine.is_cpu_build", lambda: is_cpu)
     if space is None:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:
@@ -175,7 +177,7 @@ def test_a_repository_is_estimated_roughly(repository: Path, is_cpu: bool, space
 
 def test_a_gguf_goes_to_the_llamacpp_estimate(files: dict[str, Path]) -> None:
     options = LoadOptions(num_ctx=512, num_parallel=2)
-    assert estimate_memory(files["long"], options, HEADER) == estimate_gguf(files["long"], options, HEADER)
+    assert estimate_memory(files["long"], options, HEADER) == estimate_gguf(files["long"], options, DEFAULTS, HEADER)
 
 
 def test_the_machine_says_what_it_has() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.prompt_cache import PromptCache
@@ -152,8 +153,8 @@ async def test_a_conversation_whose_slot_was_taken_restores_its_saved_state(
     returning turn restores it (quantized KV cells too) and answers as computing it all again does."""
     exact = kv_type == "f16"  # F32 tiny llama: bit-exact; SmolLM2 Q4_1 (head size 64 for q8_0 KV): rounding
     path = write_tiny_llama(tmp_path / "tiny-llama.gguf") if exact else request.getfixturevalue("model_path")
-    options = LoadOptions(num_ctx=256, num_parallel=1, num_batch=256, cache_type_k=kv_type, cache_type_v=kv_type,
-                          flash_attn="on")
+    options = LoadOptions(num_ctx=256, num_parallel=1, num_batch=256)
+    launch = LlamaCppLaunch(cache_type_k=kv_type, cache_type_v=kv_type, flash_attn="on")
     turn1 = SYSTEM[:120] + " first question?"
 
     async def conversation(engine: BatchingEngine) -> tuple[str, Chunk]:
@@ -161,8 +162,8 @@ async def test_a_conversation_whose_slot_was_taken_restores_its_saved_state(
         await run(engine, "Another user asks about something else entirely, at length.")  # takes the slot
         return await run(engine, turn1 + answer + " and then?")
 
-    cached_engine = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(2**26))
-    fresh_engine = BatchingEngine(LlamaCppBackend(path, options), prompt_cache=PromptCache(0))
+    cached_engine = BatchingEngine(LlamaCppBackend(path, options, launch), prompt_cache=PromptCache(2**26))
+    fresh_engine = BatchingEngine(LlamaCppBackend(path, options, launch), prompt_cache=PromptCache(0))
     try:
         reused_text, reused = await conversation(cached_engine)
         fresh_text, fresh = await conversation(fresh_engine)

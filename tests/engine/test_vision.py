@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, Chunk, LoadOptions, SamplingParams
@@ -29,8 +30,9 @@ def vl_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def load(files: tuple[Path, Path], **options: int) -> BatchingEngine:
     model, projector = files
-    opts = LoadOptions(num_ctx=4096, num_parallel=4, num_batch=512, projector=str(projector), **options)
-    return BatchingEngine(LlamaCppBackend(model, opts), max_batch_tokens=512, max_prefill_tokens=64)
+    opts = LoadOptions(num_ctx=4096, num_parallel=4, num_batch=512, projector=str(projector))
+    return BatchingEngine(LlamaCppBackend(model, opts, LlamaCppLaunch(**options)), max_batch_tokens=512,
+                          max_prefill_tokens=64)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmserve import options as opts
-from lmserve.engine.factory import engine_kind
+from lmserve.engine.factory import engine_of
 from lmserve.engine.protocol import Engine
 from lmserve.engine.vllm.engine import vision_support_missing
 from lmserve.errors import InvalidRequest
@@ -249,7 +249,7 @@ def test_create_from_a_directory_stores_its_files_as_blobs(catalog: StoreCatalog
     assert manifest.model == manifest.files["config.json"]
     assert entry.size == sum(len(data) for name, data in tiny_repository().items() if name in manifest.files)
     directory = catalog.store.model_path(manifest)
-    assert engine_kind(directory) == "vllm"
+    assert engine_of(directory).name == "vllm"
     assert (directory / "model.safetensors").read_bytes() == (repo / "model.safetensors").read_bytes()
 
 

@@ -29,12 +29,15 @@ from lmserve.engine.llamacpp import batch_rows, recurrent_state
 from lmserve.engine.llamacpp.cpu_load import ThreadGovernor
 from lmserve.engine.llamacpp.draft_model import DraftModel
 from lmserve.engine.llamacpp.memory import context_choice
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.logprobs import Ranked, rank_candidates
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, LoadOptions, SamplingParams
+
+LAUNCH_DEFAULTS = LlamaCppLaunch()
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +121,16 @@ FLASH_ATTN_TYPES = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLAS
                     "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO}
 
 
-def check_kv_options(options: LoadOptions) -> None:
+def check_kv_options(launch: LlamaCppLaunch) -> None:
     """InvalidRequest for a KV cache type or flash-attention mode llama.cpp does not take, or a quantized value
     cache with flash attention off (llama.cpp reads quantized values only in its flash-attention kernels)."""
-    for name, value in (("--cache-type-k", options.cache_type_k), ("--cache-type-v", options.cache_type_v)):
+    for name, value in (("--cache-type-k", launch.cache_type_k), ("--cache-type-v", launch.cache_type_v)):
         if value not in GGML_TYPES:
             raise InvalidRequest(f"{name} {value} is not a KV cache type; choose one of {', '.join(GGML_TYPES)}")
-    if options.flash_attn not in FLASH_ATTN_TYPES:
-        raise InvalidRequest(f"--flash-attn {options.flash_attn}: choose on, off or auto")
-    if options.flash_attn == "off" and options.cache_type_v not in ("f16", "f32"):
-        raise InvalidRequest(f"--cache-type-v {options.cache_type_v} needs flash attention: drop --flash-attn off")
+    if launch.flash_attn not in FLASH_ATTN_TYPES:
+        raise InvalidRequest(f"--flash-attn {launch.flash_attn}: choose on, off or auto")
+    if launch.flash_attn == "off" and launch.cache_type_v not in ("f16", "f32"):
+        raise InvalidRequest(f"--cache-type-v {launch.cache_type_v} needs flash attention: drop --flash-attn off")
 
 
 def load_mode(options: LoadOptions) -> int:
@@ -142,9 +145,9 @@ def load_mode(options: LoadOptions) -> int:
 class LlamaCppBackend:
     """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
 
-    def __init__(self, path: str | Path, options: LoadOptions) -> None:
+    def __init__(self, path: str | Path, options: LoadOptions, launch: LlamaCppLaunch = LAUNCH_DEFAULTS) -> None:
         init_llama_backend()
-        check_kv_options(options)
+        check_kv_options(launch)
         path = Path(path)
         if not path.is_file():
             raise EngineFailure(f"model file not found: {path}")
@@ -159,27 +162,27 @@ class LlamaCppBackend:
         self._vocab = lc.llama_model_get_vocab(model)
         threads = options.num_threads or default_threads()
         # Auto, or what was asked (untrusted from a request) but never more than the model was trained for.
-        choice = context_choice(model, path, options)
+        choice = context_choice(model, path, options, launch)
         num_ctx = choice.num_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = options.num_parallel
         # One pool of num_ctx tokens for all slots (each may grow to all of it, as llama-server's -c with
         # --kv-unified), or num_ctx tokens of its own per slot.
-        cparams.n_ctx = num_ctx if options.kv_unified else num_ctx * options.num_parallel
+        cparams.n_ctx = num_ctx if launch.kv_unified else num_ctx * options.num_parallel
         cparams.n_batch = options.num_batch
         cparams.n_ubatch = options.num_batch
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = options.kv_unified
-        cparams.type_k = GGML_TYPES[options.cache_type_k]
-        cparams.type_v = GGML_TYPES[options.cache_type_v]
-        cparams.flash_attn_type = FLASH_ATTN_TYPES[options.flash_attn]
+        cparams.kv_unified = launch.kv_unified
+        cparams.type_k = GGML_TYPES[launch.cache_type_k]
+        cparams.type_v = GGML_TYPES[launch.cache_type_v]
+        cparams.flash_attn_type = FLASH_ATTN_TYPES[launch.flash_attn]
         cparams.no_perf = True
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
-            kv = f" with a {options.cache_type_k}/{options.cache_type_v} KV cache and flash attention " \
-                 f"{options.flash_attn}" if (options.cache_type_k, options.cache_type_v) != ("f16", "f16") else ""
+            kv = f" with a {launch.cache_type_k}/{launch.cache_type_v} KV cache and flash attention " \
+                 f"{launch.flash_attn}" if (launch.cache_type_k, launch.cache_type_v) != ("f16", "f16") else ""
             raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}{kv}")
         self._ctx = ctx
         self._adapters: list[Any] = []  # llama_adapter_lora pointers (the bindings annotate them as c_void_p)
@@ -215,7 +218,7 @@ class LlamaCppBackend:
         self._candidates = np.zeros(self._num_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self._num_vocab, dtype=np.int32)
         self._num_threads = threads
-        self._governor = ThreadGovernor(threads) if options.thread_policy == "adaptive" else None
+        self._governor = ThreadGovernor(threads) if launch.thread_policy == "adaptive" else None
         self._step_threads = threads
         self._embed_ctx: lc.llama_context_p | None = None
         self._embed_batch: Any = None  # a llama_batch (untyped in the bindings)
@@ -225,9 +228,9 @@ class LlamaCppBackend:
         self._draft_model: DraftModel | None = None
         try:
             if options.projector:
-                self._load_projector(options)
-            if options.draft_model:
-                self._load_draft_model(options, num_ctx, threads, path.name)
+                self._load_projector(options, launch)
+            if launch.model_draft:
+                self._load_draft_model(options, launch, num_ctx, threads, path.name)
         except EngineFailure:
             self.close()
             raise
@@ -709,7 +712,7 @@ class LlamaCppBackend:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def _load_projector(self, options: LoadOptions) -> None:
+    def _load_projector(self, options: LoadOptions, launch: LlamaCppLaunch) -> None:
         """Load the vision projector with a marker of our own, so no user text can pose as an image."""
         assert options.projector is not None
         if not Path(options.projector).is_file():
@@ -720,10 +723,10 @@ class LlamaCppBackend:
         params.n_threads = self._num_threads
         params.print_timings = False
         params.media_marker = marker.encode()
-        if options.image_min_tokens > 0:
-            params.image_min_tokens = options.image_min_tokens
-        if options.image_max_tokens > 0:
-            params.image_max_tokens = options.image_max_tokens
+        if launch.image_min_tokens > 0:
+            params.image_min_tokens = launch.image_min_tokens
+        if launch.image_max_tokens > 0:
+            params.image_max_tokens = launch.image_max_tokens
         context = mtmd.mtmd_init_from_file(os.fsencode(options.projector), self._model, params)
         if not context:
             raise EngineFailure(
@@ -737,12 +740,13 @@ class LlamaCppBackend:
             raise EngineFailure("vision models with M-RoPE positions (Qwen2-VL and kin) are not supported yet")
         self._image_marker = marker
 
-    def _load_draft_model(self, options: LoadOptions, num_ctx: int, threads: int, name: str) -> None:
-        """Load `options.draft_model` to draft for this model (EngineFailure unless they share the vocabulary)."""
-        assert options.draft_model is not None
-        draft = DraftModel(options.draft_model, num_slots=options.num_parallel, num_ctx=num_ctx,
+    def _load_draft_model(self, options: LoadOptions, launch: LlamaCppLaunch, num_ctx: int, threads: int,
+                          name: str) -> None:
+        """Load `launch.model_draft` to draft for this model (EngineFailure unless they share the vocabulary)."""
+        assert launch.model_draft is not None
+        draft = DraftModel(launch.model_draft, num_slots=options.num_parallel, num_ctx=num_ctx,
                            num_batch=options.num_batch, threads=threads, num_gpu_layers=options.num_gpu_layers,
-                           p_min=options.draft_p_min)
+                           p_min=launch.draft_p_min)
         try:
             draft.pair(self._vocab, name)
         except EngineFailure:

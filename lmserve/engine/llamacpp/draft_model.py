@@ -19,8 +19,8 @@ import llama_cpp as lc
 import numpy as np
 
 from lmserve.engine.llamacpp import batch_rows, recurrent_state
+from lmserve.engine.llamacpp.options import DRAFT_P_MIN
 from lmserve.errors import EngineFailure
-from lmserve.types import DRAFT_P_MIN
 
 log = logging.getLogger(__name__)
 

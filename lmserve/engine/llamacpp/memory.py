@@ -17,6 +17,7 @@ import gguf
 import llama_cpp as lc
 
 from lmserve.engine.context_size import ContextChoice, choose_context, machine_memory, memory_beside
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.types import LoadOptions
 
 log = logging.getLogger(__name__)
@@ -25,37 +26,38 @@ KV_TYPE_BYTES: dict[str, float] = {
     "f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "iq4_nl": 18 / 32,
     "q5_0": 22 / 32, "q5_1": 24 / 32,
 }  # fmt: skip
-"""Bytes per cached value of each KV cache type (types.KV_CACHE_TYPES): a quantized block of 32 values and its
+"""Bytes per cached value of each KV cache type (options.KV_CACHE_TYPES): a quantized block of 32 values and its
 scales."""
 _GPU_DEVICE_TYPES = (1, 2)
 """ggml_backend_dev_type values of a discrete and an integrated GPU."""
 
 
-def context_choice(model: lc.llama_model_p, path: Path, options: LoadOptions) -> ContextChoice:
+def context_choice(model: lc.llama_model_p, path: Path, options: LoadOptions,
+                   launch: LlamaCppLaunch) -> ContextChoice:
     """The context per sequence of a llama.cpp load of the model at `path` (loaded as `model`) with `options`."""
-    slots = 1 if options.kv_unified else options.num_parallel
+    slots = 1 if launch.kv_unified else options.num_parallel
     weights = lc.llama_model_size(model)
     on_gpu = gpu_free_memory() if options.num_gpu_layers != 0 else None
     memory = on_gpu if on_gpu is not None else memory_beside(weights, machine_memory())
     try:
-        kv_bytes = kv_bytes_per_token(model, path, options)
+        kv_bytes = kv_bytes_per_token(model, path, launch)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:  # metadata this reader cannot use
         log.warning("%s: the KV cache's size per token could not be read (%s); counting every layer as attention",
                     path.name, exc)
-        kv_bytes = _every_layer_attention(model, options)
+        kv_bytes = _every_layer_attention(model, launch)
     return choose_context(options.num_ctx, trained=lc.llama_model_n_ctx_train(model), kv_bytes_per_token=kv_bytes,
                           num_slots=slots, memory_bytes=memory)
 
 
-def _every_layer_attention(model: lc.llama_model_p, options: LoadOptions) -> int:
+def _every_layer_attention(model: lc.llama_model_p, launch: LlamaCppLaunch) -> int:
     """An upper bound of one token's KV cache: every layer an attention layer with the model's KV heads."""
     heads = max(lc.llama_model_n_head(model), 1)
     head_dim = lc.llama_model_n_embd(model) // heads
     kv_heads = max(lc.llama_model_n_head_kv(model), 1) * lc.llama_model_n_layer(model)
-    return int(kv_heads * head_dim * (KV_TYPE_BYTES[options.cache_type_k] + KV_TYPE_BYTES[options.cache_type_v]))
+    return int(kv_heads * head_dim * (KV_TYPE_BYTES[launch.cache_type_k] + KV_TYPE_BYTES[launch.cache_type_v]))
 
 
-def kv_bytes_per_token(model: lc.llama_model_p, path: Path, options: LoadOptions) -> int:
+def kv_bytes_per_token(model: lc.llama_model_p, path: Path, launch: LlamaCppLaunch) -> int:
     """One token's KV cache in one sequence, in bytes (0 when the model keeps none per token)."""
     heads = lc.llama_model_n_head(model)
     head_dim = lc.llama_model_n_embd(model) // heads if heads > 0 else 0
@@ -66,8 +68,8 @@ def kv_bytes_per_token(model: lc.llama_model_p, path: Path, options: LoadOptions
         kv_heads = _kv_heads_per_layer(path, architecture)
     else:
         kv_heads = [lc.llama_model_n_head_kv(model)] * lc.llama_model_n_layer(model)
-    per_value = sum(kv_heads) * (key_dim * KV_TYPE_BYTES[options.cache_type_k]
-                                 + value_dim * KV_TYPE_BYTES[options.cache_type_v])
+    per_value = sum(kv_heads) * (key_dim * KV_TYPE_BYTES[launch.cache_type_k]
+                                 + value_dim * KV_TYPE_BYTES[launch.cache_type_v])
     return int(per_value)
 
 

@@ -32,6 +32,7 @@ from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
+from lmserve.engine.memory_estimate import meminfo_available as available_memory
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
 from lmserve.engine.vllm.weights_check import check_weights
@@ -248,17 +249,6 @@ def _gpu_memory(options: VllmOptions) -> int | None:
         return None
     share = options.gpu_memory_utilization if options.gpu_memory_utilization is not None else 0.9
     return int(total * share) * options.tensor_parallel_size * options.pipeline_parallel_size
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import pytest
 from lmserve.engine.llamacpp import cpu_load
 from lmserve.engine.llamacpp.backend import LlamaCppBackend, load_mode
 from lmserve.engine.llamacpp.cpu_load import CpuTimes, read_cpu_times
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams
@@ -195,7 +196,8 @@ async def test_weights_load_with_each_mmap_mode(model_path: Path, given: dict[st
 
 async def kv_state_bytes_and_answer(model_path: Path, **kv: str) -> tuple[int, str]:
     """The size of one slot's saved state (its KV cells) after a greedy answer, and the answer, with `kv` options."""
-    engine = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1, num_batch=64, **kv)))
+    engine = BatchingEngine(LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1, num_batch=64),
+                                            LlamaCppLaunch(**kv)))
     try:
         _, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=16)
         backend = engine.backend
@@ -220,7 +222,7 @@ async def test_a_quantized_kv_cache_takes_less_memory_and_still_answers(model_pa
 ])  # fmt: skip
 async def test_unusable_kv_options_are_refused_naming_them(model_path: Path, kv: dict[str, str], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
-        LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=1, num_batch=64, **kv))  # type: ignore[arg-type]
+        LlamaCppBackend(model_path, LoadOptions(num_ctx=256, num_parallel=1, num_batch=64), LlamaCppLaunch(**kv))
 
 
 class BusyMachine:
@@ -243,8 +245,8 @@ class BusyMachine:
 async def test_steps_compute_with_the_cores_the_machine_leaves_free(model_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     policy: str, outside: float, threads: int) -> None:
     monkeypatch.setattr(cpu_load, "read_cpu_times", BusyMachine(outside).read)
-    options = LoadOptions(num_ctx=512, num_parallel=1, num_batch=64, num_threads=2, thread_policy=policy)
-    engine = BatchingEngine(LlamaCppBackend(model_path, options))
+    options = LoadOptions(num_ctx=512, num_parallel=1, num_batch=64, num_threads=2)
+    engine = BatchingEngine(LlamaCppBackend(model_path, options, LlamaCppLaunch(thread_policy=policy)))
     try:
         await asyncio.sleep(0.6)  # the governor reads the machine at most every 0.25 s
         _, text = await generate(engine, chat(PROMPTS[0]), temperature=0, max_tokens=24, ignore_eos=True)

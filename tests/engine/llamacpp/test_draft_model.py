@@ -12,6 +12,7 @@ import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.llamacpp.draft_model import common_prefix
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import EngineFailure
 from lmserve.types import LoadOptions
@@ -30,9 +31,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def open_engine(path: Path, draft: Path | None = None, parallel: int = 1, p_min: float = 0.0) -> BatchingEngine:
-    options = LoadOptions(num_ctx=1024, num_parallel=parallel, num_batch=256,
-                          draft_model=str(draft) if draft else None, draft_p_min=p_min)
-    return BatchingEngine(LlamaCppBackend(path, options), draft_max=8 if draft else 0)
+    options = LoadOptions(num_ctx=1024, num_parallel=parallel, num_batch=256)
+    launch = LlamaCppLaunch(model_draft=str(draft) if draft else None, draft_p_min=p_min)
+    return BatchingEngine(LlamaCppBackend(path, options, launch), draft_max=8 if draft else 0)
 
 
 @ASYNC
@@ -93,12 +94,13 @@ async def test_the_default_model_drafting_for_itself_keeps_its_greedy_text(model
 def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(model_path: Path, tiny: tuple[Path, Path]) -> None:
     with pytest.raises(EngineFailure, match=rf"the draft model target.gguf does not share {model_path.name}'s "
                                             r"vocabulary \(its tokenizer is of another kind\)"):
-        LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(tiny[0])))
+        LlamaCppBackend(model_path, LoadOptions(num_ctx=512, num_parallel=1), LlamaCppLaunch(model_draft=str(tiny[0])))
 
 
 def test_a_missing_draft_model_is_refused(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(EngineFailure, match="draft model file not found"):
-        LlamaCppBackend(tiny[0], LoadOptions(num_ctx=512, num_parallel=1, draft_model=str(tmp_path / "none.gguf")))
+        LlamaCppBackend(tiny[0], LoadOptions(num_ctx=512, num_parallel=1),
+                        LlamaCppLaunch(model_draft=str(tmp_path / "none.gguf")))
 
 
 @ASYNC

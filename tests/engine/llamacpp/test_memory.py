@@ -10,6 +10,7 @@ import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend, init_llama_backend
 from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, gpu_free_memory, kv_bytes_per_token
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.types import AUTO_CONTEXT, LoadOptions
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lfm2 import write_tiny_lfm2
@@ -41,7 +42,7 @@ def model_file(name: str, model_path: Path, tiny_files: dict[str, Path]) -> Path
 def test_kv_bytes_per_token_counts_the_attention_layers(name: str, cache_type: str, expected: int, model_path: Path,
                                                         tiny_files: dict[str, Path]) -> None:
     path = model_file(name, model_path, tiny_files)
-    options = LoadOptions(num_ctx=256, num_parallel=1, cache_type_k=cache_type, cache_type_v=cache_type)
+    options = LlamaCppLaunch(cache_type_k=cache_type, cache_type_v=cache_type)
     init_llama_backend()
     model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
     try:

@@ -1,0 +1,68 @@
+"""What an engine is to the rest of lmserve: its `EngineSpec` (engine/registry.py holds the table of them) and the
+server-wide `EngineSettings` every engine opens models with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from lmserve.types import LoadOptions
+
+if TYPE_CHECKING:
+    from lmserve.engine.memory_estimate import HeaderReader, MemoryEstimate
+    from lmserve.engine.protocol import Engine
+    from lmserve.engine.slots.prompt_cache import PromptCache
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Server-wide engine settings that are not per-model load options."""
+
+    engine: str = "auto"
+    """`auto` (the first engine in the table that claims the model) or an engine's name."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens prefilled in one step (chunked prefill); -1: whole prompts; None: the engine's default."""
+    max_queue: int = 512
+    """Requests that may wait for a slot; beyond it Overloaded (503)."""
+    prompt_cache: PromptCache | None = None
+    """Saved prompt states beyond the slots, shared by every model of the slot engine (None: each engine keeps a
+    small one)."""
+    launch: tuple[object, ...] = ()
+    """Each engine's launch record (its options as the server was started with them)."""
+
+    def of(self, kind: type[T]) -> T:
+        """The launch record of this type (its defaults when the server was not given one)."""
+        return next((record for record in self.launch if isinstance(record, kind)), None) or kind()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine as the table knows it. Its functions import the engine's runtime when called, never before."""
+
+    name: str
+    """What `--engine` and ModelInfo.engine call it ("llamacpp")."""
+    label: str
+    """What people call it ("llama.cpp")."""
+    serves: str
+    """The models it claims, in words ("GGUF files")."""
+    launch: type
+    """Its launch record: a dataclass whose fields are options (option_table.py `option`)."""
+    claims: Callable[[Path], bool]
+    """Whether the model at a path is of the kind it serves (by format; nothing loaded)."""
+    open: Callable[[Path, LoadOptions, EngineSettings], Engine]
+    """Load the model at a path. Blocking (seconds); InvalidRequest (param "model") when it cannot serve it here."""
+    estimate: Callable[[Path, LoadOptions, EngineSettings, HeaderReader], MemoryEstimate | None]
+    """What loading the model will hold in memory, from headers alone; None when it cannot be told."""
+    missing: Callable[[], str | None] = lambda: None
+    """What this machine lacks to run it (its package, its platform), or None: `auto` passes over such an engine
+    when another claims the model too."""
+    takes: frozenset[str] = frozenset()
+    """What a Modelfile may add to a model it serves: "adapters", "projector", "quantize"."""
+    vision_missing: Callable[[dict[str, Any]], str | None] | None = None
+    """What this machine lacks to serve the images of a repository whose config.json this is (None: nothing)."""
+    serve_headless: Callable[[Path, LoadOptions, EngineSettings], None] | None = None
+    """Run this machine's share of a model that spans several (no HTTP), where the engine can."""
