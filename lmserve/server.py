@@ -240,7 +240,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT: bind the port first, then build the service, announce, and run uvicorn on it.
+    """Serve until SIGTERM/SIGINT: bind the port first (or take the one the supervisor bound), then build the
+    service, announce, and run uvicorn on it.
 
     Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
     """
