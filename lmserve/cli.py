@@ -117,6 +117,7 @@ def stdout_closed() -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         try:
@@ -124,7 +125,7 @@ def _main(argv: Sequence[str] | None) -> int:
         except ConfigError as exc:
             print(f"lmserve: {exc}", file=sys.stderr)
             return 2
-        return _serve(config)
+        return _serve(config, argv)
     from lmserve.client import Client, ClientError
 
     try:
@@ -136,7 +137,15 @@ def _main(argv: Sequence[str] | None) -> int:
         return dispatch(args, client)
 
 
-def _serve(config: ServerConfig) -> int:
+def _serve(config: ServerConfig, argv: Sequence[str]) -> int:
+    """Run the server: under the supervisor (lmserve/supervisor.py), which starts this same command again as the
+    server process, unless it is off or this is that process (or a headless node, which serves no port)."""
+    from lmserve.listening import LISTEN_FD
+
+    if config.supervisor and not config.value("headless") and LISTEN_FD not in os.environ:
+        from lmserve.supervisor import serve_supervised
+
+        return serve_supervised(config, argv)
     from lmserve.server import run
 
     return run(config)

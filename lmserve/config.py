@@ -121,6 +121,10 @@ class ServerConfig:
                                   "first)")
     completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
                                            help="how long a stored chat completion is kept (negative: forever)")
+    supervisor: bool = option(True, env="SUPERVISOR", kind="bool", shown="1, on",
+                              help="run the server under a small supervisor process that keeps the port and starts "
+                              "the server again when a signal ends it (a native crash of llama.cpp, the kernel's "
+                              "out-of-memory killer); 0: one process, for platforms that restart it themselves")
     launch: tuple[Any, ...] = field(default_factory=lambda: tuple(spec.launch() for spec in ENGINES))
     """Each engine's launch record (its options), in the order of engine/registry.py `ENGINES`."""
     given: frozenset[str] = field(default=frozenset())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import socket
 import sys
@@ -23,6 +22,7 @@ from lmserve.engine.factory import EngineSettings, PromptCache
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.prompt_disk import DiskTier
 from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.listening import BindError, bind_socket, inherited_socket
 from lmserve.service import Service
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 
@@ -230,7 +230,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT: bind the port first, then build the service, announce, and run uvicorn on it.
+    """Serve until SIGTERM/SIGINT: bind the port first (or take the one the supervisor bound), then build the
+    service, announce, and run uvicorn on it.
 
     Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
     """
@@ -240,11 +241,13 @@ def run(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if config.value("headless"):
         return run_headless(config)
-    try:
-        sock = bind_socket(config.host, config.port)
-    except BindError as exc:
-        print(f"lmserve: {exc}", file=sys.stderr)
-        return 1
+    sock = inherited_socket()  # from the supervisor (lmserve/supervisor.py), which bound it
+    if sock is None:
+        try:
+            sock = bind_socket(config.host, config.port)
+        except BindError as exc:
+            print(f"lmserve: {exc}", file=sys.stderr)
+            return 1
     try:
         service, name, app = build_app(config)
         froms = [line.removeprefix("FROM ") for line in service.models.describe(name).modelfile.splitlines()
@@ -308,32 +311,3 @@ def run_headless(config: ServerConfig) -> int:
         print(f"lmserve: {exc.message}", file=sys.stderr)
         return 1
     return 0
-
-
-class BindError(OSError):
-    """The listen address cannot be bound (the port is taken, the host is not this machine's …)."""
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port, made before anything is announced. Connections that come while the model
-    loads wait in its backlog until uvicorn serves them (a client sees a slow answer, never a refused connection).
-
-    Raises BindError with one line that says why (`port 11434 on 127.0.0.1 is already in use`).
-    """
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise BindError(f"cannot listen on {host!r}: {getattr(exc, 'strerror', None) or exc}") from None
-    family, kind, proto, _, address = min(found, key=lambda info: info[0] != socket.AF_INET)  # IPv4 first
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise BindError(f"port {port} on {host} is already in use") from None
-        raise BindError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock

@@ -29,7 +29,10 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media"},
     "lmserve.client": BASE,
     "lmserve.repl": BASE | {"lmserve.client"},
-    "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server"},
+    "lmserve.listening": set(),
+    "lmserve.supervisor": BASE | {"lmserve.listening", "lmserve.store.load_crashes"},
+    "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server", "lmserve.listening",
+                           "lmserve.supervisor"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},

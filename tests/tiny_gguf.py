@@ -81,6 +81,17 @@ def write_tiny_llama(
     return path
 
 
+def write_crashing_llama(path: str | Path) -> Path:
+    """Write a tiny llama whose 4 query heads do not share out over its 3 KV heads; return its path. The file is
+    well formed (store/gguf_check.py passes it), but llama.cpp aborts the process (GGML_ASSERT in its attention
+    graph) while it creates the model's context, that is, at load."""
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, "llama")
+    write_llama_metadata(writer, 320, F32, "crashing-llama", CHATML_TEMPLATE, n_head_kv=3)
+    finish_gguf(writer, _tensors(320, 0, n_head_kv=3))
+    return path
+
+
 def finish_gguf(writer: gguf.GGUFWriter, tensors: list[tuple[str, np.ndarray]]) -> None:
     """Add `tensors` and write the file `writer` was opened on."""
     for tensor_name, array in tensors:
@@ -107,7 +118,7 @@ def _add_fim_tokens(writer: gguf.GGUFWriter, n_vocab: int) -> None:
 
 def write_llama_metadata(
     writer: gguf.GGUFWriter, n_vocab: int, ftype: gguf.LlamaFileType, name: str, chat_template: str | None,
-    fim: bool = False, n_ctx: int = NUM_CTX,
+    fim: bool = False, n_ctx: int = NUM_CTX, n_head_kv: int = NUM_HEAD_KV,
 ) -> None:
     writer.add_name(name)
     writer.add_file_type(int(ftype))
@@ -116,7 +127,7 @@ def write_llama_metadata(
     writer.add_feed_forward_length(NUM_FF)
     writer.add_block_count(NUM_LAYER)
     writer.add_head_count(NUM_HEAD)
-    writer.add_head_count_kv(NUM_HEAD_KV)
+    writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(NUM_EMBD // NUM_HEAD)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -135,7 +146,7 @@ def write_llama_metadata(
         writer.add_chat_template(chat_template)
 
 
-def _tensors(n_vocab: int, seed: int) -> list[tuple[str, np.ndarray]]:
+def _tensors(n_vocab: int, seed: int, n_head_kv: int = NUM_HEAD_KV) -> list[tuple[str, np.ndarray]]:
     """Tensor names and arrays in numpy order (rows, cols): GGUF stores the dimensions reversed."""
     rng = np.random.default_rng(seed)
     head_dim = NUM_EMBD // NUM_HEAD
@@ -151,8 +162,8 @@ def _tensors(n_vocab: int, seed: int) -> list[tuple[str, np.ndarray]]:
         tensors += [
             (f"blk.{i}.attn_norm.weight", norm()),
             (f"blk.{i}.attn_q.weight", weight(NUM_HEAD * head_dim, NUM_EMBD)),
-            (f"blk.{i}.attn_k.weight", weight(NUM_HEAD_KV * head_dim, NUM_EMBD)),
-            (f"blk.{i}.attn_v.weight", weight(NUM_HEAD_KV * head_dim, NUM_EMBD)),
+            (f"blk.{i}.attn_k.weight", weight(n_head_kv * head_dim, NUM_EMBD)),
+            (f"blk.{i}.attn_v.weight", weight(n_head_kv * head_dim, NUM_EMBD)),
             (f"blk.{i}.attn_output.weight", weight(NUM_EMBD, NUM_HEAD * head_dim)),
             (f"blk.{i}.ffn_norm.weight", norm()),
             (f"blk.{i}.ffn_gate.weight", weight(NUM_FF, NUM_EMBD)),

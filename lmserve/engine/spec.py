@@ -60,6 +60,9 @@ class EngineSpec:
     missing: Callable[[], str | None] = lambda: None
     """What this machine lacks to run it (its package, its platform), or None: `auto` passes over such an engine
     when another claims the model too."""
+    in_process: bool = False
+    """It runs models in the server's own process, so a native crash of it ends the process (the supervisor,
+    lmserve/supervisor.py, starts it again); False: in processes of its own (vLLM's engine core)."""
     takes: frozenset[str] = frozenset()
     """What a Modelfile may add to a model it serves: "adapters", "projector", "quantize"."""
     vision_missing: Callable[[dict[str, Any]], str | None] | None = None

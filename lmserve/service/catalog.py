@@ -9,6 +9,7 @@ the same weights with the same load-time options plan the same WeightsKey, so th
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from lmserve.options import Layer
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
 from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
+from lmserve.store.load_crashes import LoadCrashes
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
@@ -145,6 +147,7 @@ class StoreCatalog:
         self._open_engine = open_engine
         self._settings = settings or EngineSettings()
         """The server's engine settings: which engine a model goes to, and what its estimates count."""
+        self._load_crashes = LoadCrashes.of_store(store.root)
         self._model_defaults: dict[str, Layer] = {}
         """Each weights blob's recommended sampling, by digest."""
 
@@ -244,7 +247,11 @@ class StoreCatalog:
                     if not path.is_file():
                         raise EngineFailure(f"its weights file {path.name} is missing from the store")
                     check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
-                return self._open_engine(path, full)
+                crash_guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                if engine_of(path, self._settings).in_process:  # a native crash of its load ends this process
+                    crash_guard = self._load_crashes.loading(str(entry.name), path)
+                with crash_guard:
+                    return self._open_engine(path, full)
             except LmserveError as exc:
                 if isinstance(exc, InvalidRequest) and exc.param == "model":  # the engine refuses this model here
                     raise InvalidRequest(f"model '{entry.name}' cannot be served here: {exc.message}",

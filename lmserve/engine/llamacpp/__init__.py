@@ -66,5 +66,5 @@ def prompt_cache_key(path: Path, options: LoadOptions, launch: LlamaCppLaunch, n
 
 SPEC = EngineSpec(
     name="llamacpp", label="llama.cpp", serves="GGUF files", launch=LlamaCppLaunch, claims=claims, open=open_model,
-    estimate=estimate, takes=frozenset({"adapters", "projector", "quantize"}),
+    estimate=estimate, in_process=True, takes=frozenset({"adapters", "projector", "quantize"}),
 )
