@@ -442,7 +442,7 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
                 yield frame
         if chunk.finish_reason is None:
             continue
-        if chunk.finish_reason in ("error", "abort"):
+        if chunk.is_failed:
             yield error_event(EngineFailure(chunk.error or "the generation failed"))
             return
         for frame in blocks.finish():

@@ -157,15 +157,11 @@ def logprobs_field(sampling: SamplingParams, chunk: Chunk) -> dict[str, Any]:
     return {"logprobs": logprob_wire.token_entries(chunk.logprobs)} if sampling.logprobs is not None else {}
 
 
-def _failed(chunk: Chunk) -> bool:
-    return chunk.finish_reason in ("error", "abort")
-
-
 async def ndjson_lines(
     generation: Generation, piece: Callable[[Chunk], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
 ) -> AsyncIterator[bytes]:
     async for chunk in generation:
-        if chunk.finish_reason is not None and _failed(chunk):
+        if chunk.is_failed:
             yield line({"error": chunk.error or "the generation failed"})
             return
         if chunk.text or chunk.reasoning or chunk.tool_calls or chunk.logprobs:

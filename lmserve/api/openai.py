@@ -375,7 +375,7 @@ async def completion_frames(
 async def _finish(
     generation: Generation, head: Head, final: Chunk, choice: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    if final.finish_reason in ("error", "abort"):
+    if final.is_failed:
         yield error_frame(EngineFailure(final.error or "the generation failed"))
         return
     yield sse_json(_frame(head, choice, include_usage))

@@ -115,7 +115,7 @@ class Generation:
                 calls += chunk.tool_calls
                 logprobs += chunk.logprobs
                 if chunk.finish_reason is not None:
-                    if chunk.finish_reason in ("error", "abort"):
+                    if chunk.is_failed:
                         raise EngineFailure(chunk.error or "the generation failed")
                     return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts),
                                                    logprobs=logprobs)
