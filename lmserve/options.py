@@ -273,13 +273,15 @@ def layer_of(params: SamplingParams) -> Layer:
 # ---- precedence: the first layer wins -------------------------------------------------------------------------
 
 
-def sampling(*layers: Layer, base: SamplingParams | None = None) -> SamplingParams:
-    """`base` (SamplingParams' defaults) with the sampling options of `layers` over it, the first layer winning."""
-    params = replace(base or SamplingParams())
-    params.stop, params.logit_bias = list(params.stop), dict(params.logit_bias)
-    for name, value in _merged(layers, "sampling").items():
-        setattr(params, str(TABLE[name].field), _copy(value))
-    return params
+def sampling(
+    *layers: Layer, base: SamplingParams | None = None, grammar: str | None = None, logprobs: int | None = None
+) -> SamplingParams:
+    """`base` (SamplingParams' defaults) with the sampling options of `layers` over it, the first layer winning, and
+    the request's `grammar` and `logprobs` (no option: no layer sets them)."""
+    base = base or SamplingParams()
+    chosen = {str(TABLE[name].field): _copy(value) for name, value in _merged(layers, "sampling").items()}
+    return replace(base, **{"stop": list(base.stop), "logit_bias": dict(base.logit_bias), **chosen,
+                            "grammar": grammar, "logprobs": logprobs})
 
 
 def load_options(base: LoadOptions, *layers: Layer) -> LoadOptions:

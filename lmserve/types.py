@@ -253,3 +253,8 @@ class Chunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With `SamplingParams.logprobs`: one entry per generated token whose text this chunk carries (in `text`,
     `reasoning` or the markup of `tool_calls`), in order."""
+
+    @property
+    def is_failed(self) -> bool:
+        """The last chunk of a generation that failed (the engine erred or aborted it; `error` may say why)."""
+        return self.finish_reason in ("error", "abort")

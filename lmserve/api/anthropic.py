@@ -68,19 +68,26 @@ def to_chat_request(
     forced, parallel = _forced_tool(req.tool_choice, tools)
     think, budget = _thinking(req.thinking, req.output_config)
     sampling = to_sampling_params(req, defaults)
-    if req.output_config is not None and req.output_config.format is not None:
-        sampling.grammar = schema_grammar(req.output_config.format.schema_, param="output_config")
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
                        parallel_tool_calls=parallel, think=think, reasoning_budget=budget)
 
 
 def to_sampling_params(req: wire.CountTokensRequest, defaults: SamplingParams | None = None) -> SamplingParams:
-    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none) over `defaults`."""
+    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none) over `defaults`;
+    `output_config.format` → grammar."""
+    config = req.output_config
     if not isinstance(req, wire.MessagesRequest):
-        return opts.sampling(base=defaults)
+        return opts.sampling(base=defaults, grammar=_format_grammar(config))
     fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
               "stop": req.stop_sequences}
-    return opts.sampling(opts.from_openai(fields), base=defaults)
+    return opts.sampling(opts.from_openai(fields), base=defaults, grammar=_format_grammar(config))
+
+
+def _format_grammar(config: wire.OutputConfig | None) -> str | None:
+    """The grammar of `output_config.format`'s JSON schema, if any."""
+    if config is None or config.format is None:
+        return None
+    return schema_grammar(config.format.schema_, param="output_config")
 
 
 def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[Message]:
@@ -442,7 +449,7 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
                 yield frame
         if chunk.finish_reason is None:
             continue
-        if chunk.finish_reason in ("error", "abort"):
+        if chunk.is_failed:
             yield error_event(EngineFailure(chunk.error or "the generation failed"))
             return
         for frame in blocks.finish():

@@ -80,7 +80,7 @@ def final_fields(generation: Generation, final: Chunk) -> dict[str, Any]:
 async def infill_frames(generation: Generation) -> AsyncIterator[bytes]:
     """SSE events: each piece `{index, content, stop: false}`, then the last with `stop: true` and the counts."""
     async for chunk in generation:
-        if chunk.finish_reason in ("error", "abort"):
+        if chunk.is_failed:
             yield error_frame(EngineFailure(chunk.error or "the generation failed"))
             return
         if chunk.text:

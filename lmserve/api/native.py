@@ -12,6 +12,7 @@ import json
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,13 +54,12 @@ def parse_keep_alive(value: wire.KeepAlive) -> float | None:
 
 
 def to_sampling_params(
-    options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None
+    options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's `options` (lmserve/options.py checks them) over `defaults`, the layers under the request
-    (Modelfile PARAMETERs, model and server defaults); `format` → grammar."""
-    params = opts.sampling(opts.from_native(options), base=defaults)
-    params.grammar = format_grammar(format)
-    return params
+    (Modelfile PARAMETERs, model and server defaults); `format` → grammar; the request's `logprobs`."""
+    return opts.sampling(opts.from_native(options), base=defaults, grammar=format_grammar(format), logprobs=logprobs)
 
 
 def format_grammar(format: str | dict[str, Any] | None) -> str | None:
@@ -157,15 +157,11 @@ def logprobs_field(sampling: SamplingParams, chunk: Chunk) -> dict[str, Any]:
     return {"logprobs": logprob_wire.token_entries(chunk.logprobs)} if sampling.logprobs is not None else {}
 
 
-def _failed(chunk: Chunk) -> bool:
-    return chunk.finish_reason in ("error", "abort")
-
-
 async def ndjson_lines(
     generation: Generation, piece: Callable[[Chunk], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
 ) -> AsyncIterator[bytes]:
     async for chunk in generation:
-        if chunk.finish_reason is not None and _failed(chunk):
+        if chunk.is_failed:
             yield line({"error": chunk.error or "the generation failed"})
             return
         if chunk.text or chunk.reasoning or chunk.tool_calls or chunk.logprobs:
@@ -283,8 +279,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
         defaults = await service.sampling_defaults(body.model, "native")
-        sampling = to_sampling_params(body.options, defaults, body.format)
-        sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
+        sampling = to_sampling_params(body.options, defaults, body.format,
+                                      logprob_wire.asked(body.logprobs, body.top_logprobs))
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
@@ -465,7 +461,7 @@ async def _load_or_unload(
 def to_modelfile(body: wire.CreateBody) -> Modelfile:
     """A Modelfile from /api/create: its `modelfile` text, or the `from`/`files` fields and the rest."""
     if body.modelfile:
-        modelfile = parse_modelfile(body.modelfile)
+        base = parse_modelfile(body.modelfile)
     else:
         source, projector = body.from_, None
         if source is None and body.files:
@@ -478,19 +474,19 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
             projector = "@" + check_digest(projectors[0]) if projectors else None
         if source is None:
             raise InvalidRequest("one of modelfile, from or files is required", param="from")
-        modelfile = Modelfile(from_=source, projector=projector)
-    modelfile.adapters += ["@" + check_digest(digest) for digest in (body.adapters or {}).values()]
-    if body.template is not None:
-        modelfile.template = body.template
-    if body.system is not None:
-        modelfile.system = body.system
-    for name, value in (body.parameters or {}).items():
-        modelfile.parameters[name] = opts.parameter_from_json(name, value)
-    for m in body.messages or ():
-        modelfile.messages.append((m.role, m.content or ""))
-    if body.license is not None:
-        modelfile.license = [body.license] if isinstance(body.license, str) else list(body.license)
-    return modelfile
+        base = Modelfile(from_=source, projector=projector)
+    license = base.license if body.license is None else (
+        [body.license] if isinstance(body.license, str) else list(body.license))
+    return replace(
+        base,
+        adapters=[*base.adapters, *("@" + check_digest(digest) for digest in (body.adapters or {}).values())],
+        template=base.template if body.template is None else body.template,
+        system=base.system if body.system is None else body.system,
+        parameters={**base.parameters, **{name: opts.parameter_from_json(name, value)
+                                          for name, value in (body.parameters or {}).items()}},
+        messages=[*base.messages, *((m.role, m.content or "") for m in body.messages or ())],
+        license=license,
+    )
 
 
 def _parameters_text(parameters: dict[str, Any]) -> str:

@@ -78,23 +78,29 @@ async def parse_body(request: Request, model: type[M]) -> M:
     return parsed
 
 
-def to_sampling_params(req: schemas.SamplingFields, defaults: SamplingParams | None = None) -> SamplingParams:
+def to_sampling_params(
+    req: schemas.SamplingFields, defaults: SamplingParams | None = None, *, grammar: str | None = None,
+    logprobs: int | None = None,
+) -> SamplingParams:
     """The body's sampling fields (lmserve/options.py names and checks them) over `defaults`, the layers under the
-    request (Modelfile PARAMETERs, model and server defaults). Fields that would change the reply but that lmserve
-    does not do (best_of, load-time options …) are refused with a 400 naming them. `n` is the dialect's own
-    (`chat_choices`, `completion_choices`)."""
-    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})), base=defaults)
+    request (Modelfile PARAMETERs, model and server defaults), with the request's `grammar` and `logprobs`. Fields
+    that would change the reply but that lmserve does not do (best_of, load-time options …) are refused with a 400
+    naming them. `n` is the dialect's own (`chat_choices`, `completion_choices`)."""
+    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})), base=defaults,
+                         grammar=grammar, logprobs=logprobs)
 
 
 def to_chat_request(
     req: schemas.ChatCompletionRequest, defaults: SamplingParams | None = None,
-    images: list[list[bytes]] | None = None,
+    images: list[list[bytes]] | None = None, *, add_generation_prompt: bool = True,
 ) -> ChatRequest:
     """The engine-neutral chat request. Tools are passed as the JSON objects the template expects.
 
     `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
+    `add_generation_prompt` false renders the chat without the assistant turn's opening (/tokenize).
     """
-    sampling = to_sampling_params(req, defaults)
+    sampling = to_sampling_params(req, defaults, grammar=response_grammar(req.response_format),
+                                  logprobs=logprob_wire.asked(req.logprobs, req.top_logprobs))
     if images is None:
         if has_images(req):
             raise InvalidRequest("this request's images were not loaded", param="messages")
@@ -102,11 +108,9 @@ def to_chat_request(
     messages = [_to_message(i, m, images[i]) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
-    sampling.grammar = response_grammar(req.response_format)
-    sampling.logprobs = logprob_wire.asked(req.logprobs, req.top_logprobs)
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
                        parallel_tool_calls=req.parallel_tool_calls is not False, think=to_think(req),
-                       reasoning_budget=req.reasoning_budget)
+                       reasoning_budget=req.reasoning_budget, add_generation_prompt=add_generation_prompt)
 
 
 def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
@@ -212,8 +216,7 @@ def to_completion_request(
     req: schemas.CompletionRequest, defaults: SamplingParams | None = None
 ) -> EngineCompletionRequest:
     """The engine-neutral completion; with a `suffix`, fill-in-the-middle (the prompt is the text before the gap)."""
-    sampling = to_sampling_params(req, defaults)
-    sampling.logprobs = logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo))
+    sampling = to_sampling_params(req, defaults, logprobs=logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo)))
     prompt = _single_prompt(req.prompt)
     if req.suffix:
         return EngineCompletionRequest(model=req.model, prompt="", sampling=sampling, infill=Infill(prompt, req.suffix))
@@ -375,7 +378,7 @@ async def completion_frames(
 async def _finish(
     generation: Generation, head: Head, final: Chunk, choice: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    if final.finish_reason in ("error", "abort"):
+    if final.is_failed:
         yield error_frame(EngineFailure(final.error or "the generation failed"))
         return
     yield sse_json(_frame(head, choice, include_usage))

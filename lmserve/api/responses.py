@@ -200,10 +200,9 @@ def to_sampling(body: wire.ResponseRequest, defaults: SamplingParams | None = No
     fields.pop("max_tokens", None)
     fields.pop("max_completion_tokens", None)
     fields.update(temperature=body.temperature, top_p=body.top_p, max_completion_tokens=body.max_output_tokens)
-    sampling = opts.sampling(opts.from_openai(fields), base=defaults)
-    sampling.grammar = format_grammar(body.text.format if body.text else None)
-    sampling.logprobs = output_logprobs(body)
-    return sampling
+    return opts.sampling(opts.from_openai(fields), base=defaults,
+                         grammar=format_grammar(body.text.format if body.text else None),
+                         logprobs=output_logprobs(body))
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -208,7 +208,7 @@ async def run_whole(generation: Generation, builder: OutputBuilder) -> Chunk:
         async for chunk in generation:
             builder.push(chunk)
             if chunk.finish_reason is not None:
-                if chunk.finish_reason in ("error", "abort"):
+                if chunk.is_failed:
                     raise EngineFailure(chunk.error or "the generation failed")
                 builder.finish(_status(chunk))
                 return chunk
@@ -248,7 +248,7 @@ async def stream_events(generation: Generation, head: dict[str, Any], framer: Fr
             yield framer(event)
         if chunk.finish_reason is None:
             continue
-        if chunk.finish_reason in ("error", "abort"):
+        if chunk.is_failed:
             error = {"code": "server_error", "message": chunk.error or "the generation failed"}
             yield framer({"type": "response.failed", "response": {**head, "status": "failed", "error": error}})
             return

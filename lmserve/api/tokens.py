@@ -114,8 +114,7 @@ def vllm_tokenize(service: Service, model: LoadedModel, body: TokenizeBody) -> d
     if body.messages is not None:
         chat = schemas.ChatCompletionRequest(model=model.name, messages=body.messages, tools=body.tools,
                                              chat_template_kwargs=body.chat_template_kwargs)
-        request = to_chat_request(chat)
-        request.add_generation_prompt = body.add_generation_prompt
+        request = to_chat_request(chat, add_generation_prompt=body.add_generation_prompt)
         text = service.generation.render_chat(model, request)
         add_special = bool(body.add_special_tokens)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -351,11 +351,8 @@ class StoreCatalog:
             digest = self.store.import_file(path)
             return Manifest(model=digest, details=gguf_details(gguf_metadata(path)))
         base = self.store.find(source)
-        manifest = Manifest(**{f.name: getattr(base.manifest, f.name) for f in fields(Manifest)})
-        manifest.parameters = {k: v for k, v in base.manifest.parameters.items()}
-        manifest.parent = str(base.name)
-        manifest.details = {**base.manifest.details, "parent_model": str(base.name)}
-        return manifest
+        return replace(base.manifest, parameters=dict(base.manifest.parameters), parent=str(base.name),
+                       details={**base.manifest.details, "parent_model": str(base.name)})
 
     def _import_repository(self, directory: Path) -> Manifest:
         """A manifest of the repository in `directory`, its files imported into the store (hard links if possible)."""

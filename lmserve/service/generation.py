@@ -115,7 +115,7 @@ class Generation:
                 calls += chunk.tool_calls
                 logprobs += chunk.logprobs
                 if chunk.finish_reason is not None:
-                    if chunk.finish_reason in ("error", "abort"):
+                    if chunk.is_failed:
                         raise EngineFailure(chunk.error or "the generation failed")
                     return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts),
                                                    logprobs=logprobs)
@@ -291,15 +291,12 @@ class GenerationService:
             images = [image for message in request.messages for image in message.images]
             tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
             checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
-            generations = self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints,
-                                       forced=request.forced_tool is not None)
+            return self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints,
+                                forced=request.forced_tool is not None,
+                                max_tool_calls=None if request.parallel_tool_calls else 1, started_ns=started)
         except BaseException:
             self.residency.release(resident)
             raise
-        for generation in generations:
-            generation.max_tool_calls = None if request.parallel_tool_calls else 1
-            generation.load_ns = time.perf_counter_ns() - started
-        return generations
 
     def _forcing(self, model: LoadedModel, request: ChatRequest, parser: ToolCallParser | None) -> SamplingParams:
         """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one (closed
@@ -359,8 +356,7 @@ class GenerationService:
             if request.context:
                 tokens = list(request.context) + tokens
                 places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
-            [generation] = self._submit(resident, plan, tokens, request.sampling, 1, images=places)
-            generation.load_ns = time.perf_counter_ns() - started
+            [generation] = self._submit(resident, plan, tokens, request.sampling, 1, images=places, started_ns=started)
             return generation
         except BaseException:
             self.residency.release(resident)
@@ -409,13 +405,14 @@ class GenerationService:
     def _submit(
         self, resident: Resident, plan: ThinkingPlan, tokens: list[int], sampling: SamplingParams, n: int,
         parser: ToolCallParser | None = None, images: list[PromptImage] | None = None,
-        checkpoints: list[int] | None = None, *, forced: bool = False,
+        checkpoints: list[int] | None = None, *, forced: bool = False, max_tool_calls: int | None = None,
+        started_ns: int | None = None,
     ) -> list[Generation]:
         """n Generations of one prompt on one lease (released after the last). Special tokens are kept in the text
         with a tool or reasoning parser (call markers and thinking tags often are special tokens). A thinking-first
         plan runs n two-phase streams (choice i with `choice_sampling(sampling, i)`; they share the prompt through
         the engine's prefix sharing); `max_tokens` 0 asks for no engine work (service/empty.py). `forced`: the
-        grammar is a forced tool call's."""
+        grammar is a forced tool call's. `started_ns`: when the request began, for `Generation.load_ns` (else 0)."""
         special = parser is not None or plan.format is not None
         self._check_grammar(resident, sampling, special=special, forced=forced)
         engine = resident.model.engine
@@ -435,7 +432,6 @@ class GenerationService:
             streams += engine.submit_many(tokens, sampling, n, special=special, images=images,
                                           checkpoints=checkpoints)
             streams = [json_budget.close_in_budget(engine, stream, sampling, special=special) for stream in streams]
-        generations = [self._generation(resident, stream, parser, sampling.stop) for stream in streams]
         remaining = [n]
 
         def release_after_the_last() -> None:
@@ -443,12 +439,16 @@ class GenerationService:
             if remaining[0] == 0:
                 self.residency.release(resident)
 
-        for index, generation in enumerate(generations):
-            generation.on_done = release_after_the_last
-            generation.reasoning, generation.thinking = plan.format, plan.state
-            generation.counts_prompt = index == 0
-            generation.forced = forced
-        return generations
+        load_ns = time.perf_counter_ns() - started_ns if started_ns is not None else 0
+        model = resident.model
+        return [
+            Generation(model=model.name, num_prompt_tokens=len(stream.prompt_tokens), stream=stream,
+                       on_done=release_after_the_last, load_ns=load_ns, tool_parser=parser,
+                       max_tool_calls=max_tool_calls, observers=self.observers, reasoning=plan.format,
+                       thinking=plan.state, engine=model.engine, stops=[stop for stop in sampling.stop if stop],
+                       counts_prompt=index == 0, forced=forced)
+            for index, stream in enumerate(streams)
+        ]
 
     def _check_grammar(self, resident: Resident, sampling: SamplingParams, *, special: bool, forced: bool) -> None:
         if sampling.grammar is not None and not resident.model.engine.info.can_constrain:
@@ -458,16 +458,3 @@ class GenerationService:
             what = "call tool_choice allows" if forced else "reply the requested format allows"
             json_budget.check_budget(resident.model.engine, sampling, special=special, what=what)
 
-    def _generation(
-        self, resident: Resident, stream: GenerationStream, parser: ToolCallParser | None, stops: list[str]
-    ) -> Generation:
-        return Generation(
-            engine=resident.model.engine,
-            stops=[stop for stop in stops if stop],
-            model=resident.model.name,
-            num_prompt_tokens=len(stream.prompt_tokens),
-            stream=stream,
-            on_done=lambda: self.residency.release(resident),
-            tool_parser=parser,
-            observers=self.observers,
-        )

@@ -35,7 +35,7 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
 from lmserve.service import Service, static_service
 from lmserve.service.residency import LoadedModel
-from lmserve.types import Chunk, Message, ToolCall, Usage
+from lmserve.types import Chunk, FinishReason, Message, ToolCall, Usage
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -328,8 +328,9 @@ async def test_whitespace_beside_a_call_is_no_block_and_an_empty_reply_is_one_em
     assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
 
 
-async def test_a_failed_generation_ends_the_stream_with_an_error_event(service: Service) -> None:
-    events = await stream_of([Chunk(text="Hi"), Chunk(finish_reason="error", error="engine died")], service)
+@pytest.mark.parametrize("reason", ["error", "abort"])
+async def test_a_failed_generation_ends_the_stream_with_an_error_event(service: Service, reason: FinishReason) -> None:
+    events = await stream_of([Chunk(text="Hi"), Chunk(finish_reason=reason, error="engine died")], service)
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine died"}})
 
 

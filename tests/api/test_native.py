@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.native import parse_keep_alive, to_load_options, to_messages, to_sampling_params
-from lmserve.api.native_schemas import ChatMessage
+from lmserve.api.native import parse_keep_alive, to_load_options, to_messages, to_modelfile, to_sampling_params
+from lmserve.api.native_schemas import ChatMessage, CreateBody
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
@@ -202,3 +202,17 @@ async def test_absurd_load_options_are_refused(client: httpx.AsyncClient, option
 def test_an_assistant_messages_thinking_is_kept_with_it() -> None:
     messages = [ChatMessage(role="user", content="2+2?"), ChatMessage(role="assistant", content="4", thinking="Add.")]
     assert [m.thinking for m in to_messages(messages)] == ["", "Add."]
+
+
+def test_create_fields_go_over_the_modelfile_text_and_add_to_its_lists() -> None:
+    body = CreateBody.model_validate({
+        "model": "m", "modelfile": "FROM base\nSYSTEM old\nPARAMETER top_k 5\nMESSAGE user hi\nLICENSE a",
+        "system": "new", "parameters": {"temperature": 0.5}, "messages": [{"role": "assistant", "content": "yo"}],
+        "license": "b",
+    })
+    modelfile = to_modelfile(body)
+    assert (modelfile.from_, modelfile.system, modelfile.template) == ("base", "new", None)
+    assert modelfile.parameters == {"top_k": 5, "temperature": 0.5}
+    assert modelfile.messages == [("user", "hi"), ("assistant", "yo")]
+    assert modelfile.license == ["b"]
+    assert to_modelfile(CreateBody.model_validate({"model": "m", "from": "base"})).license == []

@@ -7,7 +7,7 @@ import asyncio
 
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
-from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
 from lmserve.types import Chunk, SamplingParams
 
 
@@ -21,7 +21,8 @@ def started(scheduler: Scheduler, *seqs: Sequence) -> None:
         scheduler.add(s)
     while scheduler.can_admit():
         s = scheduler.admit()
-        scheduler.reused(s, len(s.prompt))
+        scheduler.reused(s, 0)
+        scheduler.prefilled(s, len(s.prompt))
         s.output = [99]
 
 
@@ -44,15 +45,15 @@ def test_the_newest_sequence_is_parked_and_resumes_by_prefilling_its_prompt_and_
     b.output = [100, 101, 102]  # 100 and 101 are in its memory, 102 is pending
     scheduler.add(c)
     assert scheduler.park() is b
-    assert b.is_parked and b.held == [] and b.slot >= 0
+    assert b.phase is Phase.PARKED and b.held == [] and b.slot >= 0
     assert [s for s, _ in scheduler.schedule()] == [a]
     scheduler.remove(a)  # a leaves: b resumes before any waiting sequence is admitted
-    assert not b.is_parked
+    assert b.phase is Phase.PREFILLING
     (s, entry), = scheduler.schedule()
     assert s is b and entry.tokens == [*range(6), 100, 101, 102] and entry.pos == 0 and entry.wants_sample
-    b.num_prefilled += len(entry.tokens)
+    scheduler.prefilled(b, len(entry.tokens))
     b.output.append(103)  # sampled after the refilled pending token
-    assert not b.is_prefilling and b.held == [*range(6), 100, 101, 102]
+    assert b.phase is Phase.DECODING and b.held == [*range(6), 100, 101, 102]
     (_, entry), = [p for p in scheduler.schedule() if p[0] is b]
     assert (entry.tokens, entry.pos) == ([103], 9)
 
@@ -74,7 +75,7 @@ def test_the_last_sequence_that_could_run_is_never_parked() -> None:
     started(scheduler, a, b)
     assert scheduler.park() is b
     assert scheduler.park() is None
-    assert not a.is_parked
+    assert a.phase is Phase.DECODING
 
 
 def test_followers_of_a_parked_leader_prefill_alone() -> None:

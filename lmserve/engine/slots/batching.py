@@ -23,7 +23,7 @@ from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.slots.drafting import DraftLength, NgramDrafter
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
-from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
@@ -378,7 +378,7 @@ class BatchingEngine:
                 self.scheduler.reused(seq, length)
             else:
                 self.scheduler.reused(seq, self._restore_cached(seq, seq.num_prefilled)[0] or seq.num_prefilled)
-        self._draft([seq for seq in self.scheduler.running if not seq.is_prefilling])
+        self._draft([seq for seq in self.scheduler.running if seq.phase is Phase.DECODING])
         decode_started = time.perf_counter_ns()
         decoded = self._decode(outbox)
         now = time.perf_counter_ns()
@@ -389,13 +389,13 @@ class BatchingEngine:
         plan, sampled = decoded
         forked: list[tuple[Sequence, int]] = []
         for (seq, entry), token in zip(plan, sampled, strict=True):
-            if seq.is_prefilling:
-                seq.num_prefilled += entry.num_positions
+            if seq.phase is Phase.PREFILLING:
+                is_done = self.scheduler.prefilled(seq, entry.num_positions)
                 snapshot = self.backend.save_state(seq.slot) if self._snapshots and (
-                    not seq.is_prefilling or seq.num_prefilled in seq.checkpoints) else None
+                    is_done or seq.num_prefilled in seq.checkpoints) else None
                 if snapshot is not None:
                     self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled], snapshot, can_cut=False)
-                if not seq.is_prefilling:
+                if is_done:
                     forked += self._fork(seq)
             if token is not None:
                 tokens = [token, *self.backend.take_drafted(seq.slot)] if entry.draft else [token]
@@ -505,7 +505,7 @@ class BatchingEngine:
         out = []
         for choice, token in zip(choices, tokens, strict=True):
             if token is None:
-                choice.fork_of = None
+                self.scheduler.fork_failed(choice)
                 continue
             self.scheduler.forked(choice)
             out.append((choice, token))

@@ -36,16 +36,50 @@ resumes it prefills its prompt and the tokens it has output so far (`num_refill`
 and goes on as if nothing happened. Parked sequences resume oldest first, one each time a running sequence leaves
 (its memory becomes an evictable prefix cache), or when nothing else could run; no new sequence is admitted while
 one is parked, so the pool is not refilled behind it.
+
+Each sequence is in one `Phase` at a time, and moves only along the edges of `MOVES` (`Sequence.move` asserts it).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.types import SamplingParams
+
+
+class Phase(Enum):
+    """Where a sequence is in its life; only a prefilling or decoding sequence puts tokens in a step."""
+
+    WAITING = "waiting"
+    """Queued for a free slot."""
+    PREFILLING = "prefilling"
+    """In a slot, computing its prompt (and after a park, its output so far) chunk by chunk."""
+    FOLLOWING = "following"
+    """In a slot, waiting for `leader` to hold the first `share_len` tokens of its prompt, to copy them."""
+    FORKING = "forking"
+    """In a slot, waiting for `fork_of` (another choice of its prompt) to prefill it, to be forked from it."""
+    DECODING = "decoding"
+    """Its prompt is prefilled: one token (and its draft) per step."""
+    PARKED = "parked"
+    """Its memory was dropped to make room in a shared KV pool; it keeps its slot and waits to prefill again."""
+    FINISHED = "finished"
+    """Out of the scheduler (ended or aborted)."""
+
+
+MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.WAITING: frozenset({Phase.PREFILLING, Phase.FOLLOWING, Phase.FORKING, Phase.FINISHED}),
+    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.PARKED, Phase.FINISHED}),
+    Phase.FOLLOWING: frozenset({Phase.PREFILLING, Phase.PARKED, Phase.FINISHED}),
+    Phase.FORKING: frozenset({Phase.DECODING, Phase.PREFILLING, Phase.FINISHED}),
+    Phase.DECODING: frozenset({Phase.PARKED, Phase.FINISHED}),
+    Phase.PARKED: frozenset({Phase.PREFILLING, Phase.FINISHED}),
+    Phase.FINISHED: frozenset(),
+}
+"""The phases each phase may move to."""
 
 
 @dataclass(slots=True, eq=False)
@@ -60,14 +94,14 @@ class Sequence:
     num_prefilled: int = 0
     num_cached: int = 0
     output: list[int] = field(default_factory=list)
-    is_aborted: bool = False
+    phase: Phase = Phase.WAITING
     images: list[PromptImage] = field(default_factory=list)
     """Images in the prompt, in order; their positions hold placeholder ids."""
     copy_from: int = -1
     """At admission: a slot holding a longer prefix of the prompt than this one's, to copy `copy_len` from."""
     copy_len: int = 0
     leader: Sequence | None = None
-    """A sequence prefilling the first `share_len` tokens of this prompt; this one waits and copies them."""
+    """While following: a sequence prefilling the first `share_len` tokens of this prompt, to copy them from."""
     share_len: int = 0
     checkpoints: list[int] = field(default_factory=list)
     """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
@@ -75,18 +109,28 @@ class Sequence:
     """Tokens the engine drafted to follow the pending one (speculative decoding), verified in the next step."""
     fork_of: Sequence | None = None
     """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
-    this one waits, then takes a whole copy of its memory and samples its first token from the same logits."""
-    is_parked: bool = False
-    """Its memory was dropped to make room in a shared KV pool; it waits to prefill again (`Scheduler.park`)."""
+    this one is forking: it waits, then takes a whole copy of its memory and samples its first token from the same
+    logits."""
     num_refill: int = 0
     """Output tokens prefilled after the prompt, once parked: the prefill recomputes what the slot lost."""
     evicts: list[int] = field(default_factory=list)
     """At admission: the tokens the slot held before this sequence took it (it keeps `num_cached` of them)."""
 
+    def move(self, phase: Phase) -> None:
+        """Move to `phase`; AssertionError when `MOVES` has no such edge. Leaving following or forking forgets the
+        sequence waited for."""
+        if phase not in MOVES[self.phase]:
+            raise AssertionError(f"a sequence cannot move from {self.phase.name} to {phase.name}")
+        if self.phase is Phase.FOLLOWING:
+            self.leader, self.share_len = None, 0
+        elif self.phase is Phase.FORKING:
+            self.fork_of = None
+        self.phase = phase
+
     @property
     def held(self) -> list[int]:
         """The tokens whose state this sequence's slot holds now."""
-        if self.is_prefilling:
+        if self.num_prefilled < len(self.prompt) + self.num_refill:
             return self.prefill_tokens[: self.num_prefilled]
         return self.prompt + self.output[:-1]
 
@@ -94,10 +138,6 @@ class Sequence:
     def prefill_tokens(self) -> list[int]:
         """What prefill puts in the slot: the prompt, and after a park the output tokens sampled before it."""
         return self.prompt + self.output[: self.num_refill] if self.num_refill else self.prompt
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt) + self.num_refill
 
     def image_at(self, pos: int) -> PromptImage | None:
         """The image starting at prompt position `pos`, if any."""
@@ -159,7 +199,8 @@ class Scheduler:
 
     def can_admit(self) -> bool:
         """A sequence waits and a slot is free (and no parked sequence waits for room before it)."""
-        return bool(self.waiting and self._free_slots) and not any(seq.is_parked for seq in self.running)
+        return bool(self.waiting and self._free_slots) and not any(
+            seq.phase is Phase.PARKED for seq in self.running)
 
     def admit(self) -> Sequence:
         """Move the oldest waiting sequence into a free slot (`choose_slot`).
@@ -173,12 +214,16 @@ class Scheduler:
         seq.slot = self._free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
         seq.num_cached = seq.cut_outside_images(min(length, len(seq.prompt) - 1))
-        if seq.fork_of is not None and not (seq.fork_of in self.running and seq.fork_of.is_prefilling):
+        source = seq.fork_of
+        if source is not None and source in self.running and source.phase in (Phase.PREFILLING, Phase.FOLLOWING):
+            seq.move(Phase.FORKING)
+        else:
             seq.fork_of = None  # it was admitted too late to be forked: share the prompt as others do
-        if seq.fork_of is None and self.can_copy:
-            self._plan_sharing(seq)
-        elif seq.fork_of is None and self.can_snapshot:
-            self._plan_checkpoint_sharing(seq)
+            if self.can_copy:
+                self._plan_sharing(seq)
+            elif self.can_snapshot:
+                self._plan_checkpoint_sharing(seq)
+            seq.move(Phase.FOLLOWING if seq.leader is not None else Phase.PREFILLING)
         self.running.append(seq)
         return seq
 
@@ -214,7 +259,7 @@ class Scheduler:
             if length >= best + self.min_share:
                 seq.copy_from, seq.copy_len, best = slot, length, length
         for other in self.running:
-            if other.is_prefilling and other.leader is None and other.fork_of is None:
+            if other.phase is Phase.PREFILLING:
                 length = self._usable(seq, other.prompt)
                 if length >= best + self.min_share:
                     seq.leader, seq.share_len, best = other, length, length
@@ -223,7 +268,7 @@ class Scheduler:
         """Wait for a prefilling leader that will snapshot a checkpoint this prompt shares."""
         best = seq.num_cached
         for other in self.running:
-            if not other.is_prefilling or other.leader is not None:
+            if other.phase is not Phase.PREFILLING:
                 continue
             shared = self._usable(seq, other.prompt)
             for checkpoint in other.checkpoints:
@@ -237,29 +282,42 @@ class Scheduler:
         """
         ready = []
         for seq in self.running:
-            leader = seq.leader
-            if leader is None:
+            leader, length = seq.leader, seq.share_len
+            if seq.phase is not Phase.FOLLOWING or leader is None:
                 continue
             if leader in self.running:
-                if leader.num_prefilled >= seq.share_len:
-                    ready.append((seq, leader.slot, seq.share_len))
-                    seq.leader = None
+                if leader.num_prefilled >= length:
+                    ready.append((seq, leader.slot, length))
+                    seq.move(Phase.PREFILLING)
                 continue
-            seq.leader = None
+            seq.move(Phase.PREFILLING)
             for slot in self._free_slots:
-                if self._usable(seq, self.slot_tokens[slot]) >= seq.share_len:
-                    ready.append((seq, slot, seq.share_len))
+                if self._usable(seq, self.slot_tokens[slot]) >= length:
+                    ready.append((seq, slot, length))
                     break
         return ready
 
     def forks(self, seq: Sequence) -> list[Sequence]:
         """The choices waiting to be forked from `seq` (once it has prefilled its prompt)."""
-        return [other for other in self.running if other.fork_of is seq]
+        return [other for other in self.running if other.phase is Phase.FORKING and other.fork_of is seq]
 
     def forked(self, seq: Sequence) -> None:
         """`seq`'s slot now holds a copy of its whole prompt, and its first token was sampled."""
-        seq.fork_of = None
+        seq.move(Phase.DECODING)
         seq.num_cached = seq.num_prefilled = len(seq.prompt)
+
+    def fork_failed(self, seq: Sequence) -> None:
+        """`seq` could not be forked: it prefills its prompt itself."""
+        seq.move(Phase.PREFILLING)
+
+    def prefilled(self, seq: Sequence, num_positions: int) -> bool:
+        """The next `num_positions` of `seq`'s prefill are in its slot; when they were the last, it decodes (True)."""
+        assert seq.phase is Phase.PREFILLING, f"a {seq.phase.name} sequence cannot prefill"
+        seq.num_prefilled += num_positions
+        if seq.num_prefilled < len(seq.prompt) + seq.num_refill:
+            return False
+        seq.move(Phase.DECODING)
+        return True
 
     def reused(self, seq: Sequence, num_reused: int) -> None:
         """Record how much of the slot's memory the backend kept for `seq`."""
@@ -274,13 +332,15 @@ class Scheduler:
         """Take a sequence out (finished or aborted); return True when it held a slot to release."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            seq.move(Phase.FINISHED)
             return False
         if seq in self.running:
             for other in self.forks(seq):
-                other.fork_of = None  # it left before its prompt was done: they prefill their own
+                other.move(Phase.PREFILLING)  # it left before its prompt was done: they prefill their own
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
             self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
+            seq.move(Phase.FINISHED)
             self._resume(1)
             return True
         return False
@@ -302,18 +362,17 @@ class Scheduler:
         It keeps its slot (and so its sampler's state); when it resumes it prefills its prompt and its output so
         far, and the token sampled after them is its next one. Sequences waiting to copy from it prefill alone.
         """
-        active = [seq for seq in self.running if not seq.is_parked and seq.fork_of is None]
+        active = [seq for seq in self.running if seq.phase in (Phase.PREFILLING, Phase.FOLLOWING, Phase.DECODING)]
         if len(active) <= 1:
             return None
         seq = active[-1]
-        seq.is_parked = True
+        seq.move(Phase.PARKED)
         seq.num_refill = len(seq.output)
         seq.num_prefilled = 0
         seq.draft = []
-        seq.leader, seq.share_len = None, 0
         for other in self.running:
-            if other.leader is seq:
-                other.leader, other.share_len = None, 0
+            if other.phase is Phase.FOLLOWING and other.leader is seq:
+                other.move(Phase.PREFILLING)
         return seq
 
     def _resume(self, count: int) -> None:
@@ -321,8 +380,8 @@ class Scheduler:
         for seq in self.running:
             if count <= 0:
                 return
-            if seq.is_parked:
-                seq.is_parked = False
+            if seq.phase is Phase.PARKED:
+                seq.move(Phase.PREFILLING)
                 count -= 1
 
     def schedule(self) -> list[tuple[Sequence, BatchEntry]]:
@@ -330,10 +389,10 @@ class Scheduler:
         within the budget."""
         plan: list[tuple[Sequence, BatchEntry]] = []
         budget = self.max_batch_tokens
-        if all(seq.is_parked or seq.fork_of is not None for seq in self.running):
+        if all(seq.phase in (Phase.PARKED, Phase.FORKING) for seq in self.running):
             self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
         for seq in self.running:
-            if not seq.is_prefilling and budget > 0:
+            if seq.phase is Phase.DECODING and budget > 0:
                 draft = seq.draft[: budget - 1]
                 plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
                                              draft=len(draft))))
@@ -343,7 +402,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not seq.is_prefilling or seq.leader is not None or seq.fork_of is not None or seq.is_parked:
+            if seq.phase is not Phase.PREFILLING:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmserve.engine.protocol import PromptImage
-from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
 from lmserve.types import SamplingParams
 
 
@@ -52,11 +52,11 @@ def test_removing_a_waiting_sequence_releases_nothing() -> None:
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
     scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=10)
     decoding, long = seq(4), seq(25)
-    decoding.num_prefilled = 4
-    decoding.output = [7]
     scheduler.add(decoding)
     scheduler.add(long)
     admit_all(scheduler)
+    scheduler.prefilled(decoding, 4)
+    decoding.output = [7]
 
     chunks = []
     for _ in range(3):
@@ -66,7 +66,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
         assert entries[False].pos == 4
         chunk = entries[True]
         chunks.append((chunk.pos, len(chunk.tokens), chunk.wants_sample))
-        long.num_prefilled += len(chunk.tokens)
+        scheduler.prefilled(long, len(chunk.tokens))
     assert chunks == [(0, 10, False), (10, 10, False), (20, 5, True)]
 
 
@@ -75,7 +75,7 @@ def test_decode_position_follows_generated_tokens() -> None:
     s = seq(5)
     scheduler.add(s)
     admit_all(scheduler)
-    s.num_prefilled = 5
+    scheduler.prefilled(s, 5)
     s.output = [1, 2, 3]
     [(_, entry)] = scheduler.schedule()
     assert (entry.tokens, entry.pos, entry.wants_sample) == ([3], 7, True)
@@ -132,7 +132,8 @@ def test_two_users_taking_turns_on_two_slots_keep_their_own_slot() -> None:
             scheduler.admit()
             slots.setdefault(name, []).append(s.slot)
             scheduler.reused(s, s.num_cached)
-            s.num_prefilled, s.output = len(s.prompt), [99, 98]
+            scheduler.prefilled(s, len(s.prompt) - s.num_prefilled)
+            s.output = [99, 98]
             scheduler.remove(s)
             prompt += [99, 5]
     assert slots == {"a": [0, 0, 0], "b": [1, 1, 1]}
@@ -152,7 +153,7 @@ def test_a_finished_slot_remembers_the_tokens_it_decoded() -> None:
     s = seq(3)
     scheduler.add(s)
     scheduler.admit()
-    s.num_prefilled = 3
+    scheduler.prefilled(s, 3)
     s.output = [10, 11, 12]
     scheduler.remove(s)
     assert scheduler.slot_tokens[0] == [0, 1, 2, 10, 11]
@@ -175,10 +176,10 @@ def image_seq(layout: list[int | str]) -> Sequence:
 def prefill_plan(scheduler: Scheduler, s: Sequence) -> list[tuple[int, int, bool, bool]]:
     """Run the prefill to the end: (pos, positions, is image, wants sample) per step."""
     steps = []
-    while s.is_prefilling:
+    while s.phase is Phase.PREFILLING:
         (entry,) = [e for q, e in scheduler.schedule() if q is s]
         steps.append((entry.pos, entry.num_positions, entry.image is not None, entry.wants_sample))
-        s.num_prefilled += entry.num_positions
+        scheduler.prefilled(s, entry.num_positions)
     return steps
 
 
@@ -200,7 +201,7 @@ def test_an_image_over_the_remaining_budget_waits_for_the_next_step() -> None:
     admit_all(scheduler)
     plan = scheduler.schedule()
     assert [(q is text, e.num_positions) for q, e in plan] == [(True, 10)]  # 10 + 12 > 16: the image waits
-    text.num_prefilled = 10
+    scheduler.prefilled(text, 10)
     text.output = [1]
     plan = scheduler.schedule()
     assert [(q is image, e.image is not None) for q, e in plan] == [(False, False), (True, True)]
@@ -211,7 +212,7 @@ def test_a_reused_prefix_never_ends_inside_an_image() -> None:
     first = image_seq([4, "img8", 2])
     scheduler.add(first)
     admit_all(scheduler)
-    first.num_prefilled = len(first.prompt)
+    scheduler.prefilled(first, len(first.prompt))
     scheduler.remove(first)
     # Same text and image, then different text: the whole image is reusable.
     again = image_seq([4, "img8", 1])
@@ -237,7 +238,7 @@ def test_a_longer_prefix_held_by_another_slot_is_copied() -> None:
     busy = seq(40)  # still running, its slot holds 40 prompt tokens and 2 decoded ones
     scheduler.add(busy)
     admit_all(scheduler)
-    busy.num_prefilled = 40
+    scheduler.prefilled(busy, 40)
     busy.output = [7, 8, 9]
     follow_up = Sequence(prompt=[*busy.prompt, 7, 8, 5], sampling=SamplingParams(), max_new_tokens=4)
     scheduler.add(follow_up)
@@ -263,7 +264,7 @@ def test_followers_wait_for_a_leader_prefilling_their_shared_prefix_then_copy_it
     plan = scheduler.schedule()
     assert [s for s, _ in plan] == [leader]  # followers compute nothing meanwhile
     assert scheduler.ready_shares() == []
-    leader.num_prefilled = 100
+    scheduler.prefilled(leader, 100)
     assert scheduler.ready_shares() == [(f, leader.slot, 100) for f in followers]
     for f in followers:
         scheduler.reused(f, 100)
@@ -279,7 +280,7 @@ def test_a_follower_whose_leader_left_early_prefills_alone() -> None:
     scheduler.add(leader)
     scheduler.add(follower)
     admit_all(scheduler)
-    leader.num_prefilled = 30
+    scheduler.prefilled(leader, 30)
     scheduler.remove(leader)  # aborted after 30 tokens: its slot holds too little to copy
     assert scheduler.ready_shares() == []
     assert follower.leader is None
@@ -316,5 +317,74 @@ def test_without_copies_followers_wait_for_a_leaders_checkpoint() -> None:
     assert (follower.leader, follower.share_len) == (leader, 100)
     assert stranger.leader is None
     assert {s for s, _ in scheduler.schedule()} == {leader, stranger}
-    leader.num_prefilled = 100
+    scheduler.prefilled(leader, 100)
     assert scheduler.ready_shares() == [(follower, leader.slot, 100)]
+
+
+def test_a_sequence_waits_prefills_decodes_and_finishes() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=4)
+    s = seq(6)
+    scheduler.add(s)
+    assert s.phase is Phase.WAITING
+    admit_all(scheduler)
+    assert s.phase is Phase.PREFILLING
+    scheduler.prefilled(s, 4)
+    assert s.phase is Phase.PREFILLING
+    scheduler.prefilled(s, 2)
+    assert s.phase is Phase.DECODING
+    scheduler.remove(s)
+    assert s.phase is Phase.FINISHED
+
+
+def test_a_follower_prefills_once_its_leader_holds_the_shared_prefix() -> None:
+    scheduler = sharing()
+    system = list(range(100))
+    leader, follower = (Sequence(prompt=[*system, i], sampling=SamplingParams(), max_new_tokens=4) for i in (1, 2))
+    for s in (leader, follower):
+        scheduler.add(s)
+    admit_all(scheduler)
+    assert (leader.phase, follower.phase) == (Phase.PREFILLING, Phase.FOLLOWING)
+    scheduler.prefilled(leader, 100)
+    scheduler.ready_shares()
+    assert follower.phase is Phase.PREFILLING and follower.leader is None
+
+
+def test_choices_fork_from_the_first_or_prefill_alone_when_it_leaves() -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=64)
+    first, forked, orphan = seq(8), seq(8), seq(8)
+    for s in (first, forked, orphan):
+        s.fork_of = first if s is not first else None
+        scheduler.add(s)
+    admit_all(scheduler)
+    assert [s.phase for s in (first, forked, orphan)] == [Phase.PREFILLING, Phase.FORKING, Phase.FORKING]
+    assert scheduler.forks(first) == [forked, orphan]
+    scheduler.forked(forked)
+    assert forked.phase is Phase.DECODING and forked.num_prefilled == 8
+    scheduler.remove(first)
+    assert orphan.phase is Phase.PREFILLING and orphan.fork_of is None
+
+
+def test_a_parked_sequence_prefills_again_when_it_resumes() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    a, b = seq(4), seq(4)
+    for s in (a, b):
+        scheduler.add(s)
+    admit_all(scheduler)
+    for s in (a, b):
+        scheduler.prefilled(s, 4)
+        s.output = [9]
+    assert scheduler.park() is b
+    assert b.phase is Phase.PARKED
+    scheduler.remove(a)
+    assert b.phase is Phase.PREFILLING
+
+
+def test_an_illegal_move_raises_naming_both_phases() -> None:
+    s = seq(4)
+    with pytest.raises(AssertionError, match="from WAITING to DECODING"):
+        s.move(Phase.DECODING)
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.add(s)
+    scheduler.remove(s)
+    with pytest.raises(AssertionError, match="from FINISHED to PREFILLING"):
+        s.move(Phase.PREFILLING)
