@@ -275,11 +275,9 @@ def layer_of(params: SamplingParams) -> Layer:
 
 def sampling(*layers: Layer, base: SamplingParams | None = None) -> SamplingParams:
     """`base` (SamplingParams' defaults) with the sampling options of `layers` over it, the first layer winning."""
-    params = replace(base or SamplingParams())
-    params.stop, params.logit_bias = list(params.stop), dict(params.logit_bias)
-    for name, value in _merged(layers, "sampling").items():
-        setattr(params, str(TABLE[name].field), _copy(value))
-    return params
+    base = base or SamplingParams()
+    merged = {str(TABLE[name].field): _copy(value) for name, value in _merged(layers, "sampling").items()}
+    return replace(base, **{"stop": list(base.stop), "logit_bias": dict(base.logit_bias), **merged})
 
 
 def load_options(base: LoadOptions, *layers: Layer) -> LoadOptions:

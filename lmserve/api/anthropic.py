@@ -35,7 +35,17 @@ from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
 from lmserve.chat.structured import schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, TemplateRejected
 from lmserve.service import Generation, Service
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import (
+    EFFORTS,
+    IMAGE_PLACEHOLDER,
+    ChatRequest,
+    Chunk,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    ToolCall,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 
 
 def to_chat_request(
-    req: wire.CountTokensRequest, defaults: SamplingParams | None = None, images: list[bytes] | None = None
+    req: wire.CountTokensRequest, images: list[bytes] | None = None
 ) -> ChatRequest:
     """The engine-neutral chat request. `images` are the request's images in order, already loaded
     (`load_images`); without them, image blocks are refused."""
@@ -67,20 +77,20 @@ def to_chat_request(
     tools = [] if _choice_type(req) == "none" else [_tool(t) for t in req.tools or ()]
     forced, parallel = _forced_tool(req.tool_choice, tools)
     think, budget = _thinking(req.thinking, req.output_config)
-    sampling = to_sampling_params(req, defaults)
-    if req.output_config is not None and req.output_config.format is not None:
-        sampling.grammar = schema_grammar(req.output_config.format.schema_, param="output_config")
-    return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
-                       parallel_tool_calls=parallel, think=think, reasoning_budget=budget)
+    output_format = req.output_config.format if req.output_config is not None else None
+    grammar = schema_grammar(output_format.schema_, param="output_config") if output_format is not None else None
+    return ChatRequest(model=req.model, messages=messages, sampling=SamplingParams(grammar=grammar), tools=tools,
+                       forced_tool=forced, parallel_tool_calls=parallel, think=think, reasoning_budget=budget,
+                       options=to_options(req))
 
 
-def to_sampling_params(req: wire.CountTokensRequest, defaults: SamplingParams | None = None) -> SamplingParams:
-    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none) over `defaults`."""
+def to_options(req: wire.CountTokensRequest) -> RequestOptions:
+    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none)."""
     if not isinstance(req, wire.MessagesRequest):
-        return opts.sampling(base=defaults)
+        return RequestOptions()
     fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
               "stop": req.stop_sequences}
-    return opts.sampling(opts.from_openai(fields), base=defaults)
+    return RequestOptions(opts.from_openai(fields))
 
 
 def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[Message]:
@@ -420,7 +430,7 @@ class Blocks:
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})
 
 
-async def message_events(generation: Generation, head: Head, request: ChatRequest,
+async def message_events(generation: Generation, head: Head,
                          extra: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
     """The Messages stream: message_start, ping, each block's start / deltas / stop, message_delta (stop reason,
     usage and the `extra` fields, e.g. context_management), message_stop; an `error` event if the generation
@@ -448,7 +458,7 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
         for frame in blocks.finish():
             yield frame
         usage = chunk.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        delta = {"stop_reason": stop_reason(chunk, usage, request.sampling.max_tokens),
+        delta = {"stop_reason": stop_reason(chunk, usage, generation.sampling.max_tokens),
                  "stop_sequence": chunk.stop_string}
         yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_body(usage),
                                     **(extra or {})})
@@ -465,12 +475,11 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
     policy = media or MediaPolicy()
 
     async def chat_request(body: wire.CountTokensRequest) -> ChatRequest:
-        defaults = await service.sampling_defaults(body.model)
         images = None
         if sources := image_sources(body):
             service.generation.check_images(body.model, len(sources))  # before fetching anything
             images = await load_images(body, policy)
-        return to_chat_request(body, defaults, images)
+        return to_chat_request(body, images)
 
     async def edited_request(body: wire.CountTokensRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
         """The chat request with `context_management`'s edits applied, and the edits applied."""
@@ -485,11 +494,11 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
         head = make_head(generation.model)
         extra = {} if body.context_management is None else {"context_management": {"applied_edits": edits}}
         if body.stream:
-            frames = message_events(generation, head, chat, extra)
+            frames = message_events(generation, head, extra)
             return GenerationResponse(generation, guarded_errors(frames, error_event))
         text, final = await until_disconnect(generation.collect(), request.receive)
         usage = final.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        reason = stop_reason(final, usage, chat.sampling.max_tokens)
+        reason = stop_reason(final, usage, generation.sampling.max_tokens)
         blocks = content_blocks(final.reasoning, text, final.tool_calls)
         return JSONResponse({**message_body(head, blocks, reason, final.stop_string, usage), **extra})
 

@@ -1,7 +1,7 @@
 """The native (local-runner) dialect: /api routes, NDJSON streaming, and its translators.
 
 Same pipeline as the OpenAI dialect: the body is parsed into a wire model (native_schemas.py), translated
-once into lmserve's records (`to_sampling_params`, `to_load_options`, `to_messages`), answered by the
+once into lmserve's records (`to_options`, `to_sampling_params`, `to_messages`), answered by the
 service, and its chunks written back as NDJSON lines with durations in nanoseconds.
 """
 
@@ -33,7 +33,16 @@ from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, Infill, LoadOptions, Message, SamplingParams, ToolCall
+from lmserve.types import (
+    ChatRequest,
+    Chunk,
+    CompletionRequest,
+    Infill,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    ToolCall,
+)
 
 NDJSON = "application/x-ndjson"
 
@@ -52,14 +61,15 @@ def parse_keep_alive(value: wire.KeepAlive) -> float | None:
                              param="keep_alive") from None
 
 
-def to_sampling_params(
-    options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None
-) -> SamplingParams:
-    """The request's `options` (lmserve/options.py checks them) over `defaults`, the layers under the request
-    (Modelfile PARAMETERs, model and server defaults); `format` → grammar."""
-    params = opts.sampling(opts.from_native(options), base=defaults)
-    params.grammar = format_grammar(format)
-    return params
+def to_options(options: wire.Options | None) -> RequestOptions:
+    """The request's `options` (lmserve/options.py checks them), sampling and load-time, over the native routes'
+    server defaults (the service puts them over the model's)."""
+    return RequestOptions(opts.from_native(options), "native")
+
+
+def to_sampling_params(format: str | dict[str, Any] | None, logprobs: int | None) -> SamplingParams:
+    """What the request asks beyond its options: `format` → grammar, and the log-probabilities."""
+    return SamplingParams(grammar=format_grammar(format), logprobs=logprobs)
 
 
 def format_grammar(format: str | dict[str, Any] | None) -> str | None:
@@ -95,12 +105,6 @@ def split_reasoning_budget(options: wire.Options | None) -> tuple[wire.Options |
         raise InvalidRequest("option 'reasoning_budget' must be a whole number of tokens, 0 or more",
                              param="reasoning_budget")
     return rest, budget
-
-
-def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
-    """The load-time options a request asks for over `defaults`; None when it asks for none (the model's apply)."""
-    layer = opts.from_native(options)
-    return opts.load_options(defaults, layer) if opts.has_load_options(layer) else None
 
 
 def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
@@ -230,7 +234,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        options = to_options(body.options)
         think = to_think(body.think)
         if body.suffix and (body.images or body.context):
             raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
@@ -239,14 +243,12 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             service.generation.check_images(body.model, len(body.images), param="images")
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context and not body.suffix:
-            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
-        defaults = await service.sampling_defaults(body.model, "native")
-        record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
-                                   context=list(body.context or ()), images=images, options=load,
-                                   keep_alive=keep_alive)
-        record.sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
-        if body.suffix:  # insert: the model writes what goes between the prompt and the suffix (service/fim.py)
-            record.prompt, record.infill = "", Infill(body.prompt, body.suffix)
+            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
+        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
+        infill = Infill(body.prompt, body.suffix) if body.suffix else None  # insert: the model writes the middle
+        record = CompletionRequest(body.model, "" if infill else body.prompt, sampling,
+                                   context=list(body.context or ()), images=images, options=options,
+                                   keep_alive=keep_alive, infill=infill)
         generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
                                                        think=think, reasoning_budget=budget)
 
@@ -277,18 +279,16 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        options = to_options(body.options)
         think = to_think(body.think)
         if not body.messages:
             message = {"role": "assistant", "content": ""}
-            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
-        defaults = await service.sampling_defaults(body.model, "native")
-        sampling = to_sampling_params(body.options, defaults, body.format)
-        sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
+            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))
+        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
-                             tools=list(body.tools or ()), options=load, keep_alive=keep_alive, think=think,
+                             tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
                              reasoning_budget=budget)
         generation = await service.generation.chat(record)
 
@@ -421,7 +421,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         started = time.perf_counter_ns()
         body = await parse_body(request, wire.EmbedBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        load = to_options(body.options)
         await service.models.load(body.model, load, keep_alive)
         load_ns = time.perf_counter_ns() - started
         vectors: list[list[float]] = []
@@ -439,7 +439,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
         body = await parse_body(request, wire.EmbeddingsBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        load = to_options(body.options)
         if not body.prompt:
             await service.models.load(body.model, load, keep_alive)
             return {"embedding": []}
@@ -451,7 +451,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
 
 async def _load_or_unload(
-    service: Service, model: str, load: LoadOptions | None, keep_alive: float | None, **empty: Any
+    service: Service, model: str, load: RequestOptions, keep_alive: float | None, **empty: Any
 ) -> dict[str, Any]:
     """An empty prompt loads the model; with keep_alive 0 it unloads it."""
     if keep_alive == 0:

@@ -10,21 +10,21 @@ from typing import Any
 from lmserve.engine.factory import check_quantization, quantize_weights
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
-from lmserve.service.defaults import Defaults
+from lmserve.service.precedence import Precedence
 from lmserve.service.residency import Residency, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import LoadOptions
+from lmserve.types import RequestOptions
 
 
 class ModelService:
     """The model-management half of the API (the local runner's /api/tags, show, create, copy, delete, pull, ps)."""
 
-    def __init__(self, catalog: Catalog, residency: Residency, defaults: Defaults, *,
+    def __init__(self, catalog: Catalog, residency: Residency, precedence: Precedence, *,
                  hf_endpoint: str | None = None) -> None:
         self.catalog = catalog
         self.residency = residency
-        self.defaults = defaults
+        self.precedence = precedence
         self.hf_endpoint = hf_endpoint
 
     def listing(self) -> list[ModelListing]:
@@ -87,11 +87,12 @@ class ModelService:
 
     # ---- residency ------------------------------------------------------------------------------
 
-    async def load(self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None) -> str:
-        """Load a model without generating; returns its canonical name."""
-        canonical = self.catalog.resolve(name)
-        resident = await self.residency.acquire(canonical, options or self.defaults.load_defaults(canonical),
-                                                keep_alive)
+    async def load(self, name: str, options: RequestOptions | None = None, keep_alive: float | None = None) -> str:
+        """Load a model without generating (with the load-time `options` a request set); returns its canonical
+        name."""
+        model = self.catalog.settings(name)
+        load = self.precedence.load(model, options or RequestOptions())
+        resident = await self.residency.acquire(model.name, load, keep_alive, plan=model.plan(load))
         self.residency.release(resident)
         return resident.model.name
 
