@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from lmserve import options as opts
 from lmserve.api import anthropic_schemas as wire
 from lmserve.api.anthropic_context import apply_edits
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
 from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
@@ -471,7 +471,7 @@ async def message_events(generation: Generation, head: Head,
 
 def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
     """POST /v1/messages and /v1/messages/count_tokens over `service`; images are loaded under `media`."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     async def chat_request(body: wire.CountTokensRequest) -> ChatRequest:
@@ -486,8 +486,7 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
         return await apply_edits(await chat_request(body), body.context_management, service.generation.count_tokens)
 
     @router.post("/messages", response_model=None)
-    async def messages(request: Request) -> Response:
-        body = await parse_body(request, wire.MessagesRequest)
+    async def messages(body: wire.MessagesRequest, request: Request) -> Response:
         with system_refusals(body):
             chat, edits = await edited_request(body)
             generation = await service.generation.chat(chat)
@@ -503,8 +502,7 @@ def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIR
         return JSONResponse({**message_body(head, blocks, reason, final.stop_string, usage), **extra})
 
     @router.post("/messages/count_tokens")
-    async def messages_count_tokens(request: Request) -> dict[str, int]:
-        body = await parse_body(request, wire.CountTokensRequest)
+    async def messages_count_tokens(body: wire.CountTokensRequest) -> dict[str, int]:
         with system_refusals(body):
             chat, _ = await edited_request(body)
             return {"input_tokens": await service.generation.count_tokens(chat)}

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve import options as opts
-from lmserve.api.openai import error_frame, parse_body
+from lmserve.api.json_body import JsonBodyRoute
+from lmserve.api.openai import error_frame
 from lmserve.api.streaming import GenerationResponse, guarded_errors, sse_json, until_disconnect
 from lmserve.api.tokens import default_model
 from lmserve.errors import EngineFailure
@@ -92,12 +93,11 @@ async def infill_frames(generation: Generation) -> AsyncIterator[bytes]:
 
 def infill_router(service: Service) -> APIRouter:
     """POST /infill over `service`."""
-    router = APIRouter()
+    router = APIRouter(route_class=JsonBodyRoute)
 
     @router.post("/infill", response_model=None)
-    async def infill(request: Request) -> Response:
+    async def infill(body: InfillBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, InfillBody)
         model = default_model(service, body.model)
         extra = [(file.filename, file.text) for file in body.input_extra]
         options = to_options(dict(body.model_extra or {}))

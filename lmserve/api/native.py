@@ -22,7 +22,7 @@ from lmserve import __version__
 from lmserve import options as opts
 from lmserve.api import logprobs as logprob_wire
 from lmserve.api import native_schemas as wire
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.chat.media import MediaPolicy, decode_base64
@@ -45,6 +45,12 @@ from lmserve.types import (
 )
 
 NDJSON = "application/x-ndjson"
+BLOB_BODY = {
+    "description": "The blob's bytes; their SHA-256 must be the digest in the path.",
+    "required": True,
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+}
+"""POST /api/blobs/{digest}'s body in the OpenAPI document (the route reads it as a stream, not as a parameter)."""
 
 
 # ---- requests → records ---------------------------------------------------------------------------
@@ -221,7 +227,7 @@ def tag(listing: ModelListing) -> dict[str, Any]:
 
 def native_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
     """The /api routes over `service` (`GET /` is lmserve/api/web.py's)."""
-    router = APIRouter()
+    router = APIRouter(route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     @router.api_route("/api/version", methods=["GET", "HEAD"])
@@ -229,9 +235,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return {"version": __version__}
 
     @router.post("/api/generate", response_model=None)
-    async def generate(request: Request) -> Response:
+    async def generate(body: wire.GenerateBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
         options = to_options(body.options)
@@ -274,9 +279,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
 
     @router.post("/api/chat", response_model=None)
-    async def chat(request: Request) -> Response:
+    async def chat(body: wire.ChatBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
         options = to_options(body.options)
@@ -311,8 +315,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
 
     @router.post("/api/create", response_model=None)
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, wire.CreateBody)
+    async def create(body: wire.CreateBody) -> Response:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         modelfile = to_modelfile(body)
@@ -329,7 +332,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     async def has_blob(digest: str) -> Response:
         return Response(status_code=200 if service.models.store.has_blob(check_digest(digest)) else 404)
 
-    @router.post("/api/blobs/{digest}")
+    @router.post("/api/blobs/{digest}", openapi_extra={"requestBody": BLOB_BODY})
     async def push_blob(digest: str, request: Request) -> Response:
         store = service.models.store
         check_digest(digest)
@@ -341,10 +344,9 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return Response(status_code=201)
 
     @router.post("/api/pull", response_model=None)
-    async def pull(request: Request) -> Response:
+    async def pull(body: wire.PullBody, request: Request) -> Response:
         from lmserve.api.pulling import PullFeed
 
-        body = await parse_body(request, wire.PullBody)
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         feed = PullFeed(service.models.pull, body.target)
@@ -373,8 +375,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return {"models": [tag(m) for m in service.models.listing()]}
 
     @router.post("/api/show")
-    async def show(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, wire.ModelBody)
+    async def show(body: wire.ModelBody) -> dict[str, Any]:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         d = service.models.describe(body.target)
@@ -386,14 +387,12 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         }
 
     @router.post("/api/copy")
-    async def copy(request: Request) -> Response:
-        body = await parse_body(request, wire.CopyBody)
+    async def copy(body: wire.CopyBody) -> Response:
         service.models.copy(body.source, body.destination)
         return Response(status_code=200)
 
     @router.delete("/api/delete")
-    async def delete(request: Request) -> Response:
-        body = await parse_body(request, wire.ModelBody)
+    async def delete(body: wire.ModelBody) -> Response:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         await service.models.delete(body.target)
@@ -417,9 +416,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return body
 
     @router.post("/api/embed")
-    async def embed(request: Request) -> dict[str, Any]:
+    async def embed(body: wire.EmbedBody, request: Request) -> dict[str, Any]:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.EmbedBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_options(body.options)
         await service.models.load(body.model, load, keep_alive)
@@ -435,9 +433,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
                 "load_duration": load_ns, "prompt_eval_count": num_tokens}
 
     @router.post("/api/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
+    async def embeddings(body: wire.EmbeddingsBody, request: Request) -> dict[str, Any]:
         """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
-        body = await parse_body(request, wire.EmbeddingsBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         load = to_options(body.options)
         if not body.prompt:

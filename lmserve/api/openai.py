@@ -16,17 +16,17 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import logprobs as logprob_wire
 from lmserve.api import schemas
 from lmserve.api.chat_records import keeper
 from lmserve.api.choices import Choices, gather_all, merged, merged_frames
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import (
     HOLE,
     SSE_DONE,
@@ -37,7 +37,7 @@ from lmserve.api.streaming import (
     sse_json,
     until_disconnect,
 )
-from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
+from lmserve.api.wire_errors import INTERNAL_ERROR, openai_error
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
@@ -61,22 +61,10 @@ from lmserve.types import CompletionRequest as EngineCompletionRequest
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 Head = dict[str, Any]
 
 
 # ---- requests → records ---------------------------------------------------------------------------
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Parse and validate a JSON body; any problem is an InvalidRequest naming the field."""
-    try:
-        parsed = model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise invalid_from_validation(exc.errors(include_url=False)) from None
-    if parsed.model_extra:
-        log.debug("%s: ignoring unknown fields %s", request.url.path, sorted(parsed.model_extra))
-    return parsed
 
 
 def to_options(req: schemas.SamplingFields) -> RequestOptions:
@@ -438,12 +426,11 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
     """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults);
     chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py).
     GET /v1/models lists `served` (the model the server was started with) first, then the others newest first."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     @router.post("/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, schemas.ChatCompletionRequest)
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         images = None
         if has_images(body):
             service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
@@ -466,8 +453,7 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
         return JSONResponse(completion)
 
     @router.post("/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        body = await parse_body(request, schemas.CompletionRequest)
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         engine_request = to_completion_request(body)
         if body.n is not None and body.n > 1:
             return await completion_choices(service, engine_request, body, request)
@@ -497,8 +483,7 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
         return {"id": name, "object": "model", "deleted": True}
 
     @router.post("/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, schemas.EmbeddingRequest)
+    async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict[str, Any]:
         work = service.generation.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
                              dimensions=body.dimensions)
         model, vectors, num_tokens = await until_disconnect(work, request.receive)

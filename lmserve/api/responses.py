@@ -29,7 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import responses_schemas as wire
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.pages import item_page
 from lmserve.api.responses_output import (
     Framer,
@@ -325,7 +325,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
                      conversations: ConversationStore | None = None) -> APIRouter:
     """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items. A request's
     `conversation` is read from and added to `conversations` (None: a request that names one is refused)."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     async def earlier(body: wire.ResponseRequest) -> list[Item]:
@@ -375,8 +375,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
         return save
 
     @router.post("/responses", response_model=None)
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, wire.ResponseRequest)
+    async def create(body: wire.ResponseRequest, request: Request) -> Response:
         refuse_unserved(body)
         offered = offered_tools(body.tools)
         if offered.ignored:
