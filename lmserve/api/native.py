@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,6 +43,9 @@ from lmserve.types import (
     SamplingParams,
     ToolCall,
 )
+
+if TYPE_CHECKING:
+    from lmserve.store.pull import PullProgress
 
 NDJSON = "application/x-ndjson"
 BLOB_BODY = {
@@ -143,6 +146,28 @@ def now_iso() -> str:
 
 def line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def pull_line(record: PullProgress) -> dict[str, Any]:
+    """A pull's progress as a line of /api/pull: `{status, digest, total, completed}` without empty fields."""
+    fields = {"status": record.status, "digest": record.digest, "total": record.total, "completed": record.completed}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+async def _past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullProgress]:
+    """The records up to the first one past "pulling manifest" (the repository was found and its files chosen);
+    the pull's error if it ended before that."""
+    head: list[PullProgress] = []
+    async for record in records:
+        head.append(record)
+        if record.status != "pulling manifest":
+            break
+    return head
+
+
+async def _until_the_end(records: AsyncIterator[PullProgress]) -> None:
+    async for _ in records:
+        pass
 
 
 def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[str, Any]:
@@ -345,30 +370,26 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
     @router.post("/api/pull", response_model=None)
     async def pull(body: wire.PullBody, request: Request) -> Response:
-        from lmserve.api.pulling import PullFeed
-
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
-        feed = PullFeed(service.models.pull, body.target)
-        if not body.stream:
-            try:
-                await until_disconnect(feed.wait(), request.receive)
-            finally:
-                feed.abort()
-            return JSONResponse({"status": "success"})
+        pulling = service.models.pull(body.target)
+        records = aiter(pulling)
         try:
-            head = await feed.head()  # a bad name or an unknown repo fails here, as a 400/404 status
-        except BaseException:
-            feed.abort()
+            if not body.stream:
+                await until_disconnect(_until_the_end(records), request.receive)
+                return JSONResponse({"status": "success"})
+            head = await _past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
+        except BaseException:  # the pull failed, or the client went: stop it (a no-op once it ended)
+            pulling.abort()
             raise
 
         async def frames() -> AsyncIterator[bytes]:
-            for status in head:
-                yield line(status)
-            async for status in feed.rest():
-                yield line(status)
+            for record in head:
+                yield line(pull_line(record))
+            async for record in records:
+                yield line(pull_line(record))
 
-        return GenerationResponse(feed, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
+        return GenerationResponse(pulling, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
