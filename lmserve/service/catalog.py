@@ -458,6 +458,7 @@ class StaticCatalog:
     def __init__(self, models: list[LoadedModel]) -> None:
         self._models = {m.name: m for m in models}
         self._aliases = {alias: m.name for m in models for alias in m.aliases}
+        self._settings: dict[str, ModelSettings] = {}
 
     def listing(self) -> list[ModelListing]:
         return [
@@ -475,9 +476,11 @@ class StaticCatalog:
 
     def settings(self, name: str) -> ModelSettings:
         canonical = self.resolve(name)
-        return ModelSettings(name=canonical, parameters=self.parameters(canonical),
-                             recommended=self.model_defaults(canonical), has_vision=self.has_vision(canonical),
-                             plan=partial(self.plan, canonical))
+        if canonical not in self._settings:  # the models never change
+            self._settings[canonical] = ModelSettings(
+                name=canonical, parameters=self.parameters(canonical), recommended=self.model_defaults(canonical),
+                has_vision=self.has_vision(canonical), plan=partial(self.plan, canonical))
+        return self._settings[canonical]
 
     def describe(self, name: str) -> ModelDescription:
         model = self._models[name]
