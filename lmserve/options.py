@@ -285,11 +285,6 @@ def load_options(base: LoadOptions, *layers: Layer) -> LoadOptions:
     return replace(base, **{str(TABLE[name].field): value for name, value in _merged(layers, "load").items()})
 
 
-def has_load_options(layer: Layer) -> bool:
-    """Whether a layer sets any load-time option (else the model's own load options apply)."""
-    return any(TABLE[name].lifetime == "load" for name in layer)
-
-
 def json_schema() -> dict[str, Any]:
     """The JSON schema of native `options`: one property per option, with its type, range and help."""
     kinds = {int: "integer", float: "number", bool: "boolean", str: "string"}
