@@ -84,11 +84,7 @@ def invalid_from_validation(errors: Sequence[Mapping[str, Any]], *, strip: int =
     kind = str(first.get("type", ""))
     message = str(first.get("msg", "invalid value"))
     if kind == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error")
-        message = f"Invalid JSON: {reason}" if reason else message
         return InvalidRequest(f"We could not parse the JSON body of your request: {message}", code="invalid_json")
-    if kind == "missing" and not loc:  # no body at all
-        return InvalidRequest("We could not parse the JSON body of your request: it is empty", code="invalid_json")
     if not loc or not isinstance(loc[0], str):
         return InvalidRequest(f"Invalid request body: {message}")
     param = loc[0]
