@@ -273,25 +273,16 @@ def layer_of(params: SamplingParams) -> Layer:
 # ---- precedence: the first layer wins -------------------------------------------------------------------------
 
 
-def sampling(
-    *layers: Layer, base: SamplingParams | None = None, grammar: str | None = None, logprobs: int | None = None
-) -> SamplingParams:
-    """`base` (SamplingParams' defaults) with the sampling options of `layers` over it, the first layer winning, and
-    the request's `grammar` and `logprobs` (no option: no layer sets them)."""
+def sampling(*layers: Layer, base: SamplingParams | None = None) -> SamplingParams:
+    """`base` (SamplingParams' defaults) with the sampling options of `layers` over it, the first layer winning."""
     base = base or SamplingParams()
-    chosen = {str(TABLE[name].field): _copy(value) for name, value in _merged(layers, "sampling").items()}
-    return replace(base, **{"stop": list(base.stop), "logit_bias": dict(base.logit_bias), **chosen,
-                            "grammar": grammar, "logprobs": logprobs})
+    merged = {str(TABLE[name].field): _copy(value) for name, value in _merged(layers, "sampling").items()}
+    return replace(base, **{"stop": list(base.stop), "logit_bias": dict(base.logit_bias), **merged})
 
 
 def load_options(base: LoadOptions, *layers: Layer) -> LoadOptions:
     """`base` (the server's load options) with the load-time options of `layers` over it, the first winning."""
     return replace(base, **{str(TABLE[name].field): value for name, value in _merged(layers, "load").items()})
-
-
-def has_load_options(layer: Layer) -> bool:
-    """Whether a layer sets any load-time option (else the model's own load options apply)."""
-    return any(TABLE[name].lifetime == "load" for name in layer)
 
 
 def json_schema() -> dict[str, Any]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from lmserve.service.catalog import Catalog
+    from lmserve.store.pull import PullProgress
 
 log = logging.getLogger("lmserve")
 
@@ -50,7 +51,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     settings = engine_settings(config)
     store = Store(Path(config.models_dir).expanduser())
-    catalog = StoreCatalog(store, partial(open_engine, settings=settings), settings=settings)
+    catalog = StoreCatalog(store, partial(open_engine, settings=settings), engines=settings)
     try:
         store.find(DEFAULT_MODEL_NAME)
     except LmserveError:
@@ -83,7 +84,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     except ModelNotFound:
         if "/" not in name:
             raise
-        service.models.pull(name, ProgressLines())  # a hub repository, as vLLM's `serve <org>/<repo>` fetches it
+        service.models.pull_blocking(name, ProgressLines())  # a hub repository, as vLLM's `serve <org>/<repo>` does
         name = catalog.resolve(name)
     refusal = config.refused_by(engine_of(store.model_path(store.find(name).manifest), settings).name)
     if refusal:
@@ -167,14 +168,14 @@ class ProgressLines:
     def __init__(self) -> None:
         self._last: tuple[object, int] | None = None
 
-    def __call__(self, event: dict[str, object]) -> None:
-        total, completed = event.get("total"), event.get("completed")
-        tenth = completed * 10 // total if isinstance(total, int) and isinstance(completed, int) and total else -1
-        if (event.get("status"), tenth) == self._last:
+    def __call__(self, record: PullProgress) -> None:
+        total, completed = record.total, record.completed
+        tenth = completed * 10 // total if total and completed is not None else -1
+        if (record.status, tenth) == self._last:
             return
-        self._last = (event.get("status"), tenth)
+        self._last = (record.status, tenth)
         done = f" {tenth * 10}%" if tenth >= 0 else ""
-        print(f"lmserve: {event.get('status')}{done}", file=sys.stderr, flush=True)
+        print(f"lmserve: {record.status}{done}", file=sys.stderr, flush=True)
 
 
 def prompt_cache(config: ServerConfig) -> PromptCache:

@@ -139,6 +139,17 @@ as `ChatRequest.think`: "none" is off; lmserve's levels are low, medium and high
 "xhigh" and "max" as "high"."""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What a request's body set of the options lmserve/options.py tables, before precedence: the service puts them
+    over the model's Modelfile PARAMETERs, its recommended sampling and the server's defaults."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    """Option name → checked value (an options.py layer), sampling and load-time options alike."""
+    defaults: Literal["openai", "native"] = "openai"
+    """Whose server defaults lie under them: the native routes' (the local runner's) or SamplingParams' own."""
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A chat turn to complete, engine-neutral. `tools` are OpenAI-shaped function definitions; a
@@ -147,6 +158,7 @@ class ChatRequest:
     model: str
     messages: list[Message]
     sampling: SamplingParams
+    """The settings no option names (grammar, logprobs …); the service sets the options' fields from `options`."""
     tools: list[dict[str, Any]] = field(default_factory=list)
     forced_tool: str | None = None
     parallel_tool_calls: bool = True
@@ -157,8 +169,8 @@ class ChatRequest:
     dialects' effort names map through EFFORTS."""
     reasoning_budget: int | None = None
     """Most thinking tokens before the thinking is closed and the answer follows (None: the server's setting)."""
-    options: LoadOptions | None = None
-    """Load-time options the request asks for (None: the server's)."""
+    options: RequestOptions = field(default_factory=RequestOptions)
+    """The options the request set, sampling and load-time (the service resolves their precedence)."""
     keep_alive: float | None = None
     """Seconds to keep the model loaded after this request (None: server default; negative: forever)."""
 
@@ -170,11 +182,13 @@ class CompletionRequest:
     model: str
     prompt: str
     sampling: SamplingParams
+    """The settings no option names (grammar, logprobs …); the service sets the options' fields from `options`."""
     context: list[int] = field(default_factory=list)
     """Tokens of an earlier exchange to continue (the native dialect's `context`)."""
     images: list[bytes] = field(default_factory=list)
     """Encoded images (checked by chat/media.py) shown to a vision model before the prompt text."""
-    options: LoadOptions | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)
+    """The options the request set, sampling and load-time (the service resolves their precedence)."""
     keep_alive: float | None = None
     infill: Infill | None = None
     """Fill in the middle: the model writes what goes between `infill.prefix` and `infill.suffix`; `prompt` then

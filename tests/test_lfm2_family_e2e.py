@@ -39,10 +39,11 @@ from safetensors import safe_open
 
 from lmserve.engine.vllm.engine import vision_support_missing
 from lmserve.service.catalog import StoreCatalog
-from lmserve.service.defaults import Defaults
+from lmserve.service.precedence import Precedence
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import Store
+from lmserve.types import RequestOptions, SamplingParams
 from tests.hf_repos import (
     VERSION,
     ConverterMissing,
@@ -283,13 +284,13 @@ async def test_option_layers_put_the_card_under_the_modelfile_and_over_the_serve
     source = str(member.gguf if form == "gguf" else member.repo)
     catalog.create("plain", Modelfile(from_=source))
     catalog.create("seeded", Modelfile(from_=source, parameters={"temperature": 0.1, "top_k": 50}))
-    defaults = Defaults(catalog)
-    plain = await defaults.sampling_defaults("plain", "native")
+    precedence, native, openai = Precedence(), RequestOptions(defaults="native"), RequestOptions()
+    plain = precedence.sampling(catalog.settings("plain"), native, SamplingParams())
     assert (plain.temperature, plain.min_p, plain.repeat_penalty) == (0.3, 0.15, 1.05)
     assert plain.top_k == 40  # what the card does not say: the local runner's default
-    seeded = await defaults.sampling_defaults("seeded", "native")
+    seeded = precedence.sampling(catalog.settings("seeded"), native, SamplingParams())
     assert (seeded.temperature, seeded.top_k, seeded.min_p, seeded.repeat_penalty) == (0.1, 50, 0.15, 1.05)
-    openai_route = await defaults.sampling_defaults("plain", "openai")
+    openai_route = precedence.sampling(catalog.settings("plain"), openai, SamplingParams())
     assert (openai_route.temperature, openai_route.min_p) == (0.3, 0.15)
 
 

@@ -7,13 +7,11 @@ is pointed at it with LMSERVE_HF_ENDPOINT. Pulled with the official `ollama` cli
 
 from __future__ import annotations
 
-import asyncio
 import io
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,7 +20,6 @@ import ollama
 import pytest
 from PIL import Image
 
-from lmserve.api.pulling import PullCancelled, PullFeed
 from tests.hub import TINY_TEMPLATE, FakeHub, serve_hub, sha256_hex, tiny_repository
 from tests.test_server import Server
 from tests.tiny_lfm2 import write_tiny_lfm2
@@ -184,30 +181,3 @@ def test_pull_of_a_safetensors_repository_then_tags_show_and_models_list_it(
     assert shown.modelinfo is not None and shown.modelinfo["general.architecture"] == "llama"
     openai_ids = [m["id"] for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]]
     assert stored in openai_ids
-
-
-class _SlowPull:
-    """A stand-in for ModelService whose pull reports progress until its callback raises."""
-
-    def __init__(self) -> None:
-        self.stopped = threading.Event()
-
-    def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
-        progress({"status": "pulling manifest"})
-        try:
-            for completed in range(10_000):
-                progress({"status": "pulling x.gguf", "total": 10_000, "completed": completed})
-                threading.Event().wait(0.001)
-        finally:
-            self.stopped.set()
-
-
-async def test_abort_stops_the_worker_at_its_next_progress_line() -> None:
-    service = _SlowPull()
-    feed = PullFeed(service.pull, "hf.co/org/repo")
-    head = await feed.head()
-    assert [line["status"] for line in head] == ["pulling manifest", "pulling x.gguf"]
-    feed.abort()
-    with pytest.raises(PullCancelled):
-        await feed.wait()
-    assert await asyncio.to_thread(service.stopped.wait, 5)

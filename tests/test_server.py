@@ -448,12 +448,13 @@ def test_embeddings_take_token_ids_as_openai_does(server: Server, client: openai
 
 def test_pull_progress_at_serve_is_one_line_per_step_and_tenth(capsys: pytest.CaptureFixture[str]) -> None:
     from lmserve.server import ProgressLines
+    from lmserve.store.pull import PullProgress
 
     lines = ProgressLines()
     for completed in (0, 5, 10, 15, 50, 99, 100):
-        lines({"status": "pulling model.safetensors", "total": 100, "completed": completed})
+        lines(PullProgress("pulling model.safetensors", total=100, completed=completed))
     for status in ("verifying sha256 digest", "verifying sha256 digest", "success"):
-        lines({"status": status})
+        lines(PullProgress(status))
     assert capsys.readouterr().err.splitlines() == [
         "lmserve: pulling model.safetensors 0%", "lmserve: pulling model.safetensors 10%",
         "lmserve: pulling model.safetensors 50%", "lmserve: pulling model.safetensors 90%",

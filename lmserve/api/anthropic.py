@@ -28,14 +28,24 @@ from fastapi.responses import JSONResponse, Response
 from lmserve import options as opts
 from lmserve.api import anthropic_schemas as wire
 from lmserve.api.anthropic_context import apply_edits
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import GenerationResponse, dumps, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR, anthropic_error
 from lmserve.chat.media import MediaPolicy, decode_base64, load_all, load_url
 from lmserve.chat.structured import schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, TemplateRejected
 from lmserve.service import Generation, Service
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Chunk, Message, SamplingParams, ToolCall, Usage
+from lmserve.types import (
+    EFFORTS,
+    IMAGE_PLACEHOLDER,
+    ChatRequest,
+    Chunk,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    ToolCall,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 
 
 def to_chat_request(
-    req: wire.CountTokensRequest, defaults: SamplingParams | None = None, images: list[bytes] | None = None
+    req: wire.CountTokensRequest, images: list[bytes] | None = None
 ) -> ChatRequest:
     """The engine-neutral chat request. `images` are the request's images in order, already loaded
     (`load_images`); without them, image blocks are refused."""
@@ -67,27 +77,20 @@ def to_chat_request(
     tools = [] if _choice_type(req) == "none" else [_tool(t) for t in req.tools or ()]
     forced, parallel = _forced_tool(req.tool_choice, tools)
     think, budget = _thinking(req.thinking, req.output_config)
-    sampling = to_sampling_params(req, defaults)
-    return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
-                       parallel_tool_calls=parallel, think=think, reasoning_budget=budget)
+    output_format = req.output_config.format if req.output_config is not None else None
+    grammar = schema_grammar(output_format.schema_, param="output_config") if output_format is not None else None
+    return ChatRequest(model=req.model, messages=messages, sampling=SamplingParams(grammar=grammar), tools=tools,
+                       forced_tool=forced, parallel_tool_calls=parallel, think=think, reasoning_budget=budget,
+                       options=to_options(req))
 
 
-def to_sampling_params(req: wire.CountTokensRequest, defaults: SamplingParams | None = None) -> SamplingParams:
-    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none) over `defaults`;
-    `output_config.format` → grammar."""
-    config = req.output_config
+def to_options(req: wire.CountTokensRequest) -> RequestOptions:
+    """max_tokens, temperature, top_p, top_k and stop_sequences (count_tokens has none)."""
     if not isinstance(req, wire.MessagesRequest):
-        return opts.sampling(base=defaults, grammar=_format_grammar(config))
+        return RequestOptions()
     fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
               "stop": req.stop_sequences}
-    return opts.sampling(opts.from_openai(fields), base=defaults, grammar=_format_grammar(config))
-
-
-def _format_grammar(config: wire.OutputConfig | None) -> str | None:
-    """The grammar of `output_config.format`'s JSON schema, if any."""
-    if config is None or config.format is None:
-        return None
-    return schema_grammar(config.format.schema_, param="output_config")
+    return RequestOptions(opts.from_openai(fields))
 
 
 def to_messages(req: wire.CountTokensRequest, images: Iterator[bytes]) -> list[Message]:
@@ -427,7 +430,7 @@ class Blocks:
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})
 
 
-async def message_events(generation: Generation, head: Head, request: ChatRequest,
+async def message_events(generation: Generation, head: Head,
                          extra: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
     """The Messages stream: message_start, ping, each block's start / deltas / stop, message_delta (stop reason,
     usage and the `extra` fields, e.g. context_management), message_stop; an `error` event if the generation
@@ -455,7 +458,7 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
         for frame in blocks.finish():
             yield frame
         usage = chunk.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        delta = {"stop_reason": stop_reason(chunk, usage, request.sampling.max_tokens),
+        delta = {"stop_reason": stop_reason(chunk, usage, generation.sampling.max_tokens),
                  "stop_sequence": chunk.stop_string}
         yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_body(usage),
                                     **(extra or {})})
@@ -468,41 +471,38 @@ async def message_events(generation: Generation, head: Head, request: ChatReques
 
 def anthropic_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
     """POST /v1/messages and /v1/messages/count_tokens over `service`; images are loaded under `media`."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     async def chat_request(body: wire.CountTokensRequest) -> ChatRequest:
-        defaults = await service.sampling_defaults(body.model)
         images = None
         if sources := image_sources(body):
             service.generation.check_images(body.model, len(sources))  # before fetching anything
             images = await load_images(body, policy)
-        return to_chat_request(body, defaults, images)
+        return to_chat_request(body, images)
 
     async def edited_request(body: wire.CountTokensRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
         """The chat request with `context_management`'s edits applied, and the edits applied."""
         return await apply_edits(await chat_request(body), body.context_management, service.generation.count_tokens)
 
     @router.post("/messages", response_model=None)
-    async def messages(request: Request) -> Response:
-        body = await parse_body(request, wire.MessagesRequest)
+    async def messages(body: wire.MessagesRequest, request: Request) -> Response:
         with system_refusals(body):
             chat, edits = await edited_request(body)
             generation = await service.generation.chat(chat)
         head = make_head(generation.model)
         extra = {} if body.context_management is None else {"context_management": {"applied_edits": edits}}
         if body.stream:
-            frames = message_events(generation, head, chat, extra)
+            frames = message_events(generation, head, extra)
             return GenerationResponse(generation, guarded_errors(frames, error_event))
         text, final = await until_disconnect(generation.collect(), request.receive)
         usage = final.usage or Usage(prompt_tokens=generation.num_prompt_tokens)
-        reason = stop_reason(final, usage, chat.sampling.max_tokens)
+        reason = stop_reason(final, usage, generation.sampling.max_tokens)
         blocks = content_blocks(final.reasoning, text, final.tool_calls)
         return JSONResponse({**message_body(head, blocks, reason, final.stop_string, usage), **extra})
 
     @router.post("/messages/count_tokens")
-    async def messages_count_tokens(request: Request) -> dict[str, int]:
-        body = await parse_body(request, wire.CountTokensRequest)
+    async def messages_count_tokens(body: wire.CountTokensRequest) -> dict[str, int]:
         with system_refusals(body):
             chat, _ = await edited_request(body)
             return {"input_tokens": await service.generation.count_tokens(chat)}

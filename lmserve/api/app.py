@@ -80,7 +80,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
-    install_openapi(app)  # /openapi.json: with the request bodies the routes parse by hand
+    install_openapi(app)  # /openapi.json: one operationId per method
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -23,10 +23,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from lmserve.api import responses_schemas as wire
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.pages import item_page, list_body
 from lmserve.api.responses import input_records
 from lmserve.config import ServerConfig
@@ -41,11 +41,10 @@ def conversations_store(config: ServerConfig) -> ConversationStore:
 
 def conversations_router(store: ConversationStore) -> APIRouter:
     """The routes of /v1/conversations and /v1/conversations/{id}/items."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
     @router.post("/conversations")
-    async def create(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, wire.ConversationCreate) if await request.body() else None
+    async def create(body: wire.ConversationCreate | None = None) -> dict[str, Any]:
         items = input_records(body.items) if body and body.items else []
         metadata = body.metadata if body and body.metadata else {}
         return (await asyncio.to_thread(store.create, items, metadata)).resource()
@@ -55,8 +54,7 @@ def conversations_router(store: ConversationStore) -> APIRouter:
         return (await asyncio.to_thread(store.get, conversation_id)).resource()
 
     @router.post("/conversations/{conversation_id}")
-    async def update(conversation_id: str, request: Request) -> dict[str, Any]:
-        body = await parse_body(request, wire.ConversationUpdate)
+    async def update(conversation_id: str, body: wire.ConversationUpdate) -> dict[str, Any]:
         return (await asyncio.to_thread(store.update_metadata, conversation_id, body.metadata)).resource()
 
     @router.delete("/conversations/{conversation_id}")
@@ -71,8 +69,7 @@ def conversations_router(store: ConversationStore) -> APIRouter:
         return item_page(record.items, limit=limit, order=order, after=after, noun="item of this conversation")
 
     @router.post("/conversations/{conversation_id}/items")
-    async def add_items(conversation_id: str, request: Request) -> dict[str, Any]:
-        body = await parse_body(request, wire.ConversationItems)
+    async def add_items(conversation_id: str, body: wire.ConversationItems) -> dict[str, Any]:
         items = input_records(body.items)
         await asyncio.to_thread(store.add_items, conversation_id, items)
         return list_body(items, has_more=False)

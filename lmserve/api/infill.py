@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve import options as opts
-from lmserve.api.openai import error_frame, parse_body
+from lmserve.api.json_body import JsonBodyRoute
+from lmserve.api.openai import error_frame
 from lmserve.api.streaming import GenerationResponse, guarded_errors, sse_json, until_disconnect
 from lmserve.api.tokens import default_model
 from lmserve.errors import EngineFailure
 from lmserve.service import Generation, Service
-from lmserve.types import Chunk, CompletionRequest, Infill, SamplingParams
+from lmserve.types import Chunk, CompletionRequest, Infill, RequestOptions, SamplingParams
 
 _WIRE = ConfigDict(extra="allow")
 _RENAMED = {"n_predict": "num_predict", "max_tokens": "num_predict"}
@@ -51,12 +52,12 @@ class InfillBody(BaseModel):
     stream: bool = False
 
 
-def to_sampling(extra: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    """The body's sampling options (by llama-server's names where the table has them) over `defaults`; a value out
-    of range is a 400 naming it; names lmserve does not know are ignored, as llama-server does."""
+def to_options(extra: dict[str, Any]) -> RequestOptions:
+    """The body's sampling options (by llama-server's names where the table has them); a value out of range is a
+    400 naming it; names lmserve does not know are ignored, as llama-server does."""
     options = {_RENAMED.get(name, name): value for name, value in extra.items()}
     known = {name: value for name, value in options.items() if name in opts.PARAMETERS}
-    return opts.sampling(opts.from_native(known), base=defaults)
+    return RequestOptions(opts.from_native(known), "native")
 
 
 def stop_type(final: Chunk) -> str:
@@ -92,17 +93,15 @@ async def infill_frames(generation: Generation) -> AsyncIterator[bytes]:
 
 def infill_router(service: Service) -> APIRouter:
     """POST /infill over `service`."""
-    router = APIRouter()
+    router = APIRouter(route_class=JsonBodyRoute)
 
     @router.post("/infill", response_model=None)
-    async def infill(request: Request) -> Response:
+    async def infill(body: InfillBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, InfillBody)
         model = default_model(service, body.model)
-        defaults = await service.sampling_defaults(model, "native")
-        sampling = to_sampling(dict(body.model_extra or {}), defaults)
         extra = [(file.filename, file.text) for file in body.input_extra]
-        record = CompletionRequest(model, body.prompt, sampling,
+        options = to_options(dict(body.model_extra or {}))
+        record = CompletionRequest(model, body.prompt, SamplingParams(), options=options,
                                    infill=Infill(body.input_prefix, body.input_suffix, extra))
         generation = await service.generation.complete(record)
         if body.stream:

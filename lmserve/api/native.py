@@ -1,7 +1,7 @@
 """The native (local-runner) dialect: /api routes, NDJSON streaming, and its translators.
 
 Same pipeline as the OpenAI dialect: the body is parsed into a wire model (native_schemas.py), translated
-once into lmserve's records (`to_sampling_params`, `to_load_options`, `to_messages`), answered by the
+once into lmserve's records (`to_options`, `to_sampling_params`, `to_messages`), answered by the
 service, and its chunks written back as NDJSON lines with durations in nanoseconds.
 """
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,7 +23,7 @@ from lmserve import __version__
 from lmserve import options as opts
 from lmserve.api import logprobs as logprob_wire
 from lmserve.api import native_schemas as wire
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.api.wire_errors import INTERNAL_ERROR
 from lmserve.chat.media import MediaPolicy, decode_base64
@@ -34,9 +34,27 @@ from lmserve.service import Generation, ModelListing, Service
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
-from lmserve.types import ChatRequest, Chunk, CompletionRequest, Infill, LoadOptions, Message, SamplingParams, ToolCall
+from lmserve.types import (
+    ChatRequest,
+    Chunk,
+    CompletionRequest,
+    Infill,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    ToolCall,
+)
+
+if TYPE_CHECKING:
+    from lmserve.store.pull import PullProgress
 
 NDJSON = "application/x-ndjson"
+BLOB_BODY = {
+    "description": "The blob's bytes; their SHA-256 must be the digest in the path.",
+    "required": True,
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+}
+"""POST /api/blobs/{digest}'s body in the OpenAPI document (the route reads it as a stream, not as a parameter)."""
 
 
 # ---- requests → records ---------------------------------------------------------------------------
@@ -53,13 +71,15 @@ def parse_keep_alive(value: wire.KeepAlive) -> float | None:
                              param="keep_alive") from None
 
 
-def to_sampling_params(
-    options: wire.Options | None, defaults: SamplingParams, format: str | dict[str, Any] | None = None,
-    logprobs: int | None = None,
-) -> SamplingParams:
-    """The request's `options` (lmserve/options.py checks them) over `defaults`, the layers under the request
-    (Modelfile PARAMETERs, model and server defaults); `format` → grammar; the request's `logprobs`."""
-    return opts.sampling(opts.from_native(options), base=defaults, grammar=format_grammar(format), logprobs=logprobs)
+def to_options(options: wire.Options | None) -> RequestOptions:
+    """The request's `options` (lmserve/options.py checks them), sampling and load-time, over the native routes'
+    server defaults (the service puts them over the model's)."""
+    return RequestOptions(opts.from_native(options), "native")
+
+
+def to_sampling_params(format: str | dict[str, Any] | None, logprobs: int | None) -> SamplingParams:
+    """What the request asks beyond its options: `format` → grammar, and the log-probabilities."""
+    return SamplingParams(grammar=format_grammar(format), logprobs=logprobs)
 
 
 def format_grammar(format: str | dict[str, Any] | None) -> str | None:
@@ -97,12 +117,6 @@ def split_reasoning_budget(options: wire.Options | None) -> tuple[wire.Options |
     return rest, budget
 
 
-def to_load_options(options: wire.Options | None, defaults: LoadOptions) -> LoadOptions | None:
-    """The load-time options a request asks for over `defaults`; None when it asks for none (the model's apply)."""
-    layer = opts.from_native(options)
-    return opts.load_options(defaults, layer) if opts.has_load_options(layer) else None
-
-
 def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
     """The engine-neutral messages; their base64 `images` are decoded and checked under `media`."""
     policy = media or MediaPolicy()
@@ -133,6 +147,28 @@ def now_iso() -> str:
 
 def line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def pull_line(record: PullProgress) -> dict[str, Any]:
+    """A pull's progress as a line of /api/pull: `{status, digest, total, completed}` without empty fields."""
+    fields = {"status": record.status, "digest": record.digest, "total": record.total, "completed": record.completed}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+async def _past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullProgress]:
+    """The records up to the first one past "pulling manifest" (the repository was found and its files chosen);
+    the pull's error if it ended before that."""
+    head: list[PullProgress] = []
+    async for record in records:
+        head.append(record)
+        if record.status != "pulling manifest":
+            break
+    return head
+
+
+async def _until_the_end(records: AsyncIterator[PullProgress]) -> None:
+    async for _ in records:
+        pass
 
 
 def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[str, Any]:
@@ -213,7 +249,7 @@ def tag(listing: ModelListing) -> dict[str, Any]:
 
 def native_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
     """The /api routes over `service` (`GET /` is lmserve/api/web.py's)."""
-    router = APIRouter()
+    router = APIRouter(route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     @router.api_route("/api/version", methods=["GET", "HEAD"])
@@ -221,12 +257,11 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return {"version": __version__}
 
     @router.post("/api/generate", response_model=None)
-    async def generate(request: Request) -> Response:
+    async def generate(body: wire.GenerateBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.GenerateBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        options = to_options(body.options)
         think = to_think(body.think)
         if body.suffix and (body.images or body.context):
             raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
@@ -235,14 +270,12 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
             service.generation.check_images(body.model, len(body.images), param="images")
             images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
         if not body.prompt and not body.context and not body.suffix:
-            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, response=""))
-        defaults = await service.sampling_defaults(body.model, "native")
-        record = CompletionRequest(body.model, body.prompt, to_sampling_params(body.options, defaults, body.format),
-                                   context=list(body.context or ()), images=images, options=load,
-                                   keep_alive=keep_alive)
-        record.sampling.logprobs = logprob_wire.asked(body.logprobs, body.top_logprobs)
-        if body.suffix:  # insert: the model writes what goes between the prompt and the suffix (service/fim.py)
-            record.prompt, record.infill = "", Infill(body.prompt, body.suffix)
+            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
+        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
+        infill = Infill(body.prompt, body.suffix) if body.suffix else None  # insert: the model writes the middle
+        record = CompletionRequest(body.model, "" if infill else body.prompt, sampling,
+                                   context=list(body.context or ()), images=images, options=options,
+                                   keep_alive=keep_alive, infill=infill)
         generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
                                                        think=think, reasoning_budget=budget)
 
@@ -268,23 +301,20 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
 
     @router.post("/api/chat", response_model=None)
-    async def chat(request: Request) -> Response:
+    async def chat(body: wire.ChatBody, request: Request) -> Response:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.ChatBody)
         keep_alive = parse_keep_alive(body.keep_alive)
         body.options, budget = split_reasoning_budget(body.options)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        options = to_options(body.options)
         think = to_think(body.think)
         if not body.messages:
             message = {"role": "assistant", "content": ""}
-            return JSONResponse(await _load_or_unload(service, body.model, load, keep_alive, message=message))
-        defaults = await service.sampling_defaults(body.model, "native")
-        sampling = to_sampling_params(body.options, defaults, body.format,
-                                      logprob_wire.asked(body.logprobs, body.top_logprobs))
+            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))
+        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
         if any(m.images for m in body.messages):
             service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
         record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
-                             tools=list(body.tools or ()), options=load, keep_alive=keep_alive, think=think,
+                             tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
                              reasoning_budget=budget)
         generation = await service.generation.chat(record)
 
@@ -307,8 +337,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
 
     @router.post("/api/create", response_model=None)
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, wire.CreateBody)
+    async def create(body: wire.CreateBody) -> Response:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         modelfile = to_modelfile(body)
@@ -325,7 +354,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     async def has_blob(digest: str) -> Response:
         return Response(status_code=200 if service.models.store.has_blob(check_digest(digest)) else 404)
 
-    @router.post("/api/blobs/{digest}")
+    @router.post("/api/blobs/{digest}", openapi_extra={"requestBody": BLOB_BODY})
     async def push_blob(digest: str, request: Request) -> Response:
         store = service.models.store
         check_digest(digest)
@@ -337,40 +366,34 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return Response(status_code=201)
 
     @router.post("/api/pull", response_model=None)
-    async def pull(request: Request) -> Response:
-        from lmserve.api.pulling import PullFeed
-
-        body = await parse_body(request, wire.PullBody)
+    async def pull(body: wire.PullBody, request: Request) -> Response:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
-        feed = PullFeed(service.models.pull, body.target)
-        if not body.stream:
-            try:
-                await until_disconnect(feed.wait(), request.receive)
-            finally:
-                feed.abort()
-            return JSONResponse({"status": "success"})
+        pulling = service.models.pull(body.target)
+        records = aiter(pulling)
         try:
-            head = await feed.head()  # a bad name or an unknown repo fails here, as a 400/404 status
-        except BaseException:
-            feed.abort()
+            if not body.stream:
+                await until_disconnect(_until_the_end(records), request.receive)
+                return JSONResponse({"status": "success"})
+            head = await _past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
+        except BaseException:  # the pull failed, or the client went: stop it (a no-op once it ended)
+            pulling.abort()
             raise
 
         async def frames() -> AsyncIterator[bytes]:
-            for status in head:
-                yield line(status)
-            async for status in feed.rest():
-                yield line(status)
+            for record in head:
+                yield line(pull_line(record))
+            async for record in records:
+                yield line(pull_line(record))
 
-        return GenerationResponse(feed, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
+        return GenerationResponse(pulling, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [tag(m) for m in service.models.listing()]}
 
     @router.post("/api/show")
-    async def show(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, wire.ModelBody)
+    async def show(body: wire.ModelBody) -> dict[str, Any]:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         d = service.models.describe(body.target)
@@ -382,14 +405,12 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         }
 
     @router.post("/api/copy")
-    async def copy(request: Request) -> Response:
-        body = await parse_body(request, wire.CopyBody)
+    async def copy(body: wire.CopyBody) -> Response:
         service.models.copy(body.source, body.destination)
         return Response(status_code=200)
 
     @router.delete("/api/delete")
-    async def delete(request: Request) -> Response:
-        body = await parse_body(request, wire.ModelBody)
+    async def delete(body: wire.ModelBody) -> Response:
         if body.target is None:
             raise InvalidRequest("model is required", param="model")
         await service.models.delete(body.target)
@@ -413,11 +434,10 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
         return body
 
     @router.post("/api/embed")
-    async def embed(request: Request) -> dict[str, Any]:
+    async def embed(body: wire.EmbedBody, request: Request) -> dict[str, Any]:
         started = time.perf_counter_ns()
-        body = await parse_body(request, wire.EmbedBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        load = to_options(body.options)
         await service.models.load(body.model, load, keep_alive)
         load_ns = time.perf_counter_ns() - started
         vectors: list[list[float]] = []
@@ -431,11 +451,10 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
                 "load_duration": load_ns, "prompt_eval_count": num_tokens}
 
     @router.post("/api/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
+    async def embeddings(body: wire.EmbeddingsBody, request: Request) -> dict[str, Any]:
         """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
-        body = await parse_body(request, wire.EmbeddingsBody)
         keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_load_options(body.options, service.load_defaults(body.model))
+        load = to_options(body.options)
         if not body.prompt:
             await service.models.load(body.model, load, keep_alive)
             return {"embedding": []}
@@ -447,7 +466,7 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
 
 
 async def _load_or_unload(
-    service: Service, model: str, load: LoadOptions | None, keep_alive: float | None, **empty: Any
+    service: Service, model: str, load: RequestOptions, keep_alive: float | None, **empty: Any
 ) -> dict[str, Any]:
     """An empty prompt loads the model; with keep_alive 0 it unloads it."""
     if keep_alive == 0:

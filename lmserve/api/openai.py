@@ -1,7 +1,7 @@
 """The OpenAI dialect: /v1 routes, and the translators between its wire format and lmserve's records.
 
 A request is parsed into a wire model (schemas.py), translated once into an engine-neutral record
-(`to_chat_request`, `to_completion_request`, `to_sampling_params`), answered by the service, and its
+(`to_chat_request`, `to_completion_request`, `to_options`), answered by the service, and its
 chunks translated back (`chat_completion`, `chat_frames`, `text_completion`, `completion_frames`).
 Errors the service raises (unknown model, bad messages, context overflow) surface before any byte of a
 streamed answer is sent, so they are ordinary HTTP errors.
@@ -16,17 +16,17 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import logprobs as logprob_wire
 from lmserve.api import schemas
 from lmserve.api.chat_records import keeper
 from lmserve.api.choices import Choices, gather_all, merged, merged_frames
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import (
     HOLE,
     SSE_DONE,
@@ -37,7 +37,7 @@ from lmserve.api.streaming import (
     sse_json,
     until_disconnect,
 )
-from lmserve.api.wire_errors import INTERNAL_ERROR, invalid_from_validation, openai_error
+from lmserve.api.wire_errors import INTERNAL_ERROR, openai_error
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
@@ -51,6 +51,7 @@ from lmserve.types import (
     Chunk,
     Infill,
     Message,
+    RequestOptions,
     SamplingParams,
     TokenLogprob,
     ToolCall,
@@ -60,47 +61,26 @@ from lmserve.types import CompletionRequest as EngineCompletionRequest
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 Head = dict[str, Any]
 
 
 # ---- requests → records ---------------------------------------------------------------------------
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Parse and validate a JSON body; any problem is an InvalidRequest naming the field."""
-    try:
-        parsed = model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise invalid_from_validation(exc.errors(include_url=False)) from None
-    if parsed.model_extra:
-        log.debug("%s: ignoring unknown fields %s", request.url.path, sorted(parsed.model_extra))
-    return parsed
+def to_options(req: schemas.SamplingFields) -> RequestOptions:
+    """The body's sampling fields (lmserve/options.py names and checks them; the service puts them over the model's
+    and the server's). Fields that would change the reply but that lmserve does not do (best_of, load-time options
+    …) are refused with a 400 naming them. `n` is the dialect's own (`chat_choices`, `completion_choices`)."""
+    return RequestOptions(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})))
 
 
-def to_sampling_params(
-    req: schemas.SamplingFields, defaults: SamplingParams | None = None, *, grammar: str | None = None,
-    logprobs: int | None = None,
-) -> SamplingParams:
-    """The body's sampling fields (lmserve/options.py names and checks them) over `defaults`, the layers under the
-    request (Modelfile PARAMETERs, model and server defaults), with the request's `grammar` and `logprobs`. Fields
-    that would change the reply but that lmserve does not do (best_of, load-time options …) are refused with a 400
-    naming them. `n` is the dialect's own (`chat_choices`, `completion_choices`)."""
-    return opts.sampling(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})), base=defaults,
-                         grammar=grammar, logprobs=logprobs)
-
-
-def to_chat_request(
-    req: schemas.ChatCompletionRequest, defaults: SamplingParams | None = None,
-    images: list[list[bytes]] | None = None, *, add_generation_prompt: bool = True,
-) -> ChatRequest:
+def to_chat_request(req: schemas.ChatCompletionRequest, images: list[list[bytes]] | None = None, *,
+                    add_generation_prompt: bool = True) -> ChatRequest:
     """The engine-neutral chat request. Tools are passed as the JSON objects the template expects.
 
     `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
     `add_generation_prompt` false renders the chat without the assistant turn's opening (/tokenize).
     """
-    sampling = to_sampling_params(req, defaults, grammar=response_grammar(req.response_format),
-                                  logprobs=logprob_wire.asked(req.logprobs, req.top_logprobs))
     if images is None:
         if has_images(req):
             raise InvalidRequest("this request's images were not loaded", param="messages")
@@ -108,9 +88,12 @@ def to_chat_request(
     messages = [_to_message(i, m, images[i]) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
+    sampling = SamplingParams(grammar=response_grammar(req.response_format),
+                              logprobs=logprob_wire.asked(req.logprobs, req.top_logprobs))
     return ChatRequest(model=req.model, messages=messages, sampling=sampling, tools=tools, forced_tool=forced,
                        parallel_tool_calls=req.parallel_tool_calls is not False, think=to_think(req),
-                       reasoning_budget=req.reasoning_budget, add_generation_prompt=add_generation_prompt)
+                       reasoning_budget=req.reasoning_budget, add_generation_prompt=add_generation_prompt,
+                       options=to_options(req))
 
 
 def to_think(req: schemas.ChatCompletionRequest) -> bool | str | None:
@@ -212,15 +195,13 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
                           param="messages")
 
 
-def to_completion_request(
-    req: schemas.CompletionRequest, defaults: SamplingParams | None = None
-) -> EngineCompletionRequest:
+def to_completion_request(req: schemas.CompletionRequest) -> EngineCompletionRequest:
     """The engine-neutral completion; with a `suffix`, fill-in-the-middle (the prompt is the text before the gap)."""
-    sampling = to_sampling_params(req, defaults, logprobs=logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo)))
+    sampling = SamplingParams(logprobs=logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo)))
     prompt = _single_prompt(req.prompt)
-    if req.suffix:
-        return EngineCompletionRequest(model=req.model, prompt="", sampling=sampling, infill=Infill(prompt, req.suffix))
-    return EngineCompletionRequest(model=req.model, prompt=prompt, sampling=sampling)
+    infill = Infill(prompt, req.suffix) if req.suffix else None
+    return EngineCompletionRequest(model=req.model, prompt="" if infill else prompt, sampling=sampling,
+                                   options=to_options(req), infill=infill)
 
 
 def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
@@ -448,18 +429,16 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
     """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults);
     chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py).
     GET /v1/models lists `served` (the model the server was started with) first, then the others newest first."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     @router.post("/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, schemas.ChatCompletionRequest)
-        defaults = await service.sampling_defaults(body.model)
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         images = None
         if has_images(body):
             service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
             images = await load_images(body, policy)
-        chat_request = to_chat_request(body, defaults, images)
+        chat_request = to_chat_request(body, images)
         if body.n is not None and body.n > 1:
             return await chat_choices(service, chat_request, body, request, completion_store)
         generation = await service.generation.chat(chat_request)
@@ -477,9 +456,8 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
         return JSONResponse(completion)
 
     @router.post("/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        body = await parse_body(request, schemas.CompletionRequest)
-        engine_request = to_completion_request(body, await service.sampling_defaults(body.model))
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        engine_request = to_completion_request(body)
         if body.n is not None and body.n > 1:
             return await completion_choices(service, engine_request, body, request)
         generation = await service.generation.complete(engine_request)
@@ -508,8 +486,7 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
         return {"id": name, "object": "model", "deleted": True}
 
     @router.post("/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, schemas.EmbeddingRequest)
+    async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict[str, Any]:
         work = service.generation.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
                              dimensions=body.dimensions)
         model, vectors, num_tokens = await until_disconnect(work, request.receive)

@@ -29,7 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from lmserve import options as opts
 from lmserve.api import responses_schemas as wire
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.pages import item_page
 from lmserve.api.responses_output import (
     Framer,
@@ -51,7 +51,7 @@ from lmserve.parsing import chat_role
 from lmserve.service import Service
 from lmserve.store.conversations import ConversationNotFound, ConversationStore
 from lmserve.store.responses import ResponseNotFound, ResponseStore, StoredResponse, new_response_id
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Message, RequestOptions, SamplingParams, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -193,16 +193,20 @@ async def load_images(refs: list[list[ImageRef]], policy: MediaPolicy) -> list[l
                           param="input")
 
 
-def to_sampling(body: wire.ResponseRequest, defaults: SamplingParams | None = None) -> SamplingParams:
-    """The request's sampling (extra fields that name an option, such as `seed` or `top_k`, included) over
-    `defaults`; `max_output_tokens` is the reply's token limit; `text.format` sets the output grammar."""
+def to_options(body: wire.ResponseRequest) -> RequestOptions:
+    """The request's options (extra fields that name an option, such as `seed` or `top_k`, included);
+    `max_output_tokens` is the reply's token limit."""
     fields = dict(body.model_extra or {})
     fields.pop("max_tokens", None)
     fields.pop("max_completion_tokens", None)
     fields.update(temperature=body.temperature, top_p=body.top_p, max_completion_tokens=body.max_output_tokens)
-    return opts.sampling(opts.from_openai(fields), base=defaults,
-                         grammar=format_grammar(body.text.format if body.text else None),
-                         logprobs=output_logprobs(body))
+    return RequestOptions(opts.from_openai(fields))
+
+
+def to_sampling(body: wire.ResponseRequest) -> SamplingParams:
+    """What the request asks beyond its options: `text.format` sets the output grammar; the log-probabilities."""
+    return SamplingParams(grammar=format_grammar(body.text.format if body.text else None),
+                          logprobs=output_logprobs(body))
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -247,7 +251,7 @@ def refuse_unserved(body: wire.ResponseRequest) -> None:
 
 
 def to_chat_request(body: wire.ResponseRequest, messages: list[Message], offered: ToolSet | None = None,
-                    defaults: SamplingParams | None = None) -> ChatRequest:
+                    ) -> ChatRequest:
     """The engine-neutral chat request of a Responses request whose conversation is `messages` and whose tools
     lmserve runs are `offered` (by default, those of `body.tools`). The route has refused what is not served
     (`refuse_unserved`)."""
@@ -255,9 +259,9 @@ def to_chat_request(body: wire.ResponseRequest, messages: list[Message], offered
         raise InvalidRequest("Missing required parameter: 'input'.", param="input")
     choice: Choice | None = body.tool_choice
     tools, forced = chat_tools(offered if offered is not None else offered_tools(body.tools), choice)
-    return ChatRequest(model=body.model, messages=messages, sampling=to_sampling(body, defaults), tools=tools,
+    return ChatRequest(model=body.model, messages=messages, sampling=to_sampling(body), tools=tools,
                        forced_tool=forced, parallel_tool_calls=body.parallel_tool_calls is not False,
-                       think=think(body.reasoning), reasoning_budget=body.reasoning_budget)
+                       think=think(body.reasoning), reasoning_budget=body.reasoning_budget, options=to_options(body))
 
 
 # ---- records → responses --------------------------------------------------------------------------
@@ -321,7 +325,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
                      conversations: ConversationStore | None = None) -> APIRouter:
     """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items. A request's
     `conversation` is read from and added to `conversations` (None: a request that names one is refused)."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
     policy = media or MediaPolicy()
 
     async def earlier(body: wire.ResponseRequest) -> list[Item]:
@@ -352,7 +356,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
             service.generation.check_images(body.model, sum(map(len, refs)), param="input")
             for message, data in zip(messages, await load_images(refs, policy), strict=True):
                 message.images = data
-        return to_chat_request(body, messages, offered, await service.sampling_defaults(body.model))
+        return to_chat_request(body, messages, offered)
 
     def saver(body: wire.ResponseRequest, own: list[Item], context: list[Item]) -> Save:
         async def save(response: dict[str, Any]) -> None:
@@ -371,8 +375,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
         return save
 
     @router.post("/responses", response_model=None)
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, wire.ResponseRequest)
+    async def create(body: wire.ResponseRequest, request: Request) -> Response:
         refuse_unserved(body)
         offered = offered_tools(body.tools)
         if offered.ignored:
@@ -382,7 +385,7 @@ def responses_router(service: Service, store: ResponseStore, media: MediaPolicy 
         own = input_records(body.input)
         chat = await chat_request(body, context, own, offered)
         generation = await service.generation.chat(chat)
-        head = response_head(body, generation.model, chat.sampling, new_response_id(), int(time.time()))
+        head = response_head(body, generation.model, generation.sampling, new_response_id(), int(time.time()))
         save, builder = saver(body, own, context), OutputBuilder(offered.origin)
         headers = ignored_header(offered.ignored)
         if body.stream:

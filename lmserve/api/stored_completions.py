@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lmserve.api import schemas
-from lmserve.api.openai import parse_body
+from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.pages import checked_order, item_page, list_body
 from lmserve.config import ServerConfig
 from lmserve.errors import InvalidRequest
@@ -58,7 +58,7 @@ def metadata_filter(request: Request) -> dict[str, str]:
 
 def stored_completions_router(store: CompletionStore) -> APIRouter:
     """GET /v1/chat/completions; GET, POST and DELETE /v1/chat/completions/{id}; GET …/{id}/messages."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
     @router.get("/chat/completions")
     async def list_completions(request: Request, model: str | None = None, after: str | None = None,
@@ -74,8 +74,7 @@ def stored_completions_router(store: CompletionStore) -> APIRouter:
         return (await asyncio.to_thread(store.get, completion_id)).completion
 
     @router.post("/chat/completions/{completion_id}")
-    async def update(completion_id: str, request: Request) -> dict[str, Any]:
-        body = await parse_body(request, schemas.ChatCompletionUpdate)
+    async def update(completion_id: str, body: schemas.ChatCompletionUpdate) -> dict[str, Any]:
         record = await asyncio.to_thread(store.update_metadata, completion_id, body.metadata or {})
         return record.completion
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.api import schemas
-from lmserve.api.openai import parse_body, to_chat_request
+from lmserve.api.json_body import JsonBodyRoute
+from lmserve.api.openai import to_chat_request
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
 from lmserve.service.residency import LoadedModel
@@ -129,11 +130,10 @@ def vllm_tokenize(service: Service, model: LoadedModel, body: TokenizeBody) -> d
 
 def tokens_router(service: Service) -> APIRouter:
     """POST /tokenize and /detokenize over `service`."""
-    router = APIRouter()
+    router = APIRouter(route_class=JsonBodyRoute)
 
     @router.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, TokenizeBody)
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
         forms = [name for name in ("content", "prompt", "messages") if getattr(body, name) is not None]
         if len(forms) != 1:
             raise InvalidRequest("send one of content (llama-server's form), prompt or messages (vLLM's)",
@@ -143,8 +143,7 @@ def tokens_router(service: Service) -> APIRouter:
         return await with_model(service, body.model, lambda model: vllm_tokenize(service, model, body))
 
     @router.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DetokenizeBody)
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
 
         def text(model: LoadedModel) -> str:
             check_ids(model, body.tokens)

@@ -3,7 +3,7 @@
     generation  chat, completion, native generate, embeddings (service/generation.py)
     models      list, show, create, copy, delete, pull; load, unload, ps (service/models.py)
     residency   which engine instance serves each model name; shared weights; keep-alive (service/residency.py)
-    defaults    the option layers under a request: Modelfile PARAMETERs over the server's (service/defaults.py)
+    precedence  the options a request runs with: its own over the model's over the server's (service/precedence.py)
     observers   registered listeners of finished generations and loads, e.g. metrics (service/observers.py)
 
 The parts share one Catalog (service/catalog.py), the one place that knows where models come from, and the
@@ -13,14 +13,13 @@ Residency given to the Service (whose observers they share).
 from __future__ import annotations
 
 from lmserve.engine.factory import PromptCache
-from lmserve.options import Dialect
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
-from lmserve.service.defaults import Defaults
 from lmserve.service.generation import Generation, GenerationService
 from lmserve.service.models import ModelService
 from lmserve.service.observers import Observers
+from lmserve.service.precedence import Precedence
 from lmserve.service.residency import LoadedModel, Residency
-from lmserve.types import LoadOptions, SamplingParams
+from lmserve.types import LoadOptions
 
 __all__ = ["Generation", "ModelDescription", "ModelListing", "Service", "static_service"]
 
@@ -47,18 +46,12 @@ class Service:
         self.prompt_cache = prompt_cache
         """The llama.cpp models' prompt cache beyond the slots (closed last: engines save their slots into it)."""
         self.observers: Observers = residency.observers
-        self.defaults = Defaults(catalog, load_options, n_predict)
-        self.generation = GenerationService(catalog, residency, self.defaults, self.observers,
+        self.precedence = Precedence(load_options, n_predict)
+        self.generation = GenerationService(catalog, residency, self.precedence, self.observers,
                                             tool_call_parser=tool_call_parser, max_messages=max_messages,
                                             max_images=max_images, reasoning_parser=reasoning_parser,
                                             reasoning_budget=reasoning_budget)
-        self.models = ModelService(catalog, residency, self.defaults, hf_endpoint=hf_endpoint)
-
-    def load_defaults(self, name: str) -> LoadOptions:
-        return self.defaults.load_defaults(name)
-
-    async def sampling_defaults(self, name: str, dialect: Dialect = "openai") -> SamplingParams:
-        return await self.defaults.sampling_defaults(name, dialect)
+        self.models = ModelService(catalog, residency, self.precedence, hf_endpoint=hf_endpoint)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight, on every loaded model, with an error carrying `message`."""

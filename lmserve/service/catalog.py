@@ -30,7 +30,7 @@ from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.load_crashes import LoadCrashes
 from lmserve.store.modelfile import Modelfile
-from lmserve.store.names import is_gguf_path, parse_name
+from lmserve.store.names import ModelName, is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
 from lmserve.types import LoadOptions, Message
 
@@ -76,6 +76,22 @@ class ModelDescription:
     capabilities: list[str] = field(default_factory=lambda: ["completion"])
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """What every request to one model starts from, read once per version of its manifest."""
+
+    name: str
+    """The canonical name."""
+    parameters: Layer
+    """The Modelfile's PARAMETERs, sampling and load-time (see lmserve/options.py)."""
+    recommended: Layer
+    """The sampling its weights recommend (GGUF `general.sampling.*`, a repository's generation_config.json)."""
+    has_vision: bool
+    """Whether it can see images (a vision projector, or a vision config)."""
+    plan: Callable[[LoadOptions], LoadPlan]
+    """How it is loaded with given load options (cheap: nothing is loaded yet)."""
+
+
 class Catalog(Protocol):
     """Where model names come from (the store, or a fixed list), and how each is loaded."""
 
@@ -83,6 +99,11 @@ class Catalog(Protocol):
 
     def resolve(self, name: str) -> str:
         """The canonical name of `name`; ModelNotFound when there is none."""
+        ...
+
+    def settings(self, name: str) -> ModelSettings:
+        """What requests to `name` start from (ModelNotFound when there is none): kept while the model is
+        unchanged, so that a request costs one cheap check, not a read of the model."""
         ...
 
     def describe(self, name: str) -> ModelDescription: ...
@@ -142,14 +163,16 @@ def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any
 class StoreCatalog:
     """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
-    def __init__(self, store: Store, open_engine: EngineOpener, settings: EngineSettings | None = None) -> None:
+    def __init__(self, store: Store, open_engine: EngineOpener, engines: EngineSettings | None = None) -> None:
         self._store = store
         self._open_engine = open_engine
-        self._settings = settings or EngineSettings()
+        self._engines = engines or EngineSettings()
         """The server's engine settings: which engine a model goes to, and what its estimates count."""
         self._load_crashes = LoadCrashes.of_store(store.root)
         self._model_defaults: dict[str, Layer] = {}
         """Each weights blob's recommended sampling, by digest."""
+        self._settings: dict[ModelName, tuple[tuple[int, int, int], ModelSettings]] = {}
+        """Each model's settings, with the stamp of the manifest they were read from (Store.stamp)."""
 
     @property
     def store(self) -> Store:
@@ -159,7 +182,32 @@ class StoreCatalog:
         return [self._listing(entry) for entry in self.store.list()]
 
     def resolve(self, name: str) -> str:
-        return str(self.store.find(name).name)
+        return self.settings(name).name
+
+    def settings(self, name: str) -> ModelSettings:
+        """The model's settings, read again when its manifest changed since (a create, copy, delete or pull here or
+        in another process): one stat of the manifest, no read and no lock, while it has not."""
+        parsed = parse_name(name)
+        stamp = self.store.stamp(parsed)
+        cached = self._settings.get(parsed)
+        if stamp is not None and cached is not None and cached[0] == stamp:
+            return cached[1]
+        self._settings.pop(parsed, None)
+        entry = self.store.find(name)  # ModelNotFound when it went
+        settings = self._read_settings(entry)
+        if stamp is not None:
+            self._settings[parsed] = (stamp, settings)  # a change after the stat is seen at the next check
+        return settings
+
+    def _read_settings(self, entry: ModelEntry) -> ModelSettings:
+        manifest = entry.manifest
+        if manifest.files:  # a repository: its config.json (the `model` blob) has a vision_config
+            vision = repository.has_vision(repository.read_json(self.store.blob_path(manifest.model)))
+        else:
+            vision = manifest.projector is not None
+        return ModelSettings(name=str(entry.name), parameters=opts.from_parameters(manifest.parameters),
+                             recommended=self._recommended(manifest), has_vision=vision,
+                             plan=partial(self._plan, entry, self.store.model_path(manifest)))
 
     def describe(self, name: str) -> ModelDescription:
         entry = self.store.find(name)
@@ -177,7 +225,7 @@ class StoreCatalog:
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
-            parameters={**self.model_defaults(str(entry.name)), **manifest.parameters},
+            parameters={**self._recommended(manifest), **manifest.parameters},
             template=template,
             system=manifest.system or "",
             license="\n".join(manifest.license),
@@ -186,10 +234,7 @@ class StoreCatalog:
         )
 
     def has_vision(self, name: str) -> bool:
-        manifest = self.store.find(name).manifest
-        if manifest.files:  # a repository: its config.json (the `model` blob) has a vision_config
-            return repository.has_vision(repository.read_json(self.store.blob_path(manifest.model)))
-        return manifest.projector is not None
+        return self.settings(name).has_vision
 
     def modelfile(self, entry: ModelEntry) -> Modelfile:
         m = entry.manifest
@@ -205,10 +250,12 @@ class StoreCatalog:
         )
 
     def parameters(self, name: str) -> Layer:
-        return opts.from_parameters(self.store.find(name).manifest.parameters)
+        return self.settings(name).parameters
 
     def model_defaults(self, name: str) -> Layer:
-        manifest = self.store.find(name).manifest
+        return self.settings(name).recommended
+
+    def _recommended(self, manifest: Manifest) -> Layer:
         if manifest.files:  # a repository recommends sampling in its generation_config.json
             digest = manifest.files.get(repository.GENERATION_CONFIG)
             if digest is None:
@@ -234,21 +281,23 @@ class StoreCatalog:
         self.store.delete(parse_name(name))
 
     def plan(self, name: str, options: LoadOptions) -> LoadPlan:
-        entry = self.store.find(name)
+        return self.settings(name).plan(options)
+
+    def _plan(self, entry: ModelEntry, path: Path, options: LoadOptions) -> LoadPlan:
         manifest = entry.manifest
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
         projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
-        path = self.store.model_path(manifest)
         full = replace(options, adapters=adapters, projector=projector)
 
         def open_engine() -> Engine:
             try:
+                self.store.model_path(manifest)  # a repository's links, laid out again if they went
                 if not manifest.files:  # a GGUF
                     if not path.is_file():
                         raise EngineFailure(f"its weights file {path.name} is missing from the store")
                     check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
                 crash_guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-                if engine_of(path, self._settings).in_process:  # a native crash of its load ends this process
+                if engine_of(path, self._engines).in_process:  # a native crash of its load ends this process
                     crash_guard = self._load_crashes.loading(str(entry.name), path)
                 with crash_guard:
                     return self._open_engine(path, full)
@@ -276,12 +325,12 @@ class StoreCatalog:
 
         header = partial(gguf_metadata, max_array=4096)  # per-layer values kept, the vocabulary left out
         return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest,
-                        estimate=partial(estimate_memory, path, full, header, self._settings))
+                        estimate=partial(estimate_memory, path, full, header, self._engines))
 
     def _check_additions(self, manifest: Manifest, modelfile: Modelfile, quantize: bool) -> None:
         """InvalidRequest unless the engine of the model `manifest` holds takes what the Modelfile adds to it
         (adapters, a projector) and quantizes it if asked."""
-        spec = engine_of(self.store.model_path(manifest), self._settings)
+        spec = engine_of(self.store.model_path(manifest), self._engines)
         refused = [what for what, name, asked in (("ADAPTER", "adapters", modelfile.adapters),
                                                   ("a projector (mmproj)", "projector", modelfile.projector),
                                                   ("quantize", "quantize", quantize))
@@ -411,6 +460,7 @@ class StaticCatalog:
     def __init__(self, models: list[LoadedModel]) -> None:
         self._models = {m.name: m for m in models}
         self._aliases = {alias: m.name for m in models for alias in m.aliases}
+        self._settings: dict[str, ModelSettings] = {}
 
     def listing(self) -> list[ModelListing]:
         return [
@@ -425,6 +475,14 @@ class StaticCatalog:
             if candidate in self._aliases:
                 return self._aliases[candidate]
         raise ModelNotFound(name, available=list(self._models))
+
+    def settings(self, name: str) -> ModelSettings:
+        canonical = self.resolve(name)
+        if canonical not in self._settings:  # the models never change
+            self._settings[canonical] = ModelSettings(
+                name=canonical, parameters=self.parameters(canonical), recommended=self.model_defaults(canonical),
+                has_vision=self.has_vision(canonical), plan=partial(self.plan, canonical))
+        return self._settings[canonical]
 
     def describe(self, name: str) -> ModelDescription:
         model = self._models[name]

@@ -25,19 +25,19 @@ from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, choice_sampling, unit_vector
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service import embeddings, fim, json_budget, prompts
-from lmserve.service.catalog import Catalog
-from lmserve.service.defaults import Defaults
+from lmserve.service.catalog import Catalog, ModelSettings
 from lmserve.service.embeddings import EmbeddingInput
 from lmserve.service.empty import EmptyReply
 from lmserve.service.observers import Observers
+from lmserve.service.precedence import Precedence
 from lmserve.service.residency import LoadedModel, Residency, Resident
 from lmserve.service.thinking import ThinkingFirst, ThinkingPlan, plan_thinking
 from lmserve.types import (
     ChatRequest,
     Chunk,
     CompletionRequest,
-    LoadOptions,
     Message,
+    RequestOptions,
     SamplingParams,
     TokenLogprob,
     ToolCall,
@@ -67,6 +67,8 @@ class Generation:
     thinking: bool | None = None
     engine: Engine | None = None
     """The model's engine, to read the output tokens back (thinking counted, stop strings found)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """What it samples with: the request's options over the model's and the server's."""
     stops: list[str] = field(default_factory=list)
     """The request's stop strings: the last chunk of a reply one of them ended names it (`Chunk.stop_string`)."""
     counts_prompt: bool = True
@@ -211,13 +213,13 @@ class GenerationService:
     """Answers chat, completion, generate and embedding requests, loading models on demand."""
 
     def __init__(
-        self, catalog: Catalog, residency: Residency, defaults: Defaults, observers: Observers, *,
+        self, catalog: Catalog, residency: Residency, precedence: Precedence, observers: Observers, *,
         tool_call_parser: str | None = None, max_messages: int = 1024, max_images: int = 16,
         reasoning_parser: str | None = None, reasoning_budget: int | None = None,
     ) -> None:
         self.catalog = catalog
         self.residency = residency
-        self.defaults = defaults
+        self.precedence = precedence
         self.observers = observers
         self.tool_call_parser = get_parser(tool_call_parser).name if tool_call_parser else None
         self.max_messages = max_messages
@@ -226,16 +228,24 @@ class GenerationService:
         self.reasoning_budget = reasoning_budget
         """Most thinking tokens of a reply when the request says nothing (None: no limit)."""
 
-    async def acquire(self, name: str, options: LoadOptions | None = None,
+    async def acquire(self, name: str, options: RequestOptions | None = None,
                       keep_alive: float | None = None) -> Resident:
-        """Resolve `name`, load it (or find it loaded) and lease it until `residency.release`."""
-        canonical = self.catalog.resolve(name)
-        return await self.residency.acquire(canonical, options or self.defaults.load_defaults(canonical), keep_alive)
+        """Resolve `name`, load it (or find it loaded) with the load-time `options` a request set, and lease it until
+        `residency.release`."""
+        _, resident = await self._lease(name, options or RequestOptions(), keep_alive)
+        return resident
+
+    async def _lease(self, name: str, asked: RequestOptions, keep_alive: float | None,
+                     ) -> tuple[ModelSettings, Resident]:
+        """The model's settings (read once per version of it), and its lease under the load options in force."""
+        model = self.catalog.settings(name)
+        load = self.precedence.load(model, asked)
+        return model, await self.residency.acquire(model.name, load, keep_alive, plan=model.plan(load))
 
     def check_images(self, name: str, count: int, *, param: str = "messages") -> None:
         """Raise InvalidRequest unless model `name` can see images (it has a vision projector) and `count` images
         are within the server's per-request limit."""
-        if not self.catalog.has_vision(self.catalog.resolve(name)):
+        if not self.catalog.settings(name).has_vision:
             raise InvalidRequest(
                 f"model '{name}' has no vision projector (it cannot see images); use a vision model", param=param
             )
@@ -280,13 +290,14 @@ class GenerationService:
         """`n` answers to one chat request (the OpenAI `n`): the prompt is prefilled once and shared by the n choices
         (see `Engine.submit_many`), each a Generation with parsers of its own; the model's lease ends with the last."""
         started = time.perf_counter_ns()
-        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
             fmt = self.reasoning_format(model)
             prompt = prompts.render_chat(model, request, self.max_messages, fmt)
             parser = self.tool_parser(model) if request.tools else None
-            sampling = self._forcing(model, request, parser)
+            sampling = self._forcing(request, self.precedence.sampling(settings, request.options, request.sampling),
+                                     parser)
             plan = plan_thinking(fmt, prompt, request.think, self._budget(request.reasoning_budget), sampling)
             images = [image for message in request.messages for image in message.images]
             tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
@@ -298,16 +309,17 @@ class GenerationService:
             self.residency.release(resident)
             raise
 
-    def _forcing(self, model: LoadedModel, request: ChatRequest, parser: ToolCallParser | None) -> SamplingParams:
-        """The request's sampling, with a grammar that forces a tool call when `tool_choice` asks for one (closed
+    def _forcing(self, request: ChatRequest, sampling: SamplingParams,
+                 parser: ToolCallParser | None) -> SamplingParams:
+        """The request's `sampling`, with a grammar that forces a tool call when `tool_choice` asks for one (closed
         within `max_tokens` as structured output is: service/json_budget.py)."""
         if request.forced_tool is None:
-            return request.sampling
+            return sampling
         if parser is None:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
         grammar = forced_call_grammar(parser, request.tools, request.forced_tool,
                                       single=not request.parallel_tool_calls)
-        return replace(request.sampling, grammar=grammar, stop=[], logit_bias=dict(request.sampling.logit_bias),
+        return replace(sampling, grammar=grammar, stop=[], logit_bias=dict(sampling.logit_bias),
                        closes_at_limit=True)
 
     async def complete(self, request: CompletionRequest) -> Generation:
@@ -318,10 +330,11 @@ class GenerationService:
     async def complete_choices(self, request: CompletionRequest, n: int) -> list[Generation]:
         """`n` completions of one prompt (the OpenAI `n`), prefilled once and shared (see `chat_choices`); with
         `request.infill`, of the gap between its prefix and suffix (fill-in-the-middle, service/fim.py)."""
-        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
         try:
             tokens = fim.completion_prompt(resident.model, request)
-            return self._submit(resident, ThinkingPlan(request.prompt), tokens, request.sampling, n)
+            sampling = self.precedence.sampling(settings, request.options, request.sampling)
+            return self._submit(resident, ThinkingPlan(request.prompt), tokens, sampling, n)
         except BaseException:
             self.residency.release(resident)
             raise
@@ -337,9 +350,10 @@ class GenerationService:
         if (raw and not request.images) or request.infill is not None:
             return await self.complete(request)
         started = time.perf_counter_ns()
-        resident = await self.acquire(request.model, request.options, request.keep_alive)
+        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
+            sampling = self.precedence.sampling(settings, request.options, request.sampling)
             user = prompts.with_image_markers(model, Message("user", request.prompt, list(request.images)), "images")
             messages = [replace(user, images=[])]
             if system is not None:
@@ -349,14 +363,14 @@ class GenerationService:
             elif template is not None:
                 prompt = GoChatTemplate(template, system=model.system).render(messages)
             else:
-                prompt = self.render_chat(model, ChatRequest(request.model, messages, request.sampling, think=think))
+                prompt = self.render_chat(model, ChatRequest(request.model, messages, sampling, think=think))
             fmt = self.reasoning_format(model) if not raw and template is None else None
-            plan = plan_thinking(fmt, prompt, think, self._budget(reasoning_budget), request.sampling)
+            plan = plan_thinking(fmt, prompt, think, self._budget(reasoning_budget), sampling)
             tokens, places = await prompts.tokenize_prompt(model, plan.prompt, request.images)
             if request.context:
                 tokens = list(request.context) + tokens
                 places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]
-            [generation] = self._submit(resident, plan, tokens, request.sampling, 1, images=places, started_ns=started)
+            [generation] = self._submit(resident, plan, tokens, sampling, 1, images=places, started_ns=started)
             return generation
         except BaseException:
             self.residency.release(resident)
@@ -368,7 +382,7 @@ class GenerationService:
         inputs: Sequence[EmbeddingInput],
         *,
         truncate: bool = True,
-        options: LoadOptions | None = None,
+        options: RequestOptions | None = None,
         keep_alive: float | None = None,
         normalize: bool = True,
         dimensions: int | None = None,
@@ -442,7 +456,7 @@ class GenerationService:
         load_ns = time.perf_counter_ns() - started_ns if started_ns is not None else 0
         model = resident.model
         return [
-            Generation(model=model.name, num_prompt_tokens=len(stream.prompt_tokens), stream=stream,
+            Generation(model=model.name, sampling=sampling, num_prompt_tokens=len(stream.prompt_tokens), stream=stream,
                        on_done=release_after_the_last, load_ns=load_ns, tool_parser=parser,
                        max_tool_calls=max_tool_calls, observers=self.observers, reasoning=plan.format,
                        thinking=plan.state, engine=model.engine, stops=[stop for stop in sampling.stop if stop],

@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lmserve.engine.factory import check_quantization, quantize_weights
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
-from lmserve.service.defaults import Defaults
+from lmserve.service.precedence import Precedence
+from lmserve.service.pulling import Pull, Report
 from lmserve.service.residency import Residency, Resident
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import LoadOptions
+from lmserve.types import RequestOptions
 
 
 class ModelService:
     """The model-management half of the API (the local runner's /api/tags, show, create, copy, delete, pull, ps)."""
 
-    def __init__(self, catalog: Catalog, residency: Residency, defaults: Defaults, *,
+    def __init__(self, catalog: Catalog, residency: Residency, precedence: Precedence, *,
                  hf_endpoint: str | None = None) -> None:
         self.catalog = catalog
         self.residency = residency
-        self.defaults = defaults
+        self.precedence = precedence
         self.hf_endpoint = hf_endpoint
 
     def listing(self) -> list[ModelListing]:
@@ -87,11 +88,12 @@ class ModelService:
 
     # ---- residency ------------------------------------------------------------------------------
 
-    async def load(self, name: str, options: LoadOptions | None = None, keep_alive: float | None = None) -> str:
-        """Load a model without generating; returns its canonical name."""
-        canonical = self.catalog.resolve(name)
-        resident = await self.residency.acquire(canonical, options or self.defaults.load_defaults(canonical),
-                                                keep_alive)
+    async def load(self, name: str, options: RequestOptions | None = None, keep_alive: float | None = None) -> str:
+        """Load a model without generating (with the load-time `options` a request set); returns its canonical
+        name."""
+        model = self.catalog.settings(name)
+        load = self.precedence.load(model, options or RequestOptions())
+        resident = await self.residency.acquire(model.name, load, keep_alive, plan=model.plan(load))
         self.residency.release(resident)
         return resident.model.name
 
@@ -103,17 +105,23 @@ class ModelService:
 
     # ---- pull -----------------------------------------------------------------------------------
 
-    def pull(self, name: str, progress: Callable[[dict[str, Any]], None]) -> None:
+    def pull(self, name: str) -> Pull:
+        """Start pulling `name` (see `pull_blocking`) in a worker thread: its progress records as an async iterator,
+        which raises the pull's error after its last record; `abort()` stops it. Call it on the event loop."""
+        return Pull(partial(self.pull_blocking, name), name)
+
+    def pull_blocking(self, name: str, report: Report) -> None:
         """Download `[hf.co/]<org>/<repo>[:QUANT]` and register it under that name: the repo's GGUF for the quant
         (and its mmproj projector), or, for a repo without GGUFs, its safetensors repository (config.json, weights,
         tokenizer: served by the vLLM engine).
 
-        Blocking: run it in a worker thread. Files go to `<store>/hf-cache` (so a second pull downloads nothing and
-        an interrupted one resumes) and are hard-linked into the store. `progress` gets the local runner's
-        `/api/pull` lines, `{status, digest, total, completed}` without empty fields, then "writing manifest" and
-        "success"; an exception it raises stops the download. The hub is `hf_endpoint`, else HF_ENDPOINT, else
-        huggingface.co; the token is HF_TOKEN, else the stored huggingface token. The embedded model's name
-        (`smollm2:135m`) registers it again from its installed package, so `rm` of it can be undone.
+        Blocking (`serve` pulls its model with it before the server runs). Files go to `<store>/hf-cache` (so a
+        second pull downloads nothing and an interrupted one resumes) and are hard-linked into the store. `report`
+        gets each step: "pulling manifest", each file's download ({digest, total, completed}), "verifying sha256
+        digest", then "writing manifest" and "success"; an exception it raises stops the download. The hub is
+        `hf_endpoint`, else HF_ENDPOINT, else huggingface.co; the token is HF_TOKEN, else the stored huggingface
+        token. The embedded model's name (`smollm2:135m`) registers it again from its installed package, so `rm` of
+        it can be undone.
         """
         from lmserve.store.embedded import is_embedded
         from lmserve.store.embedded import restore as restore_embedded
@@ -126,7 +134,9 @@ class ModelService:
             from lmserve.service.catalog import gguf_details
             from lmserve.store.gguf_check import gguf_metadata
 
-            restore_embedded(self.store, lambda path: gguf_details(gguf_metadata(path)), progress)
+            restore_embedded(self.store, lambda path: gguf_details(gguf_metadata(path)), report)
+            report(PullProgress("writing manifest"))
+            report(PullProgress("success"))
             return
         if parsed.namespace is None:
             raise InvalidRequest(
@@ -134,24 +144,17 @@ class ModelService:
                 "pulled (there is no other registry); create local models with `create`",
                 param="model",
             )
-        cache_dir = self.store.root / "hf-cache"
-
-        def report(event: PullProgress) -> None:
-            fields = {"status": event.status, "digest": event.digest, "total": event.total,
-                      "completed": event.completed}
-            progress({key: value for key, value in fields.items() if value is not None})
-
         files = pull_files(
             parsed,
             endpoint=self.hf_endpoint or os.environ.get("HF_ENDPOINT") or None,
             token=os.environ.get("HF_TOKEN") or None,
-            cache_dir=cache_dir,
+            cache_dir=self.store.root / "hf-cache",
             progress=report,
         )
-        progress({"status": "writing manifest"})
+        report(PullProgress("writing manifest"))
         if isinstance(files, PulledRepository):
             self.create(str(parsed), Modelfile(from_=str(files.directory.resolve())))
         else:
             projector = str(files.projector.resolve()) if files.projector is not None else None
             self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
-        progress({"status": "success"})
+        report(PullProgress("success"))

@@ -218,14 +218,16 @@ class Residency:
         """Names unloaded while a request for them was loading: that request runs, then the name goes."""
         self._is_closed = False
 
-    async def acquire(self, name: str, options: LoadOptions, keep_alive: float | None = None) -> Resident:
-        """The resident model `name` (loading its instance if needed), leased until `release`.
+    async def acquire(self, name: str, options: LoadOptions, keep_alive: float | None = None, *,
+                      plan: LoadPlan | None = None) -> Resident:
+        """The resident model `name` (loading its instance if needed), leased until `release`; `plan` is the caller's
+        plan of it with `options` (else the planner's).
 
         `keep_alive` None keeps a resident name's lease as it is (a model preloaded by `serve` stays loaded) and gives
         a new one the default; negative means forever; otherwise seconds after last use.
         """
         lease = None if keep_alive is None else keep_alive_seconds(keep_alive)
-        plan = self._planner(name, options)
+        plan = plan or self._planner(name, options)
         self._num_acquiring[name] = self._num_acquiring.get(name, 0) + 1
         try:
             resident = await self._bound(name, plan)

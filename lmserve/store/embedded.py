@@ -15,6 +15,7 @@ from lmserve.errors import ModelNotFound
 from lmserve.store.names import parse_name
 
 if TYPE_CHECKING:  # the store asks this module for `removed_hint`: no import cycle at run time
+    from lmserve.store.pull import PullProgress
     from lmserve.store.store import Store
 
 DEFAULT_MODEL_NAME = "smollm2:135m"
@@ -58,17 +59,18 @@ def removed_hint(name: str) -> str:
     return f"it was removed; `lmserve pull {DEFAULT_MODEL_NAME}` restores it"
 
 
-def restore(store: Store, details: Callable[[Path], dict[str, Any]], progress: Callable[[dict[str, Any]], None]
+def restore(store: Store, details: Callable[[Path], dict[str, Any]], progress: Callable[[PullProgress], None]
             ) -> None:
-    """Register the embedded model in `store` again (a no-op when it is there), with `/api/pull` progress lines.
+    """Register the embedded model in `store` again (a no-op when it is there), with a pull's progress (the caller
+    adds "writing manifest" and "success").
 
     `details` gives the GGUF's listing details (format, family, parameter size, quantization). No network:
     the weights are hard-linked (or copied) from the installed package.
     """
-    progress({"status": "pulling manifest"})
+    from lmserve.store.pull import PullProgress  # the hub client loads with the first pull
+
+    progress(PullProgress("pulling manifest"))
     path = embedded_model_path()
     entry = store.ensure_embedded(DEFAULT_MODEL_NAME, path, details(path))
     size = path.stat().st_size
-    progress({"status": f"pulling {path.name}", "digest": entry.manifest.model, "total": size, "completed": size})
-    progress({"status": "writing manifest"})
-    progress({"status": "success"})
+    progress(PullProgress(f"pulling {path.name}", entry.manifest.model, size, size))

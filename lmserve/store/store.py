@@ -262,6 +262,15 @@ class Store:
         with self._lock():  # a consistent view: no gc between reading the manifest and its blobs
             return self._load(name, path)
 
+    def stamp(self, name: ModelName) -> tuple[int, int, int] | None:
+        """What changes whenever model `name`'s manifest is written or removed (its file's inode, size and
+        modification time: each save renames a new file into place), read without the lock; None when it has none."""
+        try:
+            info = os.stat(self._manifest_path(name))
+        except FileNotFoundError:
+            return None
+        return info.st_ino, info.st_size, info.st_mtime_ns
+
     def find(self, text: str) -> ModelEntry:
         """Parse `text` as a model name (tag defaults to `latest`) and return that model.
 

@@ -26,6 +26,7 @@ from pydantic import TypeAdapter
 from schemathesis.checks import not_a_server_error
 from test_schemathesis import fuzzed_app  # noqa: F401  (the fixture: a fresh app over the fake engine)
 
+from lmserve import options as opts
 from lmserve.api import anthropic_schemas as wire
 from lmserve.api.anthropic import Blocks, message_events, to_chat_request
 from lmserve.api.app import create_app
@@ -35,7 +36,7 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
 from lmserve.service import Service, static_service
 from lmserve.service.residency import LoadedModel
-from lmserve.types import Chunk, FinishReason, Message, ToolCall, Usage
+from lmserve.types import Chunk, FinishReason, Message, SamplingParams, ToolCall, Usage
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -280,6 +281,7 @@ class StubGeneration:
 
     model = "fake"
     num_prompt_tokens = 4
+    sampling = SamplingParams(max_tokens=64)
 
     def __init__(self, chunks: list[Chunk]) -> None:
         self.chunks = chunks
@@ -291,9 +293,8 @@ class StubGeneration:
 
 
 async def stream_of(chunks: list[Chunk], service: Service) -> list[tuple[str, dict[str, Any]]]:
-    request = to_chat_request(wire.MessagesRequest.model_validate(body()))
     frames = message_events(StubGeneration(chunks), {"id": "msg_1", "type": "message",  # type: ignore[arg-type]
-                                                     "role": "assistant", "model": "fake"}, request)
+                                                     "role": "assistant", "model": "fake"})
     return sse_events(b"".join([frame async for frame in frames]).decode())
 
 
@@ -474,7 +475,7 @@ def test_an_output_format_is_enforced_by_a_grammar() -> None:
 def test_sampling_fields_become_sampling_params() -> None:
     request = wire.MessagesRequest.model_validate(body(max_tokens=33, temperature=0.5, top_p=0.8, top_k=7,
                                                        stop_sequences=["END"]))
-    sampling = to_chat_request(request).sampling
+    sampling = opts.sampling(to_chat_request(request).options.values)
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.stop) == (
         33, 0.5, 0.8, 7, ["END"])
 

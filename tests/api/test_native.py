@@ -8,12 +8,12 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.native import parse_keep_alive, to_load_options, to_messages, to_modelfile, to_sampling_params
+from lmserve.api.native import parse_keep_alive, to_messages, to_modelfile, to_options
 from lmserve.api.native_schemas import ChatMessage, CreateBody
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
-from lmserve.types import LoadOptions, SamplingParams
+from lmserve.types import RequestOptions
 
 FINAL_FIELDS = {"done", "done_reason", "total_duration", "load_duration", "prompt_eval_count",
                 "prompt_eval_duration", "eval_count", "eval_duration"}
@@ -135,19 +135,10 @@ def test_bad_keep_alive_is_refused(value: str) -> None:
         parse_keep_alive(value)
 
 
-def test_options_over_model_defaults() -> None:
-    defaults = SamplingParams(temperature=0.1, top_k=50, stop=["<|im_end|>"])
-    params = to_sampling_params({"temperature": 0.7, "num_predict": -1}, defaults)
-    assert (params.temperature, params.top_k, params.stop, params.max_tokens) == (0.7, 50, ["<|im_end|>"], None)
-    assert to_sampling_params({"num_predict": 12, "stop": "x"}, defaults).stop == ["x"]
-    assert defaults.stop == ["<|im_end|>"]
-
-
-def test_load_time_options_are_split_from_sampling() -> None:
-    base = LoadOptions()
-    assert to_load_options(None, base) is None
-    assert to_load_options({"temperature": 1.0}, base) is None
-    assert to_load_options({"num_ctx": 1024, "num_thread": 1}, base) == LoadOptions(num_ctx=1024, num_threads=1)
+def test_options_are_checked_and_typed_over_the_native_defaults() -> None:
+    asked = to_options({"temperature": 0.7, "num_predict": -1, "stop": "x", "num_ctx": 1024})
+    assert asked == RequestOptions({"temperature": 0.7, "num_predict": None, "stop": ["x"], "num_ctx": 1024}, "native")
+    assert to_options(None) == RequestOptions(defaults="native")
 
 
 async def test_a_full_queue_is_503_with_retry_after() -> None:

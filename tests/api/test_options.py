@@ -10,7 +10,7 @@ from api_wire import assert_openai_error
 
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.service import Service
-from lmserve.types import SamplingParams
+from lmserve.types import RequestOptions, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -93,10 +93,13 @@ async def test_openai_routes_keep_their_own_defaults(client: httpx.AsyncClient, 
     assert seen[-1] == SamplingParams(typical_p=0.5)
 
 
-async def test_the_server_length_limit_is_the_last_layer(service: Service) -> None:
-    service.defaults.n_predict = 5
-    assert (await service.sampling_defaults("fake", "native")).max_tokens == 5
-    assert (await service.sampling_defaults("fake")).max_tokens == 5
+def test_the_server_length_limit_is_the_last_layer(service: Service) -> None:
+    service.precedence.n_predict = 5
+    model = service.catalog.settings("fake")
+    for dialect in ("native", "openai"):
+        asked = RequestOptions(defaults=dialect)
+        assert service.precedence.sampling(model, asked, SamplingParams()).max_tokens == 5
+    assert service.precedence.sampling(model, RequestOptions({"num_predict": 7}), SamplingParams()).max_tokens == 7
 
 
 def test_create_parameters_are_json_values_typed_by_the_table() -> None:

@@ -13,7 +13,6 @@ from lmserve.api.native import to_sampling_params as native_sampling
 from lmserve.api.openai import to_chat_request
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import InvalidRequest
-from lmserve.types import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 USER = [{"role": "user", "content": "hi"}]
@@ -45,8 +44,7 @@ def test_openai_json_schema_without_schema_is_refused() -> None:
 ])  # fmt: skip
 def test_native_format_becomes_the_grammar(fmt: Any, grammar: str | None) -> None:
     assert format_grammar(fmt) == grammar
-    assert native_sampling({"temperature": 0}, SamplingParams(), fmt).grammar == grammar
-    assert native_sampling(None, SamplingParams(), fmt).grammar == grammar
+    assert native_sampling(fmt, None).grammar == grammar
 
 
 def test_native_format_other_strings_are_refused() -> None:

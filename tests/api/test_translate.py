@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from lmserve import options as opts
 from lmserve.api import schemas
-from lmserve.api.openai import to_chat_request, to_completion_request, to_sampling_params
+from lmserve.api.openai import to_chat_request, to_completion_request, to_options
 from lmserve.api.wire_errors import invalid_from_validation, location
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams, ToolCall
@@ -40,25 +41,17 @@ SAMPLING_CASES: list[tuple[dict[str, Any], dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize(("fields", "changes"), SAMPLING_CASES)
-def test_to_sampling_params(fields: dict[str, Any], changes: dict[str, Any]) -> None:
-    params = to_sampling_params(chat_req(**fields))
+def test_to_options(fields: dict[str, Any], changes: dict[str, Any]) -> None:
+    params = opts.sampling(to_options(chat_req(**fields)).values)
     default = SamplingParams()
     for name in SamplingParams.__slots__:
         assert getattr(params, name) == changes.get(name, getattr(default, name)), name
 
 
-def test_request_fields_win_over_defaults() -> None:
-    defaults = SamplingParams(temperature=0.2, top_k=20, stop=["<end>"])
-    params = to_sampling_params(chat_req(temperature=1.0), defaults)
-    assert (params.temperature, params.top_k, params.stop) == (1.0, 20, ["<end>"])
-    assert defaults.temperature == 0.2  # defaults are copied, never changed
-    assert params.stop is not defaults.stop and params.logit_bias is not defaults.logit_bias
-
-
 @pytest.mark.parametrize("bias", [{"x": 1}, {"1.5": 1}, {"-3": 1}, {"4": 101}])
 def test_bad_logit_bias(bias: dict[str, float]) -> None:
     with pytest.raises(InvalidRequest) as info:
-        to_sampling_params(chat_req(logit_bias=bias))
+        to_options(chat_req(logit_bias=bias))
     assert info.value.param == "logit_bias"
 
 
@@ -89,7 +82,7 @@ def test_to_chat_request_messages() -> None:
     assert (assistant.content, assistant.tool_calls) == ("", [ToolCall(name="f", arguments='{"x":1}', id="call_9")])
     assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_9", "f", "42")
     assert (refusal.role, refusal.content) == ("assistant", "no")
-    assert request.sampling.max_tokens == 5
+    assert request.options.values == {"num_predict": 5}
     assert request.model == "m"
 
 
@@ -106,7 +99,7 @@ def test_tools_passed_unless_tool_choice_none(tool_choice: str | None, num_tools
 def test_to_completion_request(prompt: Any, expected: str) -> None:
     req = schemas.CompletionRequest.model_validate({"model": "m", "prompt": prompt, "stop": "x"})
     request = to_completion_request(req)
-    assert (request.model, request.prompt, request.sampling.stop) == ("m", expected, ["x"])
+    assert (request.model, request.prompt, request.options.values) == ("m", expected, {"stop": ["x"]})
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ import pytest
 
 from lmserve.engine.protocol import Engine
 from lmserve.service.catalog import StoreCatalog
-from lmserve.service.defaults import Defaults
+from lmserve.service.precedence import Precedence
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import LoadOptions
+from lmserve.types import LoadOptions, RequestOptions
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lora import write_tiny_lora
 
@@ -42,9 +42,9 @@ def test_only_weights_adapters_projector_and_load_options_make_another_instance(
     catalog: StoreCatalog, tmp_path: Path, modelfile: Modelfile, shares: bool
 ) -> None:
     catalog.create("derived", modelfile, base_dir=tmp_path)
-    defaults = Defaults(catalog)  # the load options a request without options gets
-    derived = catalog.plan("derived:latest", defaults.load_defaults("derived"))
-    base = catalog.plan("base:latest", defaults.load_defaults("base"))
+    precedence = Precedence()  # the load options a request without options gets
+    derived = catalog.plan("derived:latest", precedence.load(catalog.settings("derived"), RequestOptions()))
+    base = catalog.plan("base:latest", precedence.load(catalog.settings("base"), RequestOptions()))
     assert (derived.key == base.key) is shares
     assert derived.binding != base.binding  # each name binds its own settings
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import lmserve.store.embedded as embedded
 from lmserve.errors import ModelNotFound
 from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path, is_embedded, removed_hint, restore
+from lmserve.store.pull import PullProgress
 from lmserve.store.store import Store
 
 
@@ -33,17 +33,14 @@ def test_removed_hint_says_how_to_restore_only_the_embedded_model(monkeypatch: p
 
 def test_restore_registers_it_again_with_pull_progress(tmp_path: Path) -> None:
     store = Store(tmp_path / "models")
-    lines: list[dict[str, Any]] = []
+    lines: list[PullProgress] = []
     restore(store, lambda path: {"format": "gguf", "file": path.name}, lines.append)
     entry = store.find(DEFAULT_MODEL_NAME)
     size = embedded_model_path().stat().st_size
     assert entry.manifest.details == {"format": "gguf", "file": embedded_model_path().name}
     assert lines == [
-        {"status": "pulling manifest"},
-        {"status": f"pulling {embedded_model_path().name}", "digest": entry.manifest.model, "total": size,
-         "completed": size},
-        {"status": "writing manifest"},
-        {"status": "success"},
+        PullProgress("pulling manifest"),
+        PullProgress(f"pulling {embedded_model_path().name}", entry.manifest.model, size, size),
     ]
     restore(store, lambda path: {}, lines.append)  # again: the stored model stays as it is
     assert store.find(DEFAULT_MODEL_NAME).manifest == entry.manifest
