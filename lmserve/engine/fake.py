@@ -67,6 +67,9 @@ class FakeBackend:
         self.num_full = 0
         """Steps refused with PoolFull."""
         self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
+        self.fault: str | None = None
+        """When set, releasing a slot raises RuntimeError(fault): the next request to end breaks the engine thread
+        (an error outside what a step handles), as a fault of the engine itself would."""
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
@@ -158,6 +161,8 @@ class FakeBackend:
         return _TEXT[(offset + count) % len(_TEXT)]
 
     def release(self, slot: int) -> None:
+        if self.fault is not None:
+            raise RuntimeError(self.fault)
         self._slots.pop(slot, None)
 
     def clear(self, slot: int) -> None:
