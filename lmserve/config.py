@@ -150,7 +150,7 @@ class ServerConfig:
                                  shown="all cores", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
-                                 "/health, / and the web page's /web/ files")
+                                 "/health, /livez, / and the web page's /web/ files")
     batch_size: int = option(512, "-b", "--batch-size", env="BATCH_SIZE", kind="int", minimum=1, metavar="N",
                              engine="llamacpp",
                              help="most tokens decoded in one step")
@@ -320,6 +320,9 @@ class ServerConfig:
                                   "first)")
     completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
                                            help="how long a stored chat completion is kept (negative: forever)")
+    load_timeout: float | None = option(300.0, env="LOAD_TIMEOUT", kind="duration",
+                                        help="how long a model may take to load before its request fails with an "
+                                        "error (a hung engine start); negative: no limit")
     given: frozenset[str] = field(default=frozenset())
     """The options set by a flag or a variable (not defaulted): those one engine does not understand are refused."""
 
