@@ -558,9 +558,14 @@ class Residency:
 
     def _evict_for_one_more(self) -> None:
         for instance in self._idle_instances():
-            if len(self._instances) + len(self._retired) + len(self._loading) < self._max_loaded:
+            if len(self._instances) + len(self._working_retired()) + len(self._loading) < self._max_loaded:
                 break
             self._unload_instance(instance)
+
+    def _working_retired(self) -> list[Instance]:
+        """Retired instances whose engines work (a failed one is not counted: it ends as soon as its requests do, and
+        restarting it must not unload other models)."""
+        return [instance for instance in self._retired if instance.failure is None]
 
     def _idle_instances(self) -> list[Instance]:
         """Instances no request uses or waits for, least recently used first."""
@@ -578,7 +583,7 @@ class Residency:
         """Make `need` fit in memory (memory_budget.room_for): unload what it says, least recently used first."""
         if self._memory is None or need is None or need.on_gpu:
             return
-        held = [*self._instances.values(), *self._retired]
+        held = [*self._instances.values(), *self._working_retired()]
         loading = [e for e in self._loading_memory.values() if not e.on_gpu]
         available = self._memory.available([i.memory for i in held if i.memory is not None and i.ram_bytes], loading)
         if available is None:

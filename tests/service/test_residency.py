@@ -468,3 +468,17 @@ async def test_health_says_which_models_are_loading(catalog: Catalog) -> None:
     catalog.gates["slow"].set()
     models.release(await pending)
     assert models.health() == [ModelHealth("slow", "ok")]
+
+
+async def test_restarting_a_failed_model_unloads_no_other_model_for_room(catalog: Catalog) -> None:
+    """At the limit of loaded models, a failed engine that still has a request does not count: its restart takes
+    its place, not an idle neighbour's."""
+    models = residency(catalog, Clock(), max_loaded=3)
+    held = await models.acquire("a", OPTIONS, -1)
+    for name in ("b", "c"):
+        models.release(await models.acquire(name, OPTIONS, -1))
+    await kill(held.model.engine)
+    models.release(await models.acquire("a", OPTIONS))
+    assert sorted(r.model.name for r in models.running()) == ["a", "b", "c"] and catalog.closed == []
+    models.release(held)
+    assert catalog.closed == ["a"]
