@@ -567,17 +567,16 @@ class VllmEngine:
         options = replace(options, num_ctx=choice.num_ctx)
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
-        with _environment(_worker_environment(options)):
+        with _environment(_worker_environment(options)), LIFELINE.watching():  # none left behind, loaded or not
             try:
                 arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
                 self.llm = AsyncLLM.from_engine_args(arguments, stat_loggers=[_stat_logger(self._stats)])
             except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
                 raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
             except Exception as exc:  # its engine core died or failed while loading (the log has vLLM's reasons)
-                raise EngineFailure(f"vLLM could not load {path.name}: {type(exc).__name__}: "
-                                    f"{' '.join(str(exc).split())}") from exc
+                raise EngineFailure(f"vLLM's engine failed while loading (the server's log has vLLM's account): "
+                                    f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
         self._failure: str | None = None
-        LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL
         self._tokenizer = self.llm.get_tokenizer()
         self.llm_tokenizer: Any = self._tokenizer
         """vLLM's (Hugging Face) tokenizer, for the streams' logprobs."""
