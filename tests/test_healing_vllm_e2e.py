@@ -182,3 +182,46 @@ def test_an_engine_core_killed_while_a_model_loads_is_an_error_for_that_request_
                       json={"model": "smollm2:135m", "prompt": "Hello", "stream": False,
                             "options": {"num_predict": 4}})
     assert gguf.status_code == 200, gguf.text
+
+
+def test_a_load_that_hangs_fails_its_request_after_the_load_timeout_and_the_server_serves_on() -> None:
+    """A server on the embedded GGUF (llama.cpp loads it in a second) with a 20 s load timeout; the repository's
+    engine core is stopped (SIGSTOP) as soon as it starts, so its load hangs."""
+    server = Server("-np", "1", env={"LMSERVE_LOAD_TIMEOUT": "20s"})
+    stopped: set[int] = set()
+    try:
+        url = server.base_url
+        created = httpx.post(url + "/api/create", json={"model": "repo", "from": str(smollm2_repo()),
+                                                        "stream": False}, timeout=120)
+        assert created.status_code == 200, created.text
+        result: dict[str, httpx.Response] = {}
+
+        def load() -> None:
+            result["reply"] = httpx.post(url + "/api/generate", timeout=RESTART_SECONDS, json={
+                "model": "repo", "prompt": "Hello", "stream": False, "options": {"num_predict": 4}})
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+
+        def stop_the_core() -> bool:
+            for pid in engine_cores(server) - stopped:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(pid)
+            return bool(stopped)
+
+        wait_for("the loading engine core", stop_the_core, RESTART_SECONDS)
+        loader.join(RESTART_SECONDS)
+        reply = result["reply"]
+        assert reply.status_code == 500
+        assert reply.json()["error"].startswith(
+            "model 'repo:latest' did not load within 20s (LMSERVE_LOAD_TIMEOUT): its engine hangs or is too slow to "
+            "start")
+        assert httpx.get(url + "/livez", timeout=10).status_code == 200
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        answer = httpx.post(url + "/api/generate", timeout=120, json={
+            "model": "smollm2:135m", "prompt": "Hello", "stream": False, "options": {"num_predict": 4}})
+        assert answer.status_code == 200, answer.text
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+        server.stop()
