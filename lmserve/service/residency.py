@@ -378,7 +378,7 @@ class Residency:
                 states.append(ModelHealth(name, "failed", refusal.message))
             else:
                 states.append(ModelHealth(name, "restarting", f"its engine stopped ({instance.failure}); restarting"))
-        states += [ModelHealth(name, "loading", "loading") for name in sorted(self._num_acquiring)
+        states += [ModelHealth(name, "loading", "its engine is loading") for name in sorted(self._num_acquiring)
                    if name not in self._residents]
         return states
 
@@ -529,9 +529,10 @@ class Residency:
             return
         try:
             model = plan.bind(instance.engine)
-        except BaseException:
+        except Exception:  # a request would meet the same error, and report it
+            log.exception("restarting %s failed", name)
             self._close_if_unbound(instance)
-            raise
+            return
         self._residents[name] = Resident(model, instance, plan.binding, failed.keep_alive, failed.last_used)
         self._close_if_unbound(failed.instance)
         log.info("restarted %s", name)

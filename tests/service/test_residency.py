@@ -464,7 +464,7 @@ async def test_a_load_that_hangs_fails_its_request_after_the_load_timeout_and_is
 async def test_health_says_which_models_are_loading(catalog: Catalog) -> None:
     models = residency(catalog, Clock())
     pending = await loading(models, catalog, "slow")
-    assert models.health() == [ModelHealth("slow", "loading", "loading")]
+    assert models.health() == [ModelHealth("slow", "loading", "its engine is loading")]
     catalog.gates["slow"].set()
     models.release(await pending)
     assert models.health() == [ModelHealth("slow", "ok")]
