@@ -48,7 +48,7 @@ class Catalog:
         self.engines: list[BatchingEngine] = []
         self.gates: dict[str, threading.Event] = {}
         """Weights whose open waits for the event (a slow load)."""
-        self.broken: set[str] = set()
+        self.unreadable: set[str] = set()
         """Weights whose open fails."""
 
     def plan(self, name: str, options: LoadOptions) -> LoadPlan:
@@ -57,7 +57,7 @@ class Catalog:
         def open_engine() -> Engine:
             if weights in self.gates:
                 assert self.gates[weights].wait(10)
-            if weights in self.broken:
+            if weights in self.unreadable:
                 raise RuntimeError("the weights are unreadable")
             self.opened.append((weights, options))
             engine = BatchingEngine(FakeBackend(num_ctx=options.num_ctx, num_parallel=1))
@@ -421,7 +421,7 @@ async def test_restarts_back_off_and_pause_after_repeated_failures_saying_why_on
     clock = Clock()
     models = residency(catalog, clock)
     models.release(await models.acquire("a", OPTIONS, -1))
-    catalog.broken.add("a")
+    catalog.unreadable.add("a")
     await kill(engine_of(models, "a"))
     assert len(await asyncio.gather(*models.heal())) == 1  # failure 1: restarted at once; that load fails (2)
     assert models.health()[0].state == "restarting"
@@ -441,7 +441,7 @@ async def test_restarts_back_off_and_pause_after_repeated_failures_saying_why_on
     assert (health.state, health.reason) == ("failed", refused.value.message)
     assert sum("stopped restarting" in r.getMessage() for r in caplog.records) == 1
     assert [w for w, _ in catalog.opened] == ["a"]
-    catalog.broken.clear()
+    catalog.unreadable.clear()
     clock.now += FAILURE_WINDOW
     models.release(await models.acquire("a", OPTIONS))
     assert models.health() == [ModelHealth("a", "ok")]
