@@ -45,7 +45,7 @@ def model(server: Server) -> str:
 
 
 def engine_cores(server: Server) -> set[int]:
-    """The server's vLLM EngineCore processes (vLLM titles them `VLLM::EngineCore_DP<n>`)."""
+    """The server's vLLM EngineCore processes (vLLM titles them `VLLM::EngineCore`)."""
     found = set()
     for pid in descendants(server.process.pid):
         try:

@@ -829,7 +829,7 @@ def _config_error(exc: ValueError) -> str:
 
 
 def engine_death(llm: Any) -> str:
-    """Why the AsyncLLM `llm` stopped: its engine processes that exited and how ("EngineCore_DP0 process died
+    """Why the AsyncLLM `llm` stopped: its engine processes that exited and how ("EngineCore process died
     (SIGKILL)"), else vLLM's own word for it."""
     manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
     finished_procs = getattr(manager, "finished_procs", None)

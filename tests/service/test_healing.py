@@ -59,7 +59,7 @@ def test_max_failures_within_the_window_pause_restarts_until_the_oldest_leaves_i
     first = clock.now
     for i in range(MAX_FAILURES):
         assert not healing.is_pausing("a")
-        healing.failed("a", f"EngineCore_DP0 process died (SIGKILL) #{i}")
+        healing.failed("a", f"EngineCore process died (SIGKILL) #{i}")
         clock.now += 1
     assert healing.is_pausing("a")
     assert healing.restart_at("a") == first + FAILURE_WINDOW
@@ -67,7 +67,7 @@ def test_max_failures_within_the_window_pause_restarts_until_the_oldest_leaves_i
     assert refusal is not None and refusal.status == 503
     assert refusal.message == (
         f"the engine serving 'smol' failed {MAX_FAILURES} times within 5m "
-        f"(last: EngineCore_DP0 process died (SIGKILL) #{MAX_FAILURES - 1}); lmserve stopped restarting it for now "
+        f"(last: EngineCore process died (SIGKILL) #{MAX_FAILURES - 1}); lmserve stopped restarting it for now "
         f"and tries again in {format_duration(FAILURE_WINDOW - MAX_FAILURES)}: see the server log for the cause")
     clock.now = first + FAILURE_WINDOW
     assert healing.refusal("smol", "a") is None  # the oldest failure left the window: a restart may run again
@@ -76,9 +76,9 @@ def test_max_failures_within_the_window_pause_restarts_until_the_oldest_leaves_i
 
 
 def test_the_error_of_a_request_whose_engine_stopped_says_why_and_that_it_restarts() -> None:
-    error = stopped("smol", "EngineCore_DP0 process died (SIGKILL)")
+    error = stopped("smol", "EngineCore process died (SIGKILL)")
     assert error.status == 503 and error.code == "engine_stopped"
-    assert error.message == ("the engine serving 'smol' stopped (EngineCore_DP0 process died (SIGKILL)); it is being "
+    assert error.message == ("the engine serving 'smol' stopped (EngineCore process died (SIGKILL)); it is being "
                              "restarted: retry shortly")
 
 
