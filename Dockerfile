@@ -38,6 +38,8 @@ ENV PATH=/opt/lmserve/bin:$PATH \
 VOLUME /models
 USER 1000
 EXPOSE 11434
+# Readiness: /health is 200 only while the model can answer (503 while its engine is down, being restarted
+# in the process, or failed); /livez would only say the process is up. The retries outlast a restart.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:11434/health', timeout=4)"]
 ENTRYPOINT ["lmserve", "serve", "--host", "0.0.0.0", "--port", "11434"]

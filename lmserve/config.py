@@ -55,7 +55,7 @@ class ServerConfig:
                                  shown="all cores", load="num_threads", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
-                                 "/health, / and the web page's /web/ files")
+                                 "/health, /livez, / and the web page's /web/ files")
     prefill_chunk: int | None = option(None, "--prefill-chunk", "--chunked-prefill-size", env="PREFILL_CHUNK",
                                        kind="int", minimum=1, special=-1, metavar="N",
                                        env_aliases=("CHUNKED_PREFILL_SIZE",),
@@ -121,6 +121,9 @@ class ServerConfig:
                                   "first)")
     completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
                                            help="how long a stored chat completion is kept (negative: forever)")
+    load_timeout: float | None = option(300.0, env="LOAD_TIMEOUT", kind="duration",
+                                        help="how long a model may take to load before its request fails with an "
+                                        "error (a hung engine start); negative: no limit")
     supervisor: bool = option(True, env="SUPERVISOR", kind="bool", shown="1, on",
                               help="run the server under a small supervisor process that keeps the port and starts "
                               "the server again when a signal ends it (a native crash of llama.cpp, the kernel's "

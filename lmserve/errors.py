@@ -7,6 +7,7 @@
     ├── AuthenticationFailed          401 authentication_error
     ├── ModelNotFound                 404 not_found_error
     ├── Overloaded                    503 overloaded_error
+    ├── EngineStopped                 503 server_error            (a model's engine died: being restarted)
     ├── Unreachable                   502 upstream_error          (the model hub cannot be reached)
     └── EngineFailure                 500 server_error            (llama.cpp refused a batch, load failed …)
 
@@ -132,6 +133,17 @@ class Overloaded(LmserveError):
 
     status = 503
     type = "overloaded_error"
+
+
+class EngineStopped(LmserveError):
+    """A model's engine stopped (its engine process died, its thread failed): it is being restarted, or restarting
+    it failed too often for now. A 503 with Retry-After: the same request may succeed once the model is back."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model", code="engine_stopped")
 
 
 class Unreachable(LmserveError):

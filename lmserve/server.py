@@ -73,7 +73,8 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
                              "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
                           memory=memory_gauge(config.memory_check, config.memory_bytes),
-                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None)
+                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None,
+                          load_timeout=config.load_timeout)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
                       max_images=config.max_images, n_predict=config.n_predict,

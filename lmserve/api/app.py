@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lmserve.api.access_log import install as install_access_log
 from lmserve.api.anthropic import anthropic_router
 from lmserve.api.conversations import conversations_router, conversations_store
+from lmserve.api.health import HEALTH_PATH, LIVENESS_PATH, health_router
 from lmserve.api.infill import infill_router
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
@@ -43,7 +44,7 @@ from lmserve.service import Service
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PATHS = frozenset({HEALTH_PATH, LIVENESS_PATH, "/"})
 """Routes that need no API key (not /metrics: with a key set, a scraper sends it too)."""
 OPEN_PREFIXES = (WEB_PREFIX,)
 """Path prefixes that need no API key: the web page's files (the page asks for the key)."""
@@ -82,10 +83,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: one operationId per method
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
+    app.include_router(health_router(service))
     metrics = Metrics(service)
     metrics.attach(service)
     app.state.metrics = metrics

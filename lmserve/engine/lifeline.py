@@ -16,7 +16,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 GRACE_SECONDS = 10.0
@@ -54,23 +56,48 @@ class Lifeline:
 
     def __init__(self) -> None:
         self._guardian: subprocess.Popen[bytes] | None = None
+        self._watched: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
 
     def watch(self, pids: list[int]) -> None:
-        """Have the guardian end these processes if this one dies first."""
+        """Have the guardian end these processes if this one dies first (each is told to it once)."""
         if not pids or not Path("/proc").is_dir():
             return
-        if self._guardian is None:
-            self._guardian = subprocess.Popen(  # its own session: a Ctrl-C or a group kill leaves it to clean up
-                [sys.executable, "-m", "lmserve.engine.lifeline"], stdin=subprocess.PIPE, start_new_session=True)
-        assert self._guardian.stdin is not None
-        lines = "".join(f"{pid} {start_time(pid)}\n" for pid in pids if start_time(pid) is not None)
-        self._guardian.stdin.write(lines.encode())
-        self._guardian.stdin.flush()
+        with self._lock:
+            named = {(pid, start) for pid in pids if (start := start_time(pid)) is not None} - self._watched
+            if not named:
+                return
+            if self._guardian is None:
+                self._guardian = subprocess.Popen(  # its own session: a Ctrl-C or a group kill leaves it to clean up
+                    [sys.executable, "-m", "lmserve.engine.lifeline"], stdin=subprocess.PIPE, start_new_session=True)
+            assert self._guardian.stdin is not None
+            self._guardian.stdin.write("".join(f"{pid} {start}\n" for pid, start in sorted(named)).encode())
+            self._guardian.stdin.flush()
+            self._watched |= named
 
     def watch_children(self) -> None:
         """Watch every process this one has started so far (call it once an engine's processes are up)."""
         guardian = self._guardian.pid if self._guardian is not None else None
         self.watch([pid for pid in descendants(os.getpid()) if pid != guardian])
+
+    @contextlib.contextmanager
+    def watching(self, every: float = 1.0) -> Iterator[None]:
+        """Watch the processes this one starts while the block runs (looked for every `every` seconds) and those
+        there at its end: an engine still loading when this process dies leaves none behind either."""
+        done = threading.Event()
+
+        def look() -> None:
+            while not done.wait(every):
+                self.watch_children()
+
+        thread = threading.Thread(target=look, name="lmserve-lifeline", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.watch_children()
 
 
 LIFELINE = Lifeline()

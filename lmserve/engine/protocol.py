@@ -192,6 +192,13 @@ class Engine(Protocol):
         ...
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer answer (its engine process died, its thread ended on an error), or None
+        while it works. A failed engine stays failed: its requests in flight have ended with an error, new ones are
+        refused, and the service closes it and opens another."""
+        ...
+
+    @property
     def num_running(self) -> int: ...
 
     @property

@@ -28,6 +28,7 @@ from lmserve.service import embeddings, fim, json_budget, prompts
 from lmserve.service.catalog import Catalog, ModelSettings
 from lmserve.service.embeddings import EmbeddingInput
 from lmserve.service.empty import EmptyReply
+from lmserve.service.healing import stopped
 from lmserve.service.observers import Observers
 from lmserve.service.precedence import Precedence
 from lmserve.service.residency import LoadedModel, Residency, Resident
@@ -86,6 +87,8 @@ class Generation:
         answer: list[str] = []
         try:
             async for chunk in self.stream:
+                if chunk.finish_reason == "error":
+                    chunk = self._say_why(chunk)
                 if splitting is not None:
                     chunk = _split_reasoning(splitting, chunk)
                     thoughts.append(chunk.reasoning)
@@ -118,12 +121,20 @@ class Generation:
                 logprobs += chunk.logprobs
                 if chunk.finish_reason is not None:
                     if chunk.is_failed:
+                        if self.engine is not None and self.engine.failure is not None:
+                            raise stopped(self.model, self.engine.failure)
                         raise EngineFailure(chunk.error or "the generation failed")
                     return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts),
                                                    logprobs=logprobs)
         finally:
             self.abort()
         raise EngineFailure("the generation ended without a result")
+
+    def _say_why(self, failed: Chunk) -> Chunk:
+        """An error chunk, its message the engine's failure when the engine stopped under it (service/healing.py)."""
+        if self.engine is None or self.engine.failure is None:
+            return failed
+        return replace(failed, error=stopped(self.model, self.engine.failure).message)
 
     def _stop_string(self, answer: str) -> str | None:
         """Which of `stops` ended this reply (finished "stop", answer text `answer`); None when the model ended its

@@ -19,6 +19,12 @@ sampling defaults): models created FROM another that differ only in those share 
   the shortfall first (`reclaim`), then the least recently used idle instances are unloaded until it fits. A model
   that cannot fit even with every other model unloaded is InsufficientMemory (400, naming both numbers); one that
   would fit once busy models are done is Overloaded (503). `max_loaded` stays a cap on the count beside it.
+- An engine that fails (engine/protocol.py `Engine.failure`: its engine process died, its thread failed) has ended
+  its requests with an error; it is closed once they are gone, and its names stay bound to it, failed, until a new
+  instance replaces it: restarted at once in the background (`heal`), or by the next request for one of them if
+  that comes first; other instances are untouched. When restarts keep failing, service/healing.py says when to try
+  again; meanwhile requests get EngineStopped (503).
+- A load that takes longer than `load_timeout` fails its requests (the engine, should it open later, is closed).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from lmserve.engine.factory import MemoryEstimate
 from lmserve.engine.protocol import Engine, ModelInfo
-from lmserve.errors import EngineFailure, InvalidRequest, gib
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, gib
+from lmserve.parsing import format_duration
+from lmserve.service.healing import Healing
 from lmserve.service.memory_budget import MemoryGauge, estimate_of, room_for
 from lmserve.service.observers import Observers
 from lmserve.types import AUTO_CONTEXT, LoadOptions, Message, SamplingParams
@@ -108,6 +116,9 @@ class Instance:
     users: int = 0
     memory: MemoryEstimate | None = None
     """What it holds in memory, as estimated before it loaded (None: not estimated)."""
+    failure: str | None = None
+    """Why its engine failed (then it serves nothing more and is closed once its requests are gone)."""
+    is_closed: bool = False
 
     @property
     def is_idle(self) -> bool:
@@ -147,6 +158,18 @@ class Resident:
     @property
     def is_idle(self) -> bool:
         return self.users == 0
+
+
+ModelState = Literal["ok", "loading", "restarting", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelHealth:
+    """Whether a resident (or loading) model can answer now, and why not."""
+
+    name: str
+    state: ModelState
+    reason: str = ""
 
 
 def log_load(name: str, options: LoadOptions, info: ModelInfo) -> None:
@@ -190,10 +213,11 @@ class Residency:
         observers: Observers | None = None,
         memory: MemoryGauge | None = None,
         reclaim: Callable[[int], int] | None = None,
+        load_timeout: float | None = None,
     ) -> None:
         """`memory`: the budget loads are held against (None: no memory check); `reclaim(num_bytes)`: frees up to
         that much elsewhere (the prompt cache's RAM tier) before models are unloaded for room, and says how much
-        it freed."""
+        it freed; `load_timeout`: seconds a load may take before its requests fail (None: no limit)."""
         self._planner = planner
         self._memory = memory
         self._reclaim = reclaim
@@ -216,6 +240,9 @@ class Residency:
         """Requests of each name between asking for it and holding it (they may be waiting for a load)."""
         self._unloaded_while_acquiring: set[str] = set()
         """Names unloaded while a request for them was loading: that request runs, then the name goes."""
+        self._load_timeout = load_timeout
+        self._healing = Healing(clock)
+        self._restarts: set[asyncio.Task[None]] = set()
         self._is_closed = False
 
     async def acquire(self, name: str, options: LoadOptions, keep_alive: float | None = None, *,
@@ -247,7 +274,11 @@ class Residency:
         while True:
             resident = self._residents.get(name)
             if resident is not None and resident.instance.key == plan.key and resident.binding == plan.binding:
-                return resident
+                if not self._has_failed(resident.instance):
+                    return resident
+                refusal = self._healing.refusal(name, plan.key)
+                if refusal is not None:
+                    raise refusal
             instance = await self._instance(plan, name)
             current = self._residents.get(name)
             if current is not None and current is not resident:
@@ -311,14 +342,54 @@ class Residency:
             self._close_if_unbound(instance)  # loaded for a request that went away before binding it
 
     async def run_expiry(self, interval: float = 1.0) -> None:
+        """Every `interval` seconds: unload expired names, and restart failed engines (`heal`)."""
         while True:
             await asyncio.sleep(interval)
             await self.expire()
+            self.heal()
+
+    def heal(self) -> list[asyncio.Task[None]]:
+        """Find engines that failed and start restarting, in the background, each failed name whose restart is
+        due (service/healing.py); requests for them meanwhile wait for the restart's load. Returns the restarts
+        started (each ends when its model is back, or its load failed)."""
+        for instance in list(self._instances.values()):
+            self._has_failed(instance)
+        now = self._clock()
+        started: list[asyncio.Task[None]] = []
+        for name, resident in self._residents.items():
+            key = resident.instance.key
+            if (resident.instance.failure is not None and key not in self._loading
+                    and self._healing.restart_at(key) <= now):
+                task = asyncio.ensure_future(self._restart(name, resident))
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
+                started.append(task)
+        return started
+
+    def health(self) -> list[ModelHealth]:
+        """Each resident name's state (a failed engine's names: restarting, or failed while restarts pause), and
+        each name loading for a request."""
+        states: list[ModelHealth] = []
+        for name, resident in sorted(self._residents.items()):
+            instance = resident.instance
+            if not self._has_failed(instance):
+                states.append(ModelHealth(name, "ok"))
+                continue
+            refusal = self._healing.refusal(name, instance.key)
+            if refusal is not None:
+                states.append(ModelHealth(name, "failed", refusal.message))
+            else:
+                states.append(ModelHealth(name, "restarting", f"its engine stopped ({instance.failure}); restarting"))
+        states += [ModelHealth(name, "loading", "its engine is loading") for name in sorted(self._num_acquiring)
+                   if name not in self._residents]
+        return states
 
     def close(self) -> None:
         """Close every instance (requests still running end with an error); loads still running are closed when
         they finish."""
         self._is_closed = True
+        for task in self._restarts:
+            task.cancel()
         self._residents.clear()
         for instance in [*self._instances.values(), *self._retired]:
             self._close(instance)
@@ -339,12 +410,15 @@ class Residency:
         if instance is not None:
             return instance
         for retired in self._retired:  # still finishing requests: take it back instead of loading a second copy
-            if retired.key == plan.key:
+            if retired.key == plan.key and retired.failure is None:
                 self._retired.remove(retired)
                 self._instances[plan.key] = retired
                 return retired
         pending = self._loading.get(plan.key)
         if pending is None:
+            refusal = self._healing.refusal(name, plan.key)
+            if refusal is not None:
+                raise refusal
             self._evict_for_one_more()
             pending = asyncio.ensure_future(self._open(plan, name))
             pending.add_done_callback(_retrieve)  # a load nobody waits for any more may fail unheard
@@ -363,7 +437,12 @@ class Residency:
             self._make_room(name, estimate)
             if estimate is not None:
                 self._loading_memory[plan.key] = estimate
-            engine = await asyncio.to_thread(plan.open)
+            engine = await self._opened(plan, name)
+        except Exception as exc:
+            if self._healing.is_recovering(plan.key):  # a restart: its failure counts
+                cause = exc.message if isinstance(exc, LmserveError) else f"{type(exc).__name__}: {exc}"
+                self._failed(name, plan.key, f"restarting it failed: {cause}")
+            raise
         finally:
             del self._loading[plan.key]
             self._loading_memory.pop(plan.key, None)
@@ -375,6 +454,90 @@ class Residency:
         log_load(name, plan.key.options, engine.info)
         self.observers.loaded(name)
         return instance
+
+    async def _opened(self, plan: LoadPlan, name: str) -> Engine:
+        """`plan.open()` run in a thread, within the load timeout; an error that is not lmserve's is EngineFailure.
+
+        An engine that opens after its load timed out is closed then."""
+        opening = asyncio.ensure_future(asyncio.to_thread(plan.open))
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening), self._load_timeout)
+        except TimeoutError:
+            opening.add_done_callback(self._close_late)
+            log.error("%s did not load within %s (LMSERVE_LOAD_TIMEOUT)", name, format_duration(self._load_timeout))
+            raise EngineFailure(f"model '{name}' did not load within {format_duration(self._load_timeout)} "
+                                "(LMSERVE_LOAD_TIMEOUT): its engine hangs or is too slow to start; see the server "
+                                "log") from None
+        except LmserveError:
+            raise
+        except Exception as exc:
+            log.exception("loading %s failed", name)
+            raise EngineFailure(f"loading model '{name}' failed: {type(exc).__name__}: {exc}") from exc
+
+    def _close_late(self, opening: asyncio.Future[Engine]) -> None:
+        """Close an engine whose load finished after it timed out."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        log.info("a load that timed out has finished: closing its engine")
+        self._close_engine(opening.result())
+
+    def _has_failed(self, instance: Instance) -> bool:
+        """Whether `instance`'s engine has failed; the first time it is seen, the instance is taken out of service
+        (closed once its requests are gone) and the failure counted."""
+        if instance.failure is not None:
+            return True
+        failure = instance.engine.failure
+        if failure is None:
+            return False
+        instance.failure = failure
+        names = sorted(name for name, r in self._residents.items() if r.instance is instance)
+        log.error("the engine serving %s stopped: %s", ", ".join(names) or "a model", failure)
+        self._failed(names[0] if names else instance.key.weights, instance.key, failure)
+        if self._instances.get(instance.key) is instance:
+            del self._instances[instance.key]
+        if instance.users == 0:
+            if instance in self._retired:
+                self._retired.remove(instance)
+            self._close(instance)
+        elif instance not in self._retired:
+            self._retired.append(instance)
+        return True
+
+    def _failed(self, name: str, key: WeightsKey, cause: str) -> None:
+        """Count a failure of `key` (serving `name`); say so once when it pauses the restarts."""
+        self._healing.failed(key, cause)
+        if self._healing.is_pausing(key):
+            refusal = self._healing.refusal(name, key)
+            log.error("%s", refusal.message if refusal is not None else cause)
+
+    async def _restart(self, name: str, failed: Resident) -> None:
+        """Load `name` again on a new instance, bound as before, unless it was bound anew or let go meanwhile."""
+        if self._residents.get(name) is not failed or self._is_closed:
+            return
+        try:
+            plan = self._planner(name, failed.options)
+        except LmserveError as exc:  # deleted or changed meanwhile: a request would load it as it is now
+            log.info("not restarting %s: %s", name, exc.message)
+            self._unbind(name)
+            return
+        log.info("restarting %s", name)
+        try:
+            instance = await self._instance(plan, name)
+        except Exception as exc:  # counted by the load (_open); the next due restart tries again
+            log.warning("restarting %s failed: %s", name, exc.message if isinstance(exc, LmserveError) else exc)
+            return
+        if self._residents.get(name) is not failed:  # bound anew, or let go, meanwhile
+            self._close_if_unbound(instance)
+            return
+        try:
+            model = plan.bind(instance.engine)
+        except Exception:  # a request would meet the same error, and report it
+            log.exception("restarting %s failed", name)
+            self._close_if_unbound(instance)
+            return
+        self._residents[name] = Resident(model, instance, plan.binding, failed.keep_alive, failed.last_used)
+        self._close_if_unbound(failed.instance)
+        log.info("restarted %s", name)
 
     def _unbind(self, name: str) -> None:
         resident = self._residents.pop(name)
@@ -398,9 +561,14 @@ class Residency:
 
     def _evict_for_one_more(self) -> None:
         for instance in self._idle_instances():
-            if len(self._instances) + len(self._retired) + len(self._loading) < self._max_loaded:
+            if len(self._instances) + len(self._working_retired()) + len(self._loading) < self._max_loaded:
                 break
             self._unload_instance(instance)
+
+    def _working_retired(self) -> list[Instance]:
+        """Retired instances whose engines work (a failed one is not counted: it ends as soon as its requests do, and
+        restarting it must not unload other models)."""
+        return [instance for instance in self._retired if instance.failure is None]
 
     def _idle_instances(self) -> list[Instance]:
         """Instances no request uses or waits for, least recently used first."""
@@ -418,7 +586,7 @@ class Residency:
         """Make `need` fit in memory (memory_budget.room_for): unload what it says, least recently used first."""
         if self._memory is None or need is None or need.on_gpu:
             return
-        held = [*self._instances.values(), *self._retired]
+        held = [*self._instances.values(), *self._working_retired()]
         loading = [e for e in self._loading_memory.values() if not e.on_gpu]
         available = self._memory.available([i.memory for i in held if i.memory is not None and i.ram_bytes], loading)
         if available is None:
@@ -430,6 +598,9 @@ class Residency:
             self._unload_instance(instance)
 
     def _close(self, instance: Instance) -> None:
+        if instance.is_closed:
+            return
+        instance.is_closed = True
         try:
             self._close_engine(instance.engine)
         except Exception:

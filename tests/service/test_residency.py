@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -14,8 +14,17 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.engine.protocol import Engine, ModelInfo
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
-from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.service.residency import LoadedModel, LoadPlan, Residency, Resident, WeightsKey, log_load
+from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
+from lmserve.service.healing import FAILURE_WINDOW, MAX_FAILURES, RESTART_BACKOFF
+from lmserve.service.residency import (
+    LoadedModel,
+    LoadPlan,
+    ModelHealth,
+    Residency,
+    Resident,
+    WeightsKey,
+    log_load,
+)
 from lmserve.types import AUTO_CONTEXT, LoadOptions, SamplingParams
 
 
@@ -39,6 +48,8 @@ class Catalog:
         self.engines: list[BatchingEngine] = []
         self.gates: dict[str, threading.Event] = {}
         """Weights whose open waits for the event (a slow load)."""
+        self.unreadable: set[str] = set()
+        """Weights whose open fails."""
 
     def plan(self, name: str, options: LoadOptions) -> LoadPlan:
         weights = self.weights.get(name, name)
@@ -46,6 +57,8 @@ class Catalog:
         def open_engine() -> Engine:
             if weights in self.gates:
                 assert self.gates[weights].wait(10)
+            if weights in self.unreadable:
+                raise RuntimeError("the weights are unreadable")
             self.opened.append((weights, options))
             engine = BatchingEngine(FakeBackend(num_ctx=options.num_ctx, num_parallel=1))
             engine.info.path = weights
@@ -81,8 +94,36 @@ async def loading(models: Residency, catalog: Catalog, name: str) -> asyncio.Fut
     return pending
 
 
-def residency(catalog: Catalog, clock: Clock, max_loaded: int = 2) -> Residency:
-    return Residency(catalog.plan, max_loaded=max_loaded, clock=clock, close_engine=catalog.close)
+def residency(catalog: Catalog, clock: Clock, max_loaded: int = 2, load_timeout: float | None = None) -> Residency:
+    return Residency(catalog.plan, max_loaded=max_loaded, clock=clock, close_engine=catalog.close,
+                     load_timeout=load_timeout)
+
+
+OPTIONS = LoadOptions(num_ctx=64)
+"""Load options the fake engine can answer with (the default's automatic context is 0 on the fake)."""
+
+
+async def kill(engine: Engine, fault: str = "the slot's memory is gone") -> None:
+    """Break `engine`'s thread (the fake backend's fault, met by a short request) and see it failed."""
+    assert isinstance(engine, BatchingEngine)
+    assert isinstance(engine.backend, FakeBackend)
+    engine.backend.fault = fault
+    chunks = [chunk async for chunk in engine.submit(engine.tokenize("x"), SamplingParams(max_tokens=1))]
+    assert chunks[-1].finish_reason == "error"
+    assert engine.failure is not None
+
+
+async def until(done: Callable[[], bool]) -> None:
+    """Let the event loop run until `done()` (a background restart on the fake engine takes milliseconds)."""
+    for _ in range(500):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("it did not happen")
+
+
+def engine_of(models: Residency, name: str) -> Engine:
+    return next(r.model.engine for r in models.running() if r.model.name == name)
 
 
 async def test_a_model_is_loaded_once_and_reused(catalog: Catalog) -> None:
@@ -230,7 +271,7 @@ async def test_a_failed_load_fails_its_requests_and_leaves_nothing_behind(catalo
         return LoadPlan(WeightsKey(name, options), fail, lambda engine: LoadedModel(name, engine, ChatTemplate(None)))
 
     models = Residency(broken, close_engine=catalog.close)
-    with pytest.raises(RuntimeError, match="bad weights"):
+    with pytest.raises(EngineFailure, match="loading model 'a' failed: RuntimeError: bad weights"):
         await models.acquire("a", LoadOptions())
     assert models.running() == [] and models.num_instances == 0
 
@@ -332,3 +373,112 @@ def test_a_load_logs_the_context_in_force_and_warns_when_capped(
     log_load("m", LoadOptions(num_ctx=asked), info)
     assert [r.getMessage() for r in caplog.records] == lines
     assert [r.levelno for r in caplog.records] == [logging.WARNING] * (len(lines) - 1) + [logging.INFO]
+
+
+async def test_a_failed_engine_is_closed_and_its_model_restarted_at_once_leaving_the_others_alone(
+    catalog: Catalog,
+) -> None:
+    models = residency(catalog, Clock())
+    for name in ("a", "b"):
+        models.release(await models.acquire(name, OPTIONS, -1))
+    a, b = engine_of(models, "a"), engine_of(models, "b")
+    await kill(a)
+    restarts = models.heal()
+    assert catalog.closed == ["a"]
+    assert models.health() == [
+        ModelHealth("a", "restarting", "its engine stopped (its engine thread failed: RuntimeError: the slot's memory "
+                    "is gone); restarting"),
+        ModelHealth("b", "ok"),
+    ]
+    await asyncio.gather(*restarts)
+    assert engine_of(models, "a") is not a
+    assert models.health() == [ModelHealth("a", "ok"), ModelHealth("b", "ok")]
+    assert engine_of(models, "b") is b and [w for w, _ in catalog.opened] == ["a", "b", "a"]
+    resident = await models.acquire("a", OPTIONS)
+    assert resident.keep_alive is None  # the lease it had: forever
+    models.release(resident)
+
+
+async def test_a_request_for_a_failed_model_loads_it_again_before_the_background_does(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    first = await models.acquire("a", OPTIONS, 300)
+    await kill(first.model.engine)
+    second = await models.acquire("a", OPTIONS, 300)
+    assert second.model.engine is not first.model.engine and second.model.engine.failure is None
+    assert catalog.closed == []  # the failed engine still has a request: closed when it is done
+    models.release(first)
+    assert catalog.closed == ["a"]
+    models.release(second)
+
+
+async def test_restarts_back_off_and_pause_after_repeated_failures_saying_why_once(
+    catalog: Catalog, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A death, then restarts whose loads fail: the first restart at once, the next after RESTART_BACKOFF; at
+    MAX_FAILURES within the window restarts pause, requests get the 503 with the count and the last cause (the log
+    says it once); after the window a request loads the model again."""
+    assert MAX_FAILURES == 3
+    clock = Clock()
+    models = residency(catalog, clock)
+    models.release(await models.acquire("a", OPTIONS, -1))
+    catalog.unreadable.add("a")
+    await kill(engine_of(models, "a"))
+    assert len(await asyncio.gather(*models.heal())) == 1  # failure 1: restarted at once; that load fails (2)
+    assert models.health()[0].state == "restarting"
+    assert models.heal() == []  # the next restart is RESTART_BACKOFF away
+    clock.now += RESTART_BACKOFF
+    caplog.set_level(logging.ERROR, logger="lmserve.service.residency")
+    assert len(await asyncio.gather(*models.heal())) == 1  # restarted again; that load fails too (3): paused
+    for _ in range(2):
+        with pytest.raises(EngineStopped) as refused:
+            await models.acquire("a", OPTIONS)
+        models.heal()
+    assert refused.value.status == 503
+    assert refused.value.message.startswith(
+        "the engine serving 'a' failed 3 times within 5m (last: restarting it failed: loading model 'a' failed: "
+        "RuntimeError: the weights are unreadable); lmserve stopped restarting it for now and tries again in ")
+    [health] = models.health()
+    assert (health.state, health.reason) == ("failed", refused.value.message)
+    assert sum("stopped restarting" in r.getMessage() for r in caplog.records) == 1
+    assert [w for w, _ in catalog.opened] == ["a"]
+    catalog.unreadable.clear()
+    clock.now += FAILURE_WINDOW
+    models.release(await models.acquire("a", OPTIONS))
+    assert models.health() == [ModelHealth("a", "ok")]
+
+
+async def test_a_load_that_hangs_fails_its_request_after_the_load_timeout_and_is_closed_when_it_ends(
+    catalog: Catalog,
+) -> None:
+    models = residency(catalog, Clock(), load_timeout=0.05)
+    catalog.gates["slow"] = threading.Event()
+    with pytest.raises(EngineFailure, match=r"model 'slow' did not load within 0.05s \(LMSERVE_LOAD_TIMEOUT\)"):
+        await models.acquire("slow", OPTIONS)
+    resident = await models.acquire("other", OPTIONS)  # the server goes on serving
+    models.release(resident)
+    catalog.gates["slow"].set()
+    await until(lambda: "slow" in catalog.closed)
+    assert [r.model.name for r in models.running()] == ["other"] and models.health() == [ModelHealth("other", "ok")]
+
+
+async def test_health_says_which_models_are_loading(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    pending = await loading(models, catalog, "slow")
+    assert models.health() == [ModelHealth("slow", "loading", "its engine is loading")]
+    catalog.gates["slow"].set()
+    models.release(await pending)
+    assert models.health() == [ModelHealth("slow", "ok")]
+
+
+async def test_restarting_a_failed_model_unloads_no_other_model_for_room(catalog: Catalog) -> None:
+    """At the limit of loaded models, a failed engine that still has a request does not count: its restart takes
+    its place, not an idle neighbour's."""
+    models = residency(catalog, Clock(), max_loaded=3)
+    held = await models.acquire("a", OPTIONS, -1)
+    for name in ("b", "c"):
+        models.release(await models.acquire(name, OPTIONS, -1))
+    await kill(held.model.engine)
+    models.release(await models.acquire("a", OPTIONS))
+    assert sorted(r.model.name for r in models.running()) == ["a", "b", "c"] and catalog.closed == []
+    models.release(held)
+    assert catalog.closed == ["a"]

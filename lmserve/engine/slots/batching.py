@@ -25,7 +25,7 @@ from lmserve.engine.slots.drafting import DraftLength, NgramDrafter
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
 from lmserve.engine.stops import StopMatcher
-from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError, Overloaded
+from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, LmserveError, Overloaded
 from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ class BatchingEngine:
         self._aborts: list[Sequence] = []
         self._embeds: deque[_EmbedJob] = deque()
         self._failure: str | None = None
+        self._death: str | None = None
+        """Why the engine thread ended before the engine was closed (`failure`)."""
         self._cond = threading.Condition()
         self._is_closing = False
         self.step_ns = 0
@@ -222,6 +224,8 @@ class BatchingEngine:
         with self._cond:
             if self._is_closing:
                 raise InvalidRequest("the server is shutting down")
+            if self._death is not None:
+                raise EngineStopped(f"the engine stopped: {self._death}")
             num_waiting = len(self._inbox) + len(self.scheduler.waiting)
             num_free = self.info.num_parallel - len(self.scheduler.running)  # read across threads: an estimate
             if num_waiting >= self.max_queue or num_waiting + n - num_free > self.max_queue:
@@ -263,6 +267,8 @@ class BatchingEngine:
         with self._cond:
             if self._is_closing:
                 raise InvalidRequest("the server is shutting down")
+            if self._death is not None:
+                raise EngineStopped(f"the engine stopped: {self._death}")
             self._embeds.extend(jobs)
             self._cond.notify()
         try:
@@ -282,6 +288,11 @@ class BatchingEngine:
         with self._cond:
             self._failure = message
             self._cond.notify()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread ended on an error (it then ended every request), or None while it runs."""
+        return self._death
 
     @property
     def num_running(self) -> int:
@@ -306,8 +317,9 @@ class BatchingEngine:
             self._cond.notify()
         self._thread.join()
         try:
-            for slot, tokens in enumerate(self.scheduler.slot_tokens):
-                self._save(slot, tokens, 0)  # so a returning conversation skips its prefill after a reload
+            if self._death is None:  # a failed engine's slots may hold anything: none is saved
+                for slot, tokens in enumerate(self.scheduler.slot_tokens):
+                    self._save(slot, tokens, 0)  # so a returning conversation skips its prefill after a reload
         except Exception:  # a model that cannot save its slots still closes
             log.exception("saving the slots' prompts on close failed")
         self.backend.close()
@@ -315,6 +327,15 @@ class BatchingEngine:
     # ---- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The engine thread: steps until the engine closes. An error that escapes a step's own handling ends the
+        thread: the engine has failed (`failure`), and every request in flight ends with an error."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the engine thread failed")
+            self._die(f"its engine thread failed: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (
@@ -637,6 +658,18 @@ class BatchingEngine:
             if seq.slot >= 0:
                 self.scheduler.forget(seq.slot)
         self._deliver(outbox)
+
+    def _die(self, reason: str) -> None:
+        """Mark the engine failed and end every request with an error, touching neither backend nor scheduler."""
+        with self._cond:
+            self._death = reason
+            self._inbox.clear()
+            trackers, self._trackers = list(self._trackers.values()), {}
+            embeds, self._embeds = list(self._embeds), deque()
+        message = f"the engine stopped: {reason}"
+        self._deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
+        for job in embeds:
+            self._settle(job, None, EngineStopped(message))
 
     @staticmethod
     def _deliver(outbox: list[tuple[RequestStream, Chunk]]) -> None:

@@ -67,6 +67,10 @@ class FakeBackend:
         self.num_full = 0
         """Steps refused with PoolFull."""
         self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
+        self.fault: str | None = None
+        """When set, every step and every release of a slot raises RuntimeError(fault), as a backend made unusable
+        (a device fault) would: the next step fails, failing its requests releases their slots, which fails outside
+        any step's handling and so ends the engine thread."""
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
@@ -103,6 +107,8 @@ class FakeBackend:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
     def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        if self.fault is not None:
+            raise RuntimeError(self.fault)
         after = dict(self.held)
         for entry in entries:
             after[entry.slot] = entry.pos + entry.num_positions
@@ -158,6 +164,8 @@ class FakeBackend:
         return _TEXT[(offset + count) % len(_TEXT)]
 
     def release(self, slot: int) -> None:
+        if self.fault is not None:
+            raise RuntimeError(self.fault)
         self._slots.pop(slot, None)
 
     def clear(self, slot: int) -> None:

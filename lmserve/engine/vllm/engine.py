@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -36,7 +37,7 @@ from lmserve.engine.memory_estimate import meminfo_available as available_memory
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
 from lmserve.engine.vllm.weights_check import check_weights
-from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
+from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import AUTO_CONTEXT, Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -526,7 +527,8 @@ class VllmStream:
                 if completion.text or logprobs:
                     yield Chunk(text=completion.text, logprobs=logprobs)
         except Exception as exc:  # the engine died, or rejected the request after it was queued
-            self.failure = self.failure or _engine_error(exc)
+            stopped = self._engine.failure
+            self.failure = self.failure or (f"the engine stopped: {stopped}" if stopped else _engine_error(exc))
         finally:
             await outputs.aclose()
             self._engine.forget(self)
@@ -555,13 +557,16 @@ class VllmEngine:
         options = replace(options, num_ctx=choice.num_ctx)
         sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
         kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
-        with _environment(_worker_environment(options)):
+        with _environment(_worker_environment(options)), LIFELINE.watching():  # none left behind, loaded or not
             try:
                 arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
                 self.llm = AsyncLLM.from_engine_args(arguments, stat_loggers=[_stat_logger(self._stats)])
             except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
                 raise InvalidRequest(f"vLLM cannot serve it this way: {_config_error(exc)}") from exc
-        LIFELINE.watch_children()  # vLLM's engine processes end with this one, even after a SIGKILL
+            except Exception as exc:  # its engine core died or failed while loading (the log has vLLM's reasons)
+                raise EngineFailure(f"vLLM's engine failed while loading (the server's log has vLLM's account): "
+                                    f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+        self._failure: str | None = None
         self._tokenizer = self.llm.get_tokenizer()
         self.llm_tokenizer: Any = self._tokenizer
         """vLLM's (Hugging Face) tokenizer, for the streams' logprobs."""
@@ -645,6 +650,8 @@ class VllmEngine:
                 raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
             check_grammar(sampling.grammar)
             kwargs["structured_outputs"] = StructuredOutputsParams(grammar=sampling.grammar)
+        if self.failure is not None:
+            raise EngineStopped(f"the engine stopped: {self.failure}")
         if len(self._streams) >= self.info.num_parallel + self._max_queue:
             raise Overloaded(f"{self._max_queue} requests are already waiting for this model; retry shortly")
         try:
@@ -691,6 +698,14 @@ class VllmEngine:
         for stream in list(self._streams.values()):
             stream.failure = message
             self.abort(stream.request_id)
+
+    @property
+    def failure(self) -> str | None:
+        """Why vLLM's engine can no longer answer (its engine core process died, its output handler failed), or None
+        while it works. vLLM itself then fails every request in flight with EngineDeadError."""
+        if self._failure is None and self.llm.errored:
+            self._failure = engine_death(self.llm)
+        return self._failure
 
     @property
     def num_running(self) -> int:
@@ -801,6 +816,26 @@ def _config_error(exc: ValueError) -> str:
     if callable(errors):
         return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
     return " ".join(str(exc).split())
+
+
+def engine_death(llm: Any) -> str:
+    """Why the AsyncLLM `llm` stopped: its engine processes that exited and how ("EngineCore process died
+    (SIGKILL)"), else vLLM's own word for it."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+    finished_procs = getattr(manager, "finished_procs", None)
+    finished: dict[str, int] = finished_procs() if callable(finished_procs) else {}
+    if finished:
+        return "; ".join(f"{name} process died ({exit_status(code)})" for name, code in sorted(finished.items()))
+    return "vLLM's engine core stopped (EngineDeadError)"
+
+
+def exit_status(code: int) -> str:
+    """A process's exit code in words: "SIGKILL" for -9, "exit code 1" for 1."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+        return f"signal {-code}"
+    return f"exit code {code}"
 
 
 def _engine_error(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ import pytest
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
-from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
+from lmserve.errors import ContextOverflow, EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import Bitmap, Chunk, SamplingParams
 
 
@@ -288,3 +288,29 @@ async def test_a_hybrid_model_drafts_as_any_other() -> None:
         assert last.usage is not None and last.usage.draft_accepted_tokens > 0
     finally:
         hybrid.close()
+
+
+async def test_an_error_that_breaks_the_engine_thread_fails_every_request_and_the_engine() -> None:
+    """An error outside what a step handles (here the fake's `fault`, raised when a slot is released) ends the
+    engine thread: every request in flight ends with an error saying so, the engine reports its failure, and new
+    requests and embeddings are refused with EngineStopped (503) instead of waiting forever."""
+    backend = FakeBackend(num_ctx=4096, num_parallel=2, step_delay=0.005)
+    engine = BatchingEngine(backend)
+    try:
+        long = engine.submit(engine.tokenize("a long one"), SamplingParams(max_tokens=3000))
+        async for _ in long:
+            break
+        assert engine.failure is None
+        backend.fault = "the slot's memory is gone"
+        _, short_last = await collect(engine, "short", max_tokens=2)
+        long_last = [chunk async for chunk in long][-1]
+        cause = "its engine thread failed: RuntimeError: the slot's memory is gone"
+        for last in (short_last, long_last):
+            assert (last.finish_reason, last.error) == ("error", f"the engine stopped: {cause}")
+        assert engine.failure == cause
+        with pytest.raises(EngineStopped, match="the slot's memory is gone"):
+            engine.submit(engine.tokenize("again"), SamplingParams(max_tokens=2))
+        with pytest.raises(EngineStopped, match="the slot's memory is gone"):
+            await engine.embed(["again"])
+    finally:
+        engine.close()
