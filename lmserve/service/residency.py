@@ -495,12 +495,7 @@ class Residency:
         self._failed(names[0] if names else instance.key.weights, instance.key, failure)
         if self._instances.get(instance.key) is instance:
             del self._instances[instance.key]
-        if instance.users == 0:
-            if instance in self._retired:
-                self._retired.remove(instance)
-            self._close(instance)
-        elif instance not in self._retired:
-            self._retired.append(instance)
+        self._retire(instance)
         return True
 
     def _failed(self, name: str, key: WeightsKey, cause: str) -> None:
@@ -552,6 +547,10 @@ class Residency:
             del self._instances[instance.key]
         elif instance not in self._retired:
             return  # already closed
+        self._retire(instance)
+
+    def _retire(self, instance: Instance) -> None:
+        """Close an instance taken out of service, or keep it retired until the requests still using it are done."""
         if instance.users == 0:
             if instance in self._retired:
                 self._retired.remove(instance)
