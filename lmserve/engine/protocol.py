@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from lmserve.errors import InvalidRequest
 from lmserve.types import Bitmap, Chunk, SamplingParams
 
 
@@ -210,6 +211,16 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the model; requests still in flight end with an error."""
         ...
+
+
+def check_choices(n: int, info: ModelInfo, max_queue: int) -> None:
+    """InvalidRequest (param "n") unless `n` choices of one prompt can ever be held: at least one, and no more than
+    the slots (--parallel) and the queue (LMSERVE_MAX_QUEUE) together."""
+    if n < 1:
+        raise InvalidRequest("n must be at least 1", param="n")
+    if n > info.num_parallel + max_queue:
+        raise InvalidRequest(f"n={n} choices is more than this model can ever hold: {info.num_parallel} running "
+                             f"(--parallel) and {max_queue} waiting (LMSERVE_MAX_QUEUE)", param="n")
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling, unit_vector
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, check_choices, choice_sampling, unit_vector
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.slots.drafting import DraftLength, NgramDrafter
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
@@ -186,12 +186,7 @@ class BatchingEngine:
         when the queue is full or slots and queue cannot take all n now; InvalidRequest when they never could.
         """
         num_ctx = self.info.num_ctx
-        capacity = self.info.num_parallel + self.max_queue
-        if n < 1:
-            raise InvalidRequest("n must be at least 1", param="n")
-        if n > capacity:
-            raise InvalidRequest(f"n={n} choices is more than this model can ever hold: {self.info.num_parallel} "
-                                 f"running (--parallel) and {self.max_queue} waiting (LMSERVE_MAX_QUEUE)", param="n")
+        check_choices(n, self.info, self.max_queue)
         images = images or []
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")

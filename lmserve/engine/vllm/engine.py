@@ -35,7 +35,7 @@ from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.memory_estimate import meminfo_available as available_memory
 from lmserve.engine.pieces import piece_bytes
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, choice_sampling
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, check_choices, choice_sampling
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import AUTO_CONTEXT, Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
@@ -676,11 +676,7 @@ class VllmEngine:
         prefix cache.
         """
         capacity = self.info.num_parallel + self._max_queue
-        if n < 1:
-            raise InvalidRequest("n must be at least 1", param="n")
-        if n > capacity:
-            raise InvalidRequest(f"n={n} choices is more than this model can ever hold: {self.info.num_parallel} "
-                                 f"running (--parallel) and {self._max_queue} waiting (LMSERVE_MAX_QUEUE)", param="n")
+        check_choices(n, self.info, self._max_queue)
         if len(self._streams) + n > capacity:
             raise Overloaded(f"{len(self._streams)} sequences are already running or waiting for this model; "
                              "retry shortly")
