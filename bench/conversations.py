@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import random
@@ -30,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -189,30 +187,16 @@ def prompt_cache_metrics(base: str) -> list[str]:
 def ask(client: httpx.Client, base: str, model: str, messages: list[dict[str, str]], max_tokens: int,
         conv: int, turn: int) -> Reply:
     """One streaming chat completion."""
-    body = {"model": model, "messages": messages, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, parts, usage, timings = 0.0, list[str](), dict[str, Any](), dict[str, Any]()
-    with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+    stream = prefix.ChatStream()
+    with client.stream("POST", base + "/v1/chat/completions", json=prefix.chat_body(model, messages, max_tokens)) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event['error']}")
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
-            for choice in event.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    parts.append(content)
-                    ttft = ttft or time.perf_counter() - start
-    cache_n = timings.get("cache_n")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return Reply(conv, turn, ttft or time.perf_counter() - start, "".join(parts), int(usage.get("prompt_tokens", 0)),
-                 int(cached if cached is not None else cache_n or 0), None if cache_n is None else int(cache_n))
+            stream.feed(line)
+    cache_n = stream.timings.get("cache_n")
+    return Reply(conv, turn, stream.ttft or time.perf_counter() - stream.start, stream.text,
+                 int(stream.usage.get("prompt_tokens", 0)), stream.cached or 0,
+                 None if cache_n is None else int(cache_n))
 
 
 def new_client() -> httpx.Client:

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -217,41 +217,66 @@ def new_client(connections: int) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=connections + 2, max_keepalive_connections=0))
 
 
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streamed, greedy chat completion of exactly `max_tokens` tokens, with usage in its last event."""
+    return {"model": model, "messages": messages, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class ChatStream:
+    """What a streamed chat completion said, fed its SSE lines one by one: the text, when the first text came,
+    usage and llama-server's timings. An error event raises."""
+
+    start: float = field(default_factory=time.perf_counter)
+    ttft: float = 0.0
+    parts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            return
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise RuntimeError(f"error event: {event['error']}")
+        self.usage = event.get("usage") or self.usage
+        self.timings = event.get("timings") or self.timings
+        for choice in event.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                self.parts.append(content)
+                self.ttft = self.ttft or time.perf_counter() - self.start
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def cached(self) -> int | None:
+        """Prompt tokens the server did not compute: usage.prompt_tokens_details.cached_tokens, else llama-server's
+        timings.cache_n; None when it says neither."""
+        cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is None:
+            cached = self.timings.get("cache_n")
+        return None if cached is None else int(cached)
+
+
 async def stream_chat(
     client: httpx.AsyncClient, base: str, model: str, messages: list[dict[str, str]], max_tokens: int
 ) -> Reply:
     """One streaming chat completion; TTFT is the first chunk with content. Cached prompt tokens come from
     usage.prompt_tokens_details.cached_tokens (or llama-server's timings.cache_n)."""
-    body = {
-        "model": model, "messages": messages, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-        "ignore_eos": True, "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    ttft, parts = 0.0, list[str]()
-    usage: dict[str, Any] = {}
-    timings: dict[str, Any] = {}
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+    stream = ChatStream()
+    async with client.stream("POST", base + "/v1/chat/completions", json=chat_body(model, messages, max_tokens)) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event['error']}")
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
-            for choice in event.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    parts.append(content)
-                    ttft = ttft or time.perf_counter() - start
-    elapsed = time.perf_counter() - start
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is None:
-        cached = timings.get("cache_n", -1)
-    return Reply(ttft or elapsed, elapsed, "".join(parts), int(usage.get("prompt_tokens", -1)), int(cached),
-                 int(usage.get("completion_tokens", -1)))
+            stream.feed(line)
+    elapsed = time.perf_counter() - stream.start
+    cached = stream.cached
+    return Reply(stream.ttft or elapsed, elapsed, stream.text, int(stream.usage.get("prompt_tokens", -1)),
+                 -1 if cached is None else cached, int(stream.usage.get("completion_tokens", -1)))
 
 
 async def warm_up(base: str) -> str:
