@@ -166,7 +166,7 @@ async def vllm_member(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str
     repo = MEMBERS[member]()
     missing = vision_support_missing(json.loads((repo / "config.json").read_text()))
     if missing is not None:
-        pytest.skip(f"vLLM cannot load {member} here (tests/engine/test_vllm_vision.py checks the refusal): {missing}")
+        pytest.skip(f"vLLM cannot load {member} here (tests/engine/vllm/test_vision.py checks the refusal): {missing}")
     engine = VllmEngine(repo, VllmOptions(num_ctx=1024, num_parallel=2, dtype="float32"))
     yield member, repo, engine
     engine.fail_all("the test is over")
