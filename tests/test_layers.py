@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.listening": set(),
     "lmserve.supervisor": BASE | {"lmserve.listening", "lmserve.store.load_crashes"},
     "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server", "lmserve.listening",
-                           "lmserve.supervisor"},
+                           "lmserve.supervisor", "lmserve.replicas"},
+    "lmserve.replicas": BASE | {"lmserve.api", "lmserve.server"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},
@@ -105,3 +106,11 @@ def test_the_service_and_the_dialects_never_name_an_engine() -> None:
             found = {node.value for node in ast.walk(ast.parse(path.read_text()))
                      if isinstance(node, ast.Constant) and node.value in names}
             assert not found, f"{path.relative_to(PACKAGE)} names the engine(s) {sorted(found)}"
+
+
+def test_only_the_replicas_package_imports_ray() -> None:
+    """Ray Serve is lmserve's scale-out runtime, not a dependency of the server: one package runs on it."""
+    for path in MODULES:
+        if module_name(path).startswith("lmserve.replicas"):
+            continue
+        assert not {i for i in imports(path) if i.split(".")[0] == "ray"}, f"{module_name(path)} imports ray"

@@ -1,0 +1,126 @@
+"""One HTTP request as a Ray handle call: what the ingress sends a replica, and how a replica answers it.
+
+`HttpCall` carries the request whole (method, path, query, headers, body) and, as `prompt`, the text Ray's
+prefix-aware router matches replicas on. `answer` runs lmserve's app for one call as an ASGI server would: it
+yields the response's `Head` first, then its body in the pieces the app sends them (a stream stays a stream); when
+the caller goes away the app sees the client disconnect, so the generation is aborted as on a plain server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+PROMPT_KEYS = ("tools", "system", "instructions", "messages", "input", "prompt", "suffix")
+"""The body fields, in the order a chat template lays them out, whose text makes up the prompt's start."""
+_SKIPPED = frozenset({"type", "role", "id", "tool_call_id", "call_id", "url", "image_url", "images", "data",
+                      "source", "file_id", "cache_control", "signature"})
+"""Keys whose strings are not prompt text (tags, ids, image bytes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCall:
+    """An HTTP request for a replica to answer."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    prompt: str
+    """The request's prompt text, read by Ray's prefix-aware router ("" for a request without one)."""
+    client: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The status and headers of a response, sent before its body."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A whole response and the replica that gave it (for the routes merged across replicas)."""
+
+    replica: str
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def prompt_text(body: bytes) -> str:
+    """The text of a request body's prompt, in template order: tools, system, instructions, messages or input,
+    prompt, suffix; "" when the body is not a JSON object or has none (GET routes, uploads)."""
+    try:
+        data = json.loads(body) if body[:1] == b"{" else None
+    except ValueError:
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    pieces: list[str] = []
+    for key in PROMPT_KEYS:
+        if key in data:
+            _strings(data[key], pieces)
+    return "".join(pieces)
+
+
+def _strings(value: object, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _strings(item, out)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in _SKIPPED:
+                _strings(item, out)
+
+
+async def answer(app: ASGIApp, call: HttpCall) -> AsyncIterator[Head | bytes]:
+    """Run `app` for `call`: the response's Head, then its body pieces. Closing the iterator early (the caller
+    went away) tells the app the client disconnected."""
+    sent: asyncio.Queue[Message | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": call.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        await sent.put(message)
+
+    scope: dict[str, Any] = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": call.method,
+        "scheme": "http", "path": call.path, "raw_path": call.path.encode(), "query_string": call.query,
+        "root_path": "", "headers": list(call.headers), "client": call.client, "server": None,
+    }
+    task: asyncio.Task[None] = asyncio.ensure_future(app(scope, receive, send))
+    task.add_done_callback(lambda _: sent.put_nowait(None))
+    try:
+        while (message := await sent.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield Head(message["status"], tuple((bytes(k), bytes(v)) for k, v in message.get("headers", ())))
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    break
+        else:
+            task.result()  # the app ended without a whole response: its error, raised here
+    finally:
+        gone.set()
