@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lmserve.api.access_log import install as install_access_log
 from lmserve.api.anthropic import anthropic_router
 from lmserve.api.conversations import conversations_router, conversations_store
+from lmserve.api.gateway import gateway_router
 from lmserve.api.health import HEALTH_PATH, LIVENESS_PATH, health_router
 from lmserve.api.infill import infill_router
 from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
@@ -72,6 +73,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     completions = completions_store(config)
     app.include_router(openai_router(service, media, completions, served=served))
+    app.include_router(gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
     app.include_router(stored_completions_router(completions))
     app.include_router(native_router(service, media))
     app.include_router(anthropic_router(service, media))

@@ -14,6 +14,21 @@ process. What is recorded:
 - lmserve_queue_depth{model}, lmserve_running_sequences{model}, lmserve_loaded_models: read at scrape time (an
   engine shared by several names is reported once, under the most recently used of them).
 
+The gauges HTTP gateways read (SMG, llm-d's endpoint picker, KServe), under vLLM's names and labels, so a gateway
+that knows vLLM reads every lmserve server the same way whatever its engine; each resident engine is one series,
+labelled `model_name` (its most recently used name) and `engine` ("0": one engine per model, as vLLM's single
+engine index):
+
+- vllm:num_requests_running, vllm:num_requests_waiting: requests in a slot (--parallel), and queued for one.
+- vllm:kv_cache_usage_perc: the fraction of the KV cache in use, 0 to 1. On llama.cpp, cells held ÷ cells: the
+  tokens all slots keep in the KV cache (an idle slot's kept prefix still holds its cells) over the context's cells
+  (num_ctx per slot times the slots, or num_ctx with --kv-unified); a hybrid model (LFM2) counts its attention cells so.
+- vllm:cache_config_info{block_size, num_gpu_blocks}: an info gauge (always 1). On llama.cpp a block is one cell
+  (block_size 1) and num_gpu_blocks is the number of cells, so capacity in tokens is their product on both engines.
+- vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}: lmserve applies a model's LoRA
+  adapters when it loads (a Modelfile's ADAPTER), never per request, so the adapter lists are empty and max_lora
+  is 0; the value is the time of the scrape (vLLM's is the time of its last step).
+
 The engine knows nothing of this: `Metrics.attach` registers observers with the service (`Service.observers`,
 service/observers.py), beside any others. /metrics is not in OPEN_PATHS: with an
 API key set, a scraper must send it too (`authorization` / `bearer_token` in the Prometheus scrape config).
@@ -21,6 +36,7 @@ API key set, a scraper must send it too (`authorization` / `bearer_token` in the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,6 +57,10 @@ OTHER_ROUTE = "other"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _NS = 1e-9
+VLLM_LABELS = ["model_name", "engine"]
+"""vLLM's labels on its per-engine gauges (gateways select series by `model_name`)."""
+ENGINE_INDEX = "0"
+"""The `engine` label: each model is served by one engine (vLLM numbers its data-parallel engines from 0)."""
 
 
 class Metrics:
@@ -142,6 +162,7 @@ class _ServiceCollector(Collector):
                                            labels=["model"])
         cache_model_bytes = GaugeMetricFamily("lmserve_prompt_cache_model_bytes", "RAM a model's saved prompt "
                                               "states hold in the prompt cache.", labels=["model"])
+        gateway = _GatewayGauges()
         seen: set[int] = set()
         for resident in residents:  # names sharing one engine: its numbers once, under the most recent name
             engine = resident.model.engine
@@ -149,6 +170,8 @@ class _ServiceCollector(Collector):
                 continue
             seen.add(id(engine))
             stats = engine.stats
+            gateway.add(resident.model.name, engine.num_running, engine.num_waiting, stats.kv_cache_usage,
+                        stats.kv_block_size, stats.kv_num_blocks)
             queue.add_metric([resident.model.name], engine.num_waiting)
             running.add_metric([resident.model.name], engine.num_running)
             step.add_metric([resident.model.name], stats.step_ns * _NS)
@@ -166,6 +189,7 @@ class _ServiceCollector(Collector):
                 cache_tokens.add_metric([resident.model.name, tier], stats.cache_tokens.get(tier, 0))
         yield from (queue, running, step, decode, kv, queries, hits, preemptions, cache_hits, cache_tokens,
                     cache_misses, cache_model_bytes)
+        yield from gateway.families()
         cache = self._service.prompt_cache
         if cache is not None:
             sizes = GaugeMetricFamily("lmserve_prompt_cache_bytes", "Bytes the prompt cache beyond the slots holds "
@@ -178,6 +202,41 @@ class _ServiceCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+class _GatewayGauges:
+    """The vLLM-named gauges of one scrape (see the module's docstring), filled one engine at a time."""
+
+    def __init__(self) -> None:
+        self.running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution "
+                                         "batches.", labels=VLLM_LABELS)
+        self.waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                         labels=VLLM_LABELS)
+        self.kv_usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                          labels=VLLM_LABELS)
+        self.cache_config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig "
+                                              "(on llama.cpp a block is one cell).",
+                                              labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks"])
+        self.lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests (lmserve applies "
+                                      "adapters at load, never per request).",
+                                      labels=[*VLLM_LABELS, "max_lora", "running_lora_adapters",
+                                              "waiting_lora_adapters"])
+        self._now = time.time()
+
+    def add(self, model: str, num_running: int, num_waiting: int, kv_usage: float | None, block_size: int,
+            num_blocks: int) -> None:
+        """One engine's series (engine/protocol.py `EngineStats` says what the KV numbers are)."""
+        labels = [model, ENGINE_INDEX]
+        self.running.add_metric(labels, num_running)
+        self.waiting.add_metric(labels, num_waiting)
+        if kv_usage is not None:
+            self.kv_usage.add_metric(labels, kv_usage)
+        if num_blocks:
+            self.cache_config.add_metric([*labels, str(block_size), str(num_blocks)], 1)
+        self.lora.add_metric([*labels, "0", "", ""], self._now)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.running, self.waiting, self.kv_usage, self.cache_config, self.lora)
 
 
 def route_template(scope: Scope, routes: Iterable[BaseRoute]) -> str:

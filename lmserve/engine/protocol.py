@@ -63,6 +63,9 @@ class ModelInfo:
     draft_model: str | None = None
     """The name of the model that drafts for speculative decoding (`--model-draft`); None: drafts come from the
     sequence's own context (prompt lookup)."""
+    num_kv_cells: int = 0
+    """Cells (one token each) in the KV cache of all slots together: `num_ctx` * `num_parallel`, or `num_ctx` when
+    the slots share one pool (--kv-unified); 0: not known (engines whose cache is not cells)."""
 
     @property
     def has_vision(self) -> bool:
@@ -98,7 +101,13 @@ class EngineStats:
     decode_ns: int = 0
     """The part of `step_ns` inside the model's forward pass and sampling: the rest is overhead."""
     kv_cache_usage: float | None = None
-    """The fraction of the KV cache in use (None: the engine does not say)."""
+    """The fraction of the KV cache in use, 0 to 1 (None: the engine does not say)."""
+    kv_block_size: int = 0
+    """Tokens per block of the KV cache: vLLM's paged blocks; 1 on llama.cpp, whose cache is cells of one token each
+    (0: the engine does not say)."""
+    kv_num_blocks: int = 0
+    """Blocks in the KV cache: vLLM's num_gpu_blocks; llama.cpp's cells, its context's n_ctx for all slots together
+    (0: the engine does not say). Its capacity in tokens is kv_block_size * kv_num_blocks."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache since load."""
     prefix_cache_hits: int = 0

@@ -220,6 +220,25 @@ def _parse_tools(
     return replace(chunk, text=text, tool_calls=tool_calls, finish_reason=finish), len(calls)
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A request's prompt as the engine would prefill it, and what it would sample with (nothing generated)."""
+
+    model: str
+    """The model's canonical name."""
+    tokens: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatPrompt:
+    plan: ThinkingPlan
+    tokens: list[int]
+    images: list[PromptImage]
+    sampling: SamplingParams
+    parser: ToolCallParser | None
+
+
 class GenerationService:
     """Answers chat, completion, generate and embedding requests, loading models on demand."""
 
@@ -304,21 +323,47 @@ class GenerationService:
         settings, resident = await self._lease(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
-            fmt = self.reasoning_format(model)
-            prompt = prompts.render_chat(model, request, self.max_messages, fmt)
-            parser = self.tool_parser(model) if request.tools else None
-            sampling = self._forcing(request, self.precedence.sampling(settings, request.options, request.sampling),
-                                     parser)
-            plan = plan_thinking(fmt, prompt, request.think, self._budget(request.reasoning_budget), sampling)
-            images = [image for message in request.messages for image in message.images]
-            tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
-            checkpoints = prompts.system_checkpoint(model, request, tokens) if not images else []
-            return self._submit(resident, plan, tokens, sampling, n, parser, places, checkpoints,
-                                forced=request.forced_tool is not None,
+            prompt = await self._chat_prompt(settings, model, request)
+            checkpoints = prompts.system_checkpoint(model, request, prompt.tokens) if not prompt.images else []
+            return self._submit(resident, prompt.plan, prompt.tokens, prompt.sampling, n, prompt.parser,
+                                prompt.images, checkpoints, forced=request.forced_tool is not None,
                                 max_tool_calls=None if request.parallel_tool_calls else 1, started_ns=started)
         except BaseException:
             self.residency.release(resident)
             raise
+
+    async def _chat_prompt(self, settings: ModelSettings, model: LoadedModel, request: ChatRequest) -> _ChatPrompt:
+        """What a chat request submits: its prompt rendered with the model's template (the thinking plan's), tokenized
+        with its images, and the sampling in force (a forced tool call's grammar added)."""
+        fmt = self.reasoning_format(model)
+        text = prompts.render_chat(model, request, self.max_messages, fmt)
+        parser = self.tool_parser(model) if request.tools else None
+        sampling = self._forcing(request, self.precedence.sampling(settings, request.options, request.sampling),
+                                 parser)
+        plan = plan_thinking(fmt, text, request.think, self._budget(request.reasoning_budget), sampling)
+        images = [image for message in request.messages for image in message.images]
+        tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
+        return _ChatPrompt(plan, tokens, places, sampling, parser)
+
+    async def render_chat_tokens(self, request: ChatRequest) -> RenderedPrompt:
+        """The token ids `chat` would prefill for `request` (rendered and tokenized as it does), without generating:
+        vLLM's render endpoints, which gateways call to route by prompt tokens."""
+        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        try:
+            prompt = await self._chat_prompt(settings, resident.model, request)
+            return RenderedPrompt(resident.model.name, prompt.tokens, prompt.sampling)
+        finally:
+            self.residency.release(resident)
+
+    async def render_completion_tokens(self, request: CompletionRequest) -> RenderedPrompt:
+        """The token ids `complete` would prefill for `request`, without generating (see `render_chat_tokens`)."""
+        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        try:
+            tokens = fim.completion_prompt(resident.model, request)
+            sampling = self.precedence.sampling(settings, request.options, request.sampling)
+            return RenderedPrompt(resident.model.name, tokens, sampling)
+        finally:
+            self.residency.release(resident)
 
     def _forcing(self, request: ChatRequest, sampling: SamplingParams,
                  parser: ToolCallParser | None) -> SamplingParams:

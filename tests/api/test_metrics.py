@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from api_wire import API_KEY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -138,3 +139,25 @@ async def test_building_the_app_keeps_the_observers_already_registered(service: 
         assert reply.status_code == 200
         assert value(await scrape(client), "lmserve_generated_tokens_total", model="fake") == 3
     assert seen == ["fake"]
+
+
+async def test_the_gateways_gauges_have_vllms_names_types_and_labels(client: httpx.AsyncClient) -> None:
+    """What SMG and llm-d read: vLLM's gauges per model (labels model_name and engine), whatever the engine."""
+    chat = await client.post(CHAT, json={"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 7})
+    usage = chat.json()["usage"]
+    response = await client.get("/metrics")
+    types = {family.name: family.type for family in text_string_to_metric_families(response.text)}
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:cache_config_info", "vllm:lora_requests_info")
+    assert {name: types.get(name) for name in names} == dict.fromkeys(names, "gauge")
+    parsed = samples(response.text)
+    engine = {"model_name": "fake", "engine": "0"}
+    assert value(parsed, "vllm:num_requests_running", **engine) == 0
+    assert value(parsed, "vllm:num_requests_waiting", **engine) == 0
+    held = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # its slot keeps them; the last was never decoded
+    assert value(parsed, "vllm:kv_cache_usage_perc", **engine) == pytest.approx(held / (2048 * 4))
+    assert value(parsed, "vllm:cache_config_info", **engine, block_size="1", num_gpu_blocks=str(2048 * 4)) == 1
+    stamp = value(parsed, "vllm:lora_requests_info", **engine, max_lora="0", running_lora_adapters="",
+                  waiting_lora_adapters="")
+    assert stamp is not None and stamp > 1.7e9  # a time, as vLLM's

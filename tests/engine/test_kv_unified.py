@@ -115,3 +115,26 @@ async def test_a_hybrid_models_sequences_outgrowing_the_pool_all_finish(tmp_path
             assert last.finish_reason == "length" and len(tokens) == 150 and text == engine.detokenize(tokens)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("unified", [False, True])
+@pytest.mark.parametrize("hybrid", [False, True])
+async def test_kv_usage_is_the_cells_llama_cpp_holds_over_the_contexts_cells(
+    model_path: Path, tmp_path: Path, unified: bool, hybrid: bool
+) -> None:
+    """vllm:kv_cache_usage_perc on llama.cpp: the slots' tokens (a finished reply's stay, its slot's prefix cache)
+    over the context's cells, num_ctx per slot or one pool of num_ctx; a hybrid model counts its attention cells."""
+    path = write_tiny_lfm2(tmp_path / "tiny-lfm2.gguf") if hybrid else model_path
+    engine = open_engine(path, parallel=2, unified=unified, ctx=256)
+    try:
+        cells = 256 if unified else 2 * 256
+        assert (engine.stats.kv_block_size, engine.stats.kv_num_blocks, engine.stats.kv_cache_usage) == (1, cells, 0)
+        prompt = engine.tokenize(PROMPTS[0])
+        await reply(engine, PROMPTS[0], 16)
+        backend = engine.backend
+        assert isinstance(backend, LlamaCppBackend)
+        held_by_llama_cpp = sum(lc.llama_memory_seq_pos_max(backend._memory, slot) + 1 for slot in range(2))
+        assert held_by_llama_cpp == len(prompt) + 16 - 1  # the last sampled token is never decoded
+        assert engine.stats.kv_cache_usage == pytest.approx(held_by_llama_cpp / cells)
+    finally:
+        engine.close()

@@ -254,6 +254,7 @@ class LlamaCppBackend:
             can_cut_memory=not (lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model)),
             fim=self._fim_tokens(),
             draft_model=self._draft_model.name if self._draft_model is not None else None,
+            num_kv_cells=lc.llama_n_ctx(ctx),
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------

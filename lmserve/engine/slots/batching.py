@@ -300,7 +300,10 @@ class BatchingEngine:
     @property
     def stats(self) -> EngineStats:
         cache = self.cache_stats
+        cells = self.info.num_kv_cells or self.info.num_ctx * self.info.num_parallel
+        usage = min(1.0, self.scheduler.num_held_tokens() / cells)
         return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, preemptions=self.num_parked,
+                           kv_cache_usage=usage, kv_block_size=1, kv_num_blocks=cells,
                            prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
                            cache_hits={str(k): v for k, v in cache.hits.items()},
                            cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,

@@ -48,6 +48,7 @@ class FakeBackend:
             chat_template=None,
             image_marker=IMAGE_MARKER if vision else None,
             draft_model="fake-draft" if draft_model else None,
+            num_kv_cells=pool_size if pool_size is not None else num_ctx * num_parallel,
         )
         self.eog_after = eog_after
         self.step_delay = step_delay

@@ -135,6 +135,13 @@ class Sequence:
         return self.prompt + self.output[:-1]
 
     @property
+    def num_held(self) -> int:
+        """How many tokens `held` has (without copying them)."""
+        if self.num_prefilled < len(self.prompt) + self.num_refill:
+            return self.num_prefilled
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
     def prefill_tokens(self) -> list[int]:
         """What prefill puts in the slot: the prompt, and after a park the output tokens sampled before it."""
         return self.prompt + self.output[: self.num_refill] if self.num_refill else self.prompt
@@ -196,6 +203,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def num_held_tokens(self) -> int:
+        """Tokens whose state the slots' memory holds: each running sequence's, and each free slot's kept prefix
+        (still in its cells until another prompt takes the slot). Safe to read from another thread (an estimate
+        while the engine thread moves sequences)."""
+        running = sum(seq.num_held for seq in list(self.running))
+        return running + sum(len(self.slot_tokens[slot]) for slot in list(self._free_slots))
 
     def can_admit(self) -> bool:
         """A sequence waits and a slot is free (and no parked sequence waits for room before it)."""

@@ -593,6 +593,9 @@ class VllmEngine:
             image_marker=image_marker(model_config),
             fim=find_by_text(tokenizer.get_vocab()),
         )
+        cache_config = self.llm.vllm_config.cache_config
+        self._stats.kv_block_size = int(cache_config.block_size or 0)
+        self._stats.kv_num_blocks = int(cache_config.num_gpu_blocks or 0)
         self._bos_id = getattr(tokenizer, "bos_token_id", None)
         marker = self.info.image_marker
         self._marker_ids = self.tokenize(marker, add_special=False) if marker else []

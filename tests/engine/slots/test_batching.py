@@ -314,3 +314,28 @@ async def test_an_error_that_breaks_the_engine_thread_fails_every_request_and_th
             await engine.embed(["again"])
     finally:
         engine.close()
+
+
+async def test_kv_cache_usage_is_the_cells_the_slots_hold_over_all_cells(engine: BatchingEngine) -> None:
+    """The KV cache is num_ctx cells per slot (block size 1); a finished request's prompt and reply stay in its
+    slot's cells (a prefix for the next request there), so they still count."""
+    stats = engine.stats
+    assert (stats.kv_cache_usage, stats.kv_block_size, stats.kv_num_blocks) == (0.0, 1, 64 * 2)
+    await collect(engine, "hello", max_tokens=12)
+    held = 5 + 12 - 1  # the prompt and the reply but its last token, which was sampled and never decoded
+    assert engine.stats.kv_cache_usage == pytest.approx(held / 128)
+    await collect(engine, "other words here", max_tokens=4)  # the other slot
+    assert engine.stats.kv_cache_usage == pytest.approx((held + 16 + 4 - 1) / 128)
+
+
+async def test_kv_cache_usage_counts_a_running_sequence() -> None:
+    eng = BatchingEngine(FakeBackend(num_ctx=64, num_parallel=2, step_delay=0.02))
+    try:
+        stream = eng.submit(eng.tokenize("abcd"), SamplingParams(max_tokens=40))
+        seen: list[float] = []
+        async for chunk in stream:
+            if chunk.finish_reason is None and len(stream.output_tokens) == 10:
+                seen.append(eng.stats.kv_cache_usage or 0.0)
+        assert seen and (4 + 9) / 128 <= seen[0] <= (4 + 40) / 128  # at least what was streamed, at most all of it
+    finally:
+        eng.close()
