@@ -73,11 +73,18 @@ class _Families(Collector):
 
 
 def merge_loads(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """SMG's /v1/loads: one entry per replica (each replica's entries, renumbered)."""
+    """SMG's /v1/loads: one entry per replica (each replica's entries, renumbered); the aggregate's totals summed,
+    its averages averaged."""
     loads = [dict(entry) for body in bodies for entry in body.get("loads", [])]
     for rank, entry in enumerate(loads):
         entry["dp_rank"] = rank
-    return {**bodies[0], "dp_rank_count": len(loads), "loads": loads}
+    merged = {**bodies[0], "dp_rank_count": len(loads), "loads": loads}
+    aggregates = [body["aggregate"] for body in bodies if isinstance(body.get("aggregate"), dict)]
+    if aggregates:
+        merged["aggregate"] = {key: sum(a.get(key, 0) for a in aggregates) / (len(aggregates) if
+                                                                             key.startswith("avg_") else 1)
+                               for key in aggregates[0]}
+    return merged
 
 
 def merge_ps(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmserve.replicas.calls import Whole
@@ -32,9 +33,14 @@ def test_metrics_carry_every_replicas_series_labelled_by_replica() -> None:
 
 
 def test_loads_have_one_entry_per_replica_numbered_by_dp_rank() -> None:
-    load = {"timestamp": "t", "dp_rank_count": 1, "loads": [{"dp_rank": 0, "num_running_reqs": 1}]}
-    merged = merge("/v1/loads", [whole("a", load), whole("b", load)]).json()
+    def load(running: int, usage: float) -> dict[str, object]:
+        return {"timestamp": "t", "dp_rank_count": 1, "loads": [{"dp_rank": 0, "num_running_reqs": running}],
+                "aggregate": {"total_running_reqs": running, "avg_token_usage": usage}}
+
+    merged = merge("/v1/loads", [whole("a", load(1, 0.2)), whole("b", load(3, 0.4))]).json()
     assert merged["dp_rank_count"] == 2 and [entry["dp_rank"] for entry in merged["loads"]] == [0, 1]
+    assert [entry["num_running_reqs"] for entry in merged["loads"]] == [1, 3]
+    assert merged["aggregate"] == {"total_running_reqs": 4, "avg_token_usage": pytest.approx(0.3)}
 
 
 def test_ps_lists_each_model_once_with_its_sizes_summed() -> None:

@@ -153,6 +153,10 @@ def test_deployment_routes_speak_for_every_replica(ray_server: Server) -> None:
     requests = [s for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "lmserve_requests_total"]
     assert {s.labels["replica"] for s in requests} == replica_ids(ray_server)
+    kv = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:kv_cache_usage_perc"]
+    assert {s.labels["replica"] for s in kv} == replica_ids(ray_server)
+    loads = httpx.get(ray_server.base_url + "/v1/loads", timeout=30).json()
+    assert loads["dp_rank_count"] == 2 and [entry["dp_rank"] for entry in loads["loads"]] == [0, 1]
 
 
 def test_a_replica_that_dies_is_replaced_and_the_other_keeps_serving(ray_server: Server) -> None:
