@@ -87,6 +87,9 @@ class VllmOptions:
     GPU only: check_kv_offloading)."""
     kv_offloading_backend: str = "native"
     """Who keeps the offloaded blocks: `native` (vLLM's OffloadingConnector) or `lmcache` (an LMCache server)."""
+    kv_events_config: dict[str, Any] | None = None
+    """vLLM's KVEventsConfig fields (--kv-events-config): where and how its KV cache events are published; None:
+    not published."""
 
     @property
     def local_workers(self) -> int:
@@ -135,6 +138,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["mamba_cache_dtype"] = options.dtype
     if options.kv_offloading_size > 0:
         args.update(kv_offloading_size=options.kv_offloading_size, kv_offloading_backend=options.kv_offloading_backend)
+    if options.kv_events_config is not None:
+        args["kv_events_config"] = dict(options.kv_events_config)  # vLLM's config validates it into KVEventsConfig
     if options.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
     elif kv_bytes is not None:
