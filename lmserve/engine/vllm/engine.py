@@ -812,11 +812,17 @@ def pil_image(bitmap: Bitmap) -> Any:
 
 
 def _config_error(exc: ValueError) -> str:
-    """The reasons in a vLLM configuration error, on one line ("Total number of attention heads (9) must be …")."""
+    """The reasons in a vLLM configuration error, on one line ("Total number of attention heads (9) must be …"),
+    each after the field it is about when it is about one ("kv_events_config.bogus: Unexpected keyword argument")."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+        return "; ".join(_located(e.get("loc") or (), str(e.get("msg", "")).removeprefix("Value error, "))
+                         for e in errors())
     return " ".join(str(exc).split())
+
+
+def _located(location: tuple[object, ...], message: str) -> str:
+    return f"{'.'.join(map(str, location))}: {message}" if location else message
 
 
 def engine_death(llm: Any) -> str:

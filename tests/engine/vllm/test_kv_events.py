@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from lmserve.cli import build_parser
 from lmserve.config import ConfigError, resolve
-from lmserve.engine.vllm.engine import VllmOptions, engine_args
+from lmserve.engine.vllm.engine import VllmOptions, _config_error, engine_args
 from lmserve.engine.vllm.options import VllmLaunch
 from tests.hf_repos import smollm2_repo
 from tests.test_server import Server
@@ -76,6 +76,15 @@ def test_vllms_configuration_reads_them_as_its_kv_events_config() -> None:
     assert events is not None
     assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.topic) == (
         True, "zmq", "tcp://*:5557", "kv")
+
+
+@pytest.mark.usefixtures("environment")
+def test_a_field_vllm_does_not_know_is_named_when_the_model_loads() -> None:
+    options = VllmOptions(num_ctx=1024, num_parallel=2, dtype="float32",
+                          kv_events_config={"enable_kv_cache_events": True, "endpont": "tcp://*:5557"})
+    with pytest.raises(ValueError) as refused:
+        AsyncEngineArgs(**engine_args(smollm2_repo(), options, kv_bytes=2**27)).create_engine_config()
+    assert _config_error(refused.value) == "kv_events_config.endpont: Unexpected keyword argument"
 
 
 def free_port() -> int:
