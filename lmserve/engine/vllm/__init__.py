@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmserve.engine.spec import EngineSettings, EngineSpec
-from lmserve.engine.vllm.options import VllmLaunch
+from lmserve.engine.vllm.options import VllmLaunch, kv_events_config
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
 
@@ -82,7 +82,8 @@ def vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> 
         torch_compile=launch.enable_torch_compile, prefill_chunk=settings.max_prefill_tokens,
         max_queue=settings.max_queue, is_cpu=is_cpu, nnodes=launch.nnodes, node_rank=launch.node_rank,
         master_addr=launch.master_addr, master_port=launch.master_port, executor=launch.distributed_executor_backend,
-        kv_offloading_size=launch.kv_offloading_size, kv_offloading_backend=launch.kv_offloading_backend)
+        kv_offloading_size=launch.kv_offloading_size, kv_offloading_backend=launch.kv_offloading_backend,
+        kv_events_config=None if launch.kv_events_config is None else kv_events_config(launch.kv_events_config))
     check_kv_offloading(chosen)  # the CPU build cannot offload; LMCache must be installed
     return chosen
 

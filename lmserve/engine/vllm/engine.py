@@ -87,6 +87,9 @@ class VllmOptions:
     GPU only: check_kv_offloading)."""
     kv_offloading_backend: str = "native"
     """Who keeps the offloaded blocks: `native` (vLLM's OffloadingConnector) or `lmcache` (an LMCache server)."""
+    kv_events_config: dict[str, Any] | None = None
+    """vLLM's KVEventsConfig fields (--kv-events-config): where and how its KV cache events are published; None:
+    not published."""
 
     @property
     def local_workers(self) -> int:
@@ -135,6 +138,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["mamba_cache_dtype"] = options.dtype
     if options.kv_offloading_size > 0:
         args.update(kv_offloading_size=options.kv_offloading_size, kv_offloading_backend=options.kv_offloading_backend)
+    if options.kv_events_config is not None:
+        args["kv_events_config"] = dict(options.kv_events_config)  # vLLM's config validates it into KVEventsConfig
     if options.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
     elif kv_bytes is not None:
@@ -810,11 +815,17 @@ def pil_image(bitmap: Bitmap) -> Any:
 
 
 def _config_error(exc: ValueError) -> str:
-    """The reasons in a vLLM configuration error, on one line ("Total number of attention heads (9) must be …")."""
+    """The reasons in a vLLM configuration error, on one line ("Total number of attention heads (9) must be …"),
+    each after the field it is about when it is about one ("kv_events_config.bogus: Unexpected keyword argument")."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+        return "; ".join(_located(e.get("loc") or (), str(e.get("msg", "")).removeprefix("Value error, "))
+                         for e in errors())
     return " ".join(str(exc).split())
+
+
+def _located(location: tuple[object, ...], message: str) -> str:
+    return f"{'.'.join(map(str, location))}: {message}" if location else message
 
 
 def engine_death(llm: Any) -> str:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lmserve.option_table import option
+from lmserve.option_table import ConfigError, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +56,29 @@ class VllmLaunch:
                                         help="who keeps the offloaded KV blocks (with --kv-offloading-size): native "
                                         "(vLLM's CPU offloading) or lmcache (an LMCache server, which sizes its own "
                                         "RAM and disk tiers)")
+    kv_events_config: str | None = option(None, "--kv-events-config", env="KV_EVENTS_CONFIG", metavar="JSON",
+                                          shown="none, off",
+                                          help="publish vLLM's KV cache events (BlockStored, BlockRemoved, "
+                                          "AllBlocksCleared) for a cache-aware router such as llm-d's: vLLM's "
+                                          "KVEventsConfig as a JSON object, e.g. '{\"enable_kv_cache_events\": "
+                                          "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                                          "\"topic\": \"kv@pod@model\"}' (one vLLM model per endpoint)")
+
+    @staticmethod
+    def check(values: Mapping[str, object], sources: Mapping[str, str]) -> None:
+        """Refuse what no single option's reading catches (ConfigError naming the source): --kv-events-config
+        must be a JSON object (its fields are vLLM's to check when a model loads)."""
+        text = values.get("kv_events_config")
+        if isinstance(text, str):
+            kv_events_config(text, sources["kv_events_config"])
+
+
+def kv_events_config(text: str, source: str = "--kv-events-config") -> dict[str, object]:
+    """The JSON object --kv-events-config gives (vLLM's KVEventsConfig fields); ConfigError naming `source`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} must be a JSON object (vLLM's KVEventsConfig), got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source} must be a JSON object (vLLM's KVEventsConfig), got {text!r}")
+    return value
