@@ -46,8 +46,8 @@ CRDS = {
 CORE = {"PersistentVolumeClaim", "Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"}
 
 LMSERVE_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
-"""The gauges llm-d's picker reads, which lmserve exports under vLLM's names (lmserve/api/metrics.py). Asserted as
-literals here; a check against a live /metrics comes with the gauges."""
+"""The gauges llm-d's picker reads, which lmserve exports under vLLM's names (lmserve/api/metrics.py; the same
+names are read from a served /metrics by tests/api/test_metrics.py and tests/test_gateway_e2e.py)."""
 
 
 def documents(name: str) -> list[dict[str, Any]]:
@@ -388,9 +388,14 @@ def test_kserve_runs_lmserve_serve_with_the_same_picker_config() -> None:
 def test_the_rayservice_runs_lmserves_ray_serve_application() -> None:
     ray = one("rayservice.yaml", "RayService")["spec"]
     [application] = yaml.safe_load(ray["serveConfigV2"])["applications"]
-    # The builder (lmserve/replicas/app.py) takes these arguments; a check that it accepts them comes with it.
+    # The builder (lmserve/replicas/app.py) takes these arguments: it builds the application without a complaint
+    # (tests/replicas/test_serve_config_e2e.py runs it under `serve run`).
+    from lmserve.config import OPTIONS
+    from lmserve.replicas.app import build
+
     assert application["import_path"] == "lmserve.replicas.app:build"
-    assert set(application["args"]) <= {"model", "replicas", "min_replicas", "max_replicas"}
+    assert set(application["args"]) <= set(OPTIONS)
+    build(application["args"])
     assert application["args"]["min_replicas"] <= application["args"]["max_replicas"]
     assert re.fullmatch(r"[\w.-]+/[\w.-]+", application["args"]["model"])
     [workers] = ray["rayClusterConfig"]["workerGroupSpecs"]
