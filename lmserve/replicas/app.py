@@ -144,6 +144,8 @@ class Ingress:
         if call.path == HEALTH_PATH and len(answers) < self._fewest:
             return JSONResponse({"status": "loading", "reason": f"{len(answers)} of {self._fewest} replicas are "
                                  "running"}, status_code=503, headers={"Retry-After": "1"})
+        if not answers:  # scaled to zero: ready, and the first request routed to a replica starts one
+            return await self.forward(request) if call.path != HEALTH_PATH else JSONResponse({"status": "ok"})
         whole = merge(call.path, answers)
         return Response(whole.body, status_code=whole.status, headers=_headers(whole.headers))
 
@@ -194,7 +196,8 @@ def application(config: ServerConfig) -> serve.Application:
     ingress = serve.deployment(Ingress, name="Ingress").options(  # type: ignore[attr-defined]
         num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
     )
-    fewest = max(1, config.min_replicas or 0) if config.max_replicas is not None else config.replicas or 1
+    fewest = (config.min_replicas if config.min_replicas is not None else 1) if config.max_replicas is not None \
+        else config.replicas or 1
     return ingress.bind(replica.bind(config), fewest)  # type: ignore[no-any-return]
 
 
