@@ -13,12 +13,15 @@ routing   --conversations conversations (more than all slots together), each wit
             ray-prefix        --replicas R --replica-routing prefix,      -np P -t T per replica
             ray-round-robin   --replicas R --replica-routing round-robin, -np P -t T per replica
             plain             one `lmserve serve` (no Ray), -np R*P -t R*T
-          Per setup, over returning turns (turn >= 2): TTFT median and p90; hits / returning turns, a hit being a
+          Per setup, over returning turns (turn >= 2): TTFT mean, median and p90; hits / returning turns, a hit being a
           turn with at least half its prompt cached (usage.prompt_tokens_details.cached_tokens; not merely > 0:
           every prompt shares a few chat-template tokens that any replica reports as cached); cached / prompt
           tokens; how often a turn was answered by the replica that answered the conversation's previous turn (the
           `lmserve-replica` header). Each setup's turns are written to routing-<setup>.jsonl in the log folder.
-          Goals: ray-prefix hits >= 0.9 and its returning TTFT median <= 0.5x ray-round-robin's.
+          Goals: ray-prefix hits >= 0.9 and its mean returning TTFT <= 0.5x ray-round-robin's. The mean, because
+          round robin over 2 replicas misses at most half the turns of round 2, and fewer later (a conversation's
+          history is soon on both replicas), so its median returning turn is a hit and the misses show only in the
+          mean and the p90 (both ratios printed, with the median's).
 overhead  Ray's own cost: one replica behind Ray (--replicas 1) against plain `lmserve serve`, both -np R*P -t R*T:
           aggregate streamed tokens/s at each of --concurrency streams (as bench/throughput.py: each stream sends
           requests one after another, --max-tokens-overhead tokens each). Setups take turns for --rounds rounds,
@@ -316,6 +319,10 @@ def part_overhead(args: argparse.Namespace, logdir: Path) -> list[Overhead]:
 # ------------------------------------------------------------------------------------------------------ report
 
 
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -343,22 +350,23 @@ def verdict(value: float, ok: Callable[[float], bool]) -> str:
 
 
 def print_routing(results: list[Routing]) -> None:
-    print("\n| setup | slots x threads | returning turns | turn 1 TTFT median | returning TTFT median | returning p90 "
+    print("\n| setup | slots x threads | returning turns | turn 1 TTFT median | returning TTFT mean | median | p90 "
           f"| hits (cached ≥ {HIT_SHARE:.0%} of the prompt) | cached / prompt tokens "
           "| same replica as the turn before |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r.setup
         shape = f"{s.replicas} x ({s.slots} x {s.threads})" if s.replicas else f"{s.slots} x {s.threads}"
         if r.error:
-            print(f"| {s.label} | {shape} | {r.error.splitlines()[0]} | | | | | | |")
+            print(f"| {s.label} | {shape} | {r.error.splitlines()[0]} | | | | | | | |")
             continue
         back = r.returning
         ttfts = [t.ttft for t in back]
         hits = r.hits()
         cached, prompt = sum(t.cached_tokens for t in back), sum(t.prompt_tokens for t in back)
         print(f"| {s.label} | {shape} | {len(back)} | {ms(median([t.ttft for t in r.turns if t.turn == 1]))} ms "
-              f"| {ms(median(ttfts))} ms | {ms(p90(ttfts))} ms | {hits}/{len(back)} ({share(ratio(hits, len(back)))}) "
+              f"| {ms(mean(ttfts))} ms | {ms(median(ttfts))} ms | {ms(p90(ttfts))} ms "
+              f"| {hits}/{len(back)} ({share(ratio(hits, len(back)))}) "
               f"| {cached}/{prompt} ({share(ratio(cached, prompt))}) | {share(r.stayed())} |")
     by = {r.setup.label: r for r in results if not r.error}
     prefix_run, rr, plain = by.get("ray-prefix"), by.get("ray-round-robin"), by.get("plain")
@@ -373,11 +381,11 @@ def print_routing(results: list[Routing]) -> None:
         if other is None:
             continue
         theirs = [t.ttft for t in other.returning]
-        median_ratio, p90_ratio = ratio(median(mine), median(theirs)), ratio(p90(mine), p90(theirs))
-        goal = f" (goal ≤ {TTFT_GOAL}x: {'PASS' if median_ratio <= TTFT_GOAL else 'FAIL'})" \
-            if other is rr and not math.isnan(median_ratio) else ""
-        print(f"ray-prefix / {other.setup.label} returning TTFT: median {median_ratio:.2f}x{goal}, "
-              f"p90 {p90_ratio:.2f}x")
+        mean_ratio = ratio(mean(mine), mean(theirs))
+        goal = f" (goal ≤ {TTFT_GOAL}x: {'PASS' if mean_ratio <= TTFT_GOAL else 'FAIL'})" \
+            if other is rr and not math.isnan(mean_ratio) else ""
+        print(f"ray-prefix / {other.setup.label} returning TTFT: mean {mean_ratio:.2f}x{goal}, median "
+              f"{ratio(median(mine), median(theirs)):.2f}x, p90 {ratio(p90(mine), p90(theirs)):.2f}x")
 
 
 def print_overhead(results: list[Overhead]) -> None:

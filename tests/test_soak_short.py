@@ -60,5 +60,5 @@ def test_replicas_short_prints_both_tables() -> None:
     assert proc.returncode == 0, out[-3000:]
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert {"ray-prefix", "ray-round-robin", "plain", "1"} <= set(rows), out[-3000:]
-    assert "ray-prefix / ray-round-robin returning TTFT: median" in out, out[-3000:]
+    assert "ray-prefix / ray-round-robin returning TTFT: mean" in out, out[-3000:]
     assert "ray / plain" in out, out[-3000:]
