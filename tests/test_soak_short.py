@@ -1,13 +1,18 @@
-"""Short versions of bench/soak.py and bench/overload.py: a real server, the default model."""
+"""Short versions of bench/soak.py, bench/overload.py and bench/replicas.py: real servers, the default model."""
 
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+REPLICAS_TIMEOUT_S = 600
 
 
 def load(name: str) -> ModuleType:
@@ -37,3 +42,23 @@ def test_overload_short() -> None:
     assert result.rejected > 0, result.summary()
     assert result.other == 0, result.summary()
     assert result.completed + result.rejected == result.requests, result.summary()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray Serve is not installed")
+def test_replicas_short_prints_both_tables() -> None:
+    """Tiny sizes: every setup starts, answers and is stopped, and both tables come out with a row per setup."""
+    argv = [sys.executable, str(BENCH / "replicas.py"), "--python", sys.executable, "--conversations", "2",
+            "--turns", "2", "--users", "2", "--system-tokens", "100", "--max-tokens", "4", "--concurrency", "1",
+            "--max-tokens-overhead", "8", "--requests-per-stream", "1", "--min-requests", "1", "--rounds", "1"]
+    proc = subprocess.Popen(argv, cwd=BENCH.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=REPLICAS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the script stops the servers it started
+        out, _ = proc.communicate(timeout=120)
+        pytest.fail(f"bench/replicas.py ran past {REPLICAS_TIMEOUT_S} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert {"ray-prefix", "ray-round-robin", "plain", "1"} <= set(rows), out[-3000:]
+    assert "ray-prefix / ray-round-robin returning TTFT: mean" in out, out[-3000:]
+    assert "ray / plain" in out, out[-3000:]
