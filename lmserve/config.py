@@ -153,6 +153,11 @@ class ServerConfig:
     replica_gpus: float = option(0.0, "--replica-gpus", env="REPLICA_GPUS", kind="float", minimum=0,
                                  metavar="N", help="GPUs Ray reserves for each replica (the vLLM engine on a GPU: "
                                  "its --tensor-parallel-size)")
+    replica_stream_interval: int = option(50, "--replica-stream-interval", env="REPLICA_STREAM_INTERVAL", kind="int",
+                                          minimum=0, metavar="MS",
+                                          help="a replica sends a stream's pieces on at most once per MS "
+                                          "milliseconds (the first at once; those that come sooner go together), "
+                                          "as Ray Serve LLM batches streams; 0: each piece as it comes")
     scale_up_delay: float | None = option(30.0, env="SCALE_UP_DELAY", kind="duration",
                                           help="how long the load must stay above target before Ray Serve adds "
                                           "a replica")

@@ -51,10 +51,11 @@ class Replica:
         self._lifespan = self._app.router.lifespan_context(self._app)
         await self._lifespan.__aenter__()  # loads the model, kept loaded; its exit closes the service
         self._id = serve.get_replica_context().replica_id.unique_id
+        self._interval = config.replica_stream_interval / 1000
 
     async def answer(self, call: HttpCall) -> AsyncIterator[Head | bytes]:
         """The response to `call`: its Head, then its body pieces (streamed as the app sends them)."""
-        async for piece in answer(self._app, call):
+        async for piece in answer(self._app, call, self._interval):
             yield Head(piece.status, (*piece.headers, (REPLICA_HEADER, self._id.encode()))) \
                 if isinstance(piece, Head) else piece
 

@@ -86,9 +86,10 @@ def _strings(value: object, out: list[str]) -> None:
                 _strings(item, out)
 
 
-async def answer(app: ASGIApp, call: HttpCall) -> AsyncIterator[Head | bytes]:
-    """Run `app` for `call`: the response's Head, then its body pieces. Closing the iterator early (the caller
-    went away) tells the app the client disconnected."""
+async def answer(app: ASGIApp, call: HttpCall, interval: float = 0.0) -> AsyncIterator[Head | bytes]:
+    """Run `app` for `call`: the response's Head, then its body pieces, at most one per `interval` seconds (a
+    piece is sent at once when none was for `interval`; those that come sooner are held and sent together when it
+    has passed). Closing the iterator early (the caller went away) tells the app the client disconnected."""
     sent: asyncio.Queue[Message | None] = asyncio.Queue()
     gone = asyncio.Event()
     delivered = False
@@ -111,16 +112,32 @@ async def answer(app: ASGIApp, call: HttpCall) -> AsyncIterator[Head | bytes]:
     }
     task: asyncio.Task[None] = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))
+    loop = asyncio.get_running_loop()
+    held, flush_at = bytearray(), 0.0
     try:
-        while (message := await sent.get()) is not None:
+        while True:
+            wait = max(0.0, flush_at - loop.time()) if held else None
+            try:
+                message = await asyncio.wait_for(sent.get(), wait)
+            except TimeoutError:
+                yield bytes(held)
+                held.clear()
+                flush_at = loop.time() + interval
+                continue
+            if message is None:  # the app ended without a whole response: its error, raised here
+                task.result()
+                return
             if message["type"] == "http.response.start":
                 yield Head(message["status"], tuple((bytes(k), bytes(v)) for k, v in message.get("headers", ())))
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
+                held += message.get("body", b"")
                 if not message.get("more_body", False):
-                    break
-        else:
-            task.result()  # the app ended without a whole response: its error, raised here
+                    if held:
+                        yield bytes(held)
+                    return
+                if held and loop.time() >= flush_at:
+                    yield bytes(held)
+                    held.clear()
+                    flush_at = loop.time() + interval
     finally:
         gone.set()

@@ -84,3 +84,20 @@ def test_an_app_that_fails_before_answering_raises() -> None:
 
     with pytest.raises(RuntimeError, match="boom"):
         asyncio.run(run())
+
+
+def test_pieces_that_come_within_the_interval_go_together_and_the_first_at_once() -> None:
+    async def tokens(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (b"a", b"b", b"c"):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await asyncio.sleep(0.3)  # longer than the interval: the next piece goes at once
+        await send({"type": "http.response.body", "body": b"d", "more_body": True})
+        await send({"type": "http.response.body", "body": b"e", "more_body": False})
+
+    async def run(interval: float) -> list[Head | bytes]:
+        return [piece async for piece in answer(tokens, call(), interval)]
+
+    assert asyncio.run(run(0.1))[1:] == [b"a", b"bc", b"d", b"e"]
+    assert asyncio.run(run(0.0))[1:] == [b"a", b"b", b"c", b"d", b"e"]
