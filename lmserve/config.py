@@ -158,6 +158,9 @@ class ServerConfig:
                                           help="a replica sends a stream's pieces on at most once per MS "
                                           "milliseconds (the first at once; those that come sooner go together), "
                                           "as Ray Serve LLM batches streams; 0: each piece as it comes")
+    scale_window: float | None = option(30.0, env="SCALE_WINDOW", kind="duration",
+                                        help="how far back Ray Serve averages the requests in flight per replica "
+                                        "when it decides to add or remove one")
     scale_up_delay: float | None = option(30.0, env="SCALE_UP_DELAY", kind="duration",
                                           help="how long the load must stay above target before Ray Serve adds "
                                           "a replica")

@@ -180,6 +180,8 @@ def application(config: ServerConfig) -> serve.Application:
         scaling: dict[str, Any] = {
             "autoscaling_config": {"min_replicas": lowest, "initial_replicas": max(lowest, 1),
                                    "max_replicas": config.max_replicas, "target_ongoing_requests": config.parallel,
+                                   "look_back_period_s": config.scale_window or 1.0,
+                                   "metrics_interval_s": min(10.0, (config.scale_window or 1.0) / 3),
                                    "upscale_delay_s": config.scale_up_delay or 0.0,
                                    "downscale_delay_s": config.scale_down_delay or 0.0}}
     elif config.min_replicas is not None:

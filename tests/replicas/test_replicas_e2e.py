@@ -196,7 +196,8 @@ def test_a_replica_that_dies_is_replaced_and_the_other_keeps_serving(ray_server:
 
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle() -> None:
     server = replicas_server("--min-replicas", "1", "--max-replicas", "2", "-np", "1",
-                             env={"LMSERVE_SCALE_UP_DELAY": "1s", "LMSERVE_SCALE_DOWN_DELAY": "3s"})
+                             env={"LMSERVE_SCALE_UP_DELAY": "1s", "LMSERVE_SCALE_DOWN_DELAY": "3s",
+                                  "LMSERVE_SCALE_WINDOW": "5s"})
     try:
         assert len(replica_ids(server)) == 1
         body = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Tell a long story."}]}
