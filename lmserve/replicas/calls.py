@@ -23,6 +23,11 @@ _SKIPPED = frozenset({"type", "role", "id", "tool_call_id", "call_id", "url", "i
 """Keys whose strings are not prompt text (tags, ids, image bytes)."""
 
 
+AT_ONCE = 8
+"""Body pieces sent as they come before the interval applies: every dialect's opening events (Anthropic's are
+four) and the first tokens, so the time to the first token is not held."""
+
+
 @dataclass(frozen=True, slots=True)
 class HttpCall:
     """An HTTP request for a replica to answer."""
@@ -87,9 +92,10 @@ def _strings(value: object, out: list[str]) -> None:
 
 
 async def answer(app: ASGIApp, call: HttpCall, interval: float = 0.0) -> AsyncIterator[Head | bytes]:
-    """Run `app` for `call`: the response's Head, then its body pieces, at most one per `interval` seconds (a
-    piece is sent at once when none was for `interval`; those that come sooner are held and sent together when it
-    has passed). Closing the iterator early (the caller went away) tells the app the client disconnected."""
+    """Run `app` for `call`: the response's Head, then its body pieces: the first AT_ONCE as they come (a stream's
+    opening events and its first tokens), then at most one per `interval` seconds (a piece is sent at once when
+    none was for `interval`; those that come sooner are held and sent together when it has passed). Closing the
+    iterator early (the caller went away) tells the app the client disconnected."""
     sent: asyncio.Queue[Message | None] = asyncio.Queue()
     gone = asyncio.Event()
     delivered = False
@@ -113,7 +119,7 @@ async def answer(app: ASGIApp, call: HttpCall, interval: float = 0.0) -> AsyncIt
     task: asyncio.Task[None] = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))
     loop = asyncio.get_running_loop()
-    held, flush_at = bytearray(), 0.0
+    held, flush_at, pieces = bytearray(), 0.0, 0
     try:
         while True:
             wait = max(0.0, flush_at - loop.time()) if held else None
@@ -135,9 +141,10 @@ async def answer(app: ASGIApp, call: HttpCall, interval: float = 0.0) -> AsyncIt
                     if held:
                         yield bytes(held)
                     return
-                if held and loop.time() >= flush_at:
+                pieces += 1
+                if held and (pieces <= AT_ONCE or loop.time() >= flush_at):
                     yield bytes(held)
                     held.clear()
-                    flush_at = loop.time() + interval
+                    flush_at = loop.time() + interval if pieces >= AT_ONCE else 0.0
     finally:
         gone.set()

@@ -4,6 +4,7 @@ its own started on this machine, or on the cluster at --ray-address, until SIGTE
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,8 @@ def run(config: ServerConfig) -> int:
     except ConfigError as exc:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 2
+    if config.ray_address is None:  # Ray's workers run at nice 15; the replicas are this server's work, not a side job
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=config.ray_address, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
     stop = threading.Event()

@@ -9,7 +9,7 @@ import json
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from lmserve.replicas.calls import Head, HttpCall, answer, prompt_text
+from lmserve.replicas.calls import AT_ONCE, Head, HttpCall, answer, prompt_text
 
 
 def body(**fields: object) -> bytes:
@@ -86,11 +86,11 @@ def test_an_app_that_fails_before_answering_raises() -> None:
         asyncio.run(run())
 
 
-def test_pieces_that_come_within_the_interval_go_together_and_the_first_at_once() -> None:
+def test_after_the_opening_pieces_those_within_the_interval_go_together() -> None:
     async def tokens(scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        for piece in (b"a", b"b", b"c"):
+        for piece in [b"<"] * (AT_ONCE - 1) + [b"a", b"b", b"c"]:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await asyncio.sleep(0.3)  # longer than the interval: the next piece goes at once
         await send({"type": "http.response.body", "body": b"d", "more_body": True})
@@ -99,5 +99,6 @@ def test_pieces_that_come_within_the_interval_go_together_and_the_first_at_once(
     async def run(interval: float) -> list[Head | bytes]:
         return [piece async for piece in answer(tokens, call(), interval)]
 
-    assert asyncio.run(run(0.1))[1:] == [b"a", b"bc", b"d", b"e"]
-    assert asyncio.run(run(0.0))[1:] == [b"a", b"b", b"c", b"d", b"e"]
+    opening = [b"<"] * (AT_ONCE - 1)
+    assert asyncio.run(run(0.1))[1:] == [*opening, b"a", b"bc", b"d", b"e"]
+    assert asyncio.run(run(0.0))[1:] == [*opening, b"a", b"b", b"c", b"d", b"e"]
