@@ -6,9 +6,7 @@ precise prefix-cache scorer) reads them: a batch (msgspec, vLLM's KVEventBatch) 
 from __future__ import annotations
 
 import json
-import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -23,15 +21,6 @@ from lmserve.engine.vllm.engine import VllmOptions, _config_error, engine_args
 from lmserve.engine.vllm.options import VllmLaunch
 from tests.hf_repos import smollm2_repo
 from tests.test_server import Server
-
-
-@pytest.fixture
-def environment() -> Iterator[None]:
-    """vLLM's platform check writes os.environ (LD_PRELOAD, LOCAL_WORLD_SIZE): put it back for later tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def launch(args: list[str], env: dict[str, str] | None = None) -> VllmLaunch:

@@ -4,23 +4,11 @@ test_factory.py; its workers would refuse it later, "only supported on CUDA-alik
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 from vllm import AsyncEngineArgs
 
 from lmserve.engine.vllm.engine import VllmOptions, engine_args
 from tests.hf_repos import smollm2_repo
-
-
-@pytest.fixture
-def environment() -> Iterator[None]:
-    """vLLM's platform check writes os.environ (LD_PRELOAD, LOCAL_WORLD_SIZE): put it back for later tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.mark.usefixtures("environment")
