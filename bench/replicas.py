@@ -264,20 +264,28 @@ def part_routing(args: argparse.Namespace, logdir: Path) -> list[Routing]:
     results = []
     for setup in (s for s in setups if s.label in args.setups):
         result = Routing(setup)
-        try:
+        with recorded(result, setup.label):
             with serving(setup, args, logdir, f"routing-{setup.label}") as base:
                 model = asyncio.run(warm_up(base, setup.replicas))
                 result.turns = asyncio.run(converse(base, model, systems, args, setup.label))
             with (logdir / f"routing-{setup.label}.jsonl").open("w") as out:
                 out.writelines(json.dumps(asdict(turn)) + "\n" for turn in result.turns)
-        except throughput.StartError as e:
-            result.error = f"failed to start: {e}"
-        except (httpx.HTTPError, RuntimeError, ValueError) as e:
-            result.error = f"{type(e).__name__}: {e}"
-        if result.error:
-            print(f"  [{setup.label}] {result.error}", flush=True)
         results.append(result)
     return results
+
+
+@contextlib.contextmanager
+def recorded(result: Routing | Overhead, tag: str) -> Iterator[None]:
+    """Run one setup's measurement; a server that does not start or a failed request is its result's error,
+    printed, and the other setups still run."""
+    try:
+        yield
+    except throughput.StartError as e:
+        result.error = f"failed to start: {e}"
+    except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    if result.error:
+        print(f"  [{tag}] {result.error}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------ overhead
@@ -296,7 +304,7 @@ def part_overhead(args: argparse.Namespace, logdir: Path) -> list[Overhead]:
     for round_no in range(1, args.rounds + 1):
         for result in results:
             tag = f"overhead-{result.setup.label}-{round_no}"
-            try:
+            with recorded(result, tag):
                 with serving(result.setup, args, logdir, tag) as base:
                     asyncio.run(throughput.run_level(base, 1, 1, min(16, args.max_tokens_overhead)))  # warm-up
                     levels = []
@@ -307,12 +315,6 @@ def part_overhead(args: argparse.Namespace, logdir: Path) -> list[Overhead]:
                               flush=True)
                         levels.append(level)
                 result.levels = throughput.best_of(result.levels, levels)
-            except throughput.StartError as e:
-                result.error = f"failed to start: {e}"
-            except (httpx.HTTPError, RuntimeError, ValueError) as e:
-                result.error = f"{type(e).__name__}: {e}"
-            if result.error:
-                print(f"  [{tag}] {result.error}", flush=True)
     return results
 
 
