@@ -285,6 +285,7 @@ def resolve(flags: Mapping[str, object | None], env: Mapping[str, str] | None = 
     _split_host(values, sources)
     for name, value in values.items():
         _check(OPTIONS[name], value, sources[name])
+    _check_replicas(values, sources)
     launch = []
     for spec in ENGINES:
         own = {name: values.pop(name) for name in entries(spec.launch) if name in values}
@@ -342,6 +343,20 @@ def _split_host(values: dict[str, object], sources: dict[str, str]) -> None:
     values["host"] = address.host or DEFAULTS["host"]
     if address.port is not None and sources.get("port") != OPTIONS["port"].name:
         values["port"], sources["port"] = address.port, sources["host"]
+
+
+REPLICA_OPTIONS = ("ray_address", "replica_routing", "replica_cpus", "replica_gpus", "replica_stream_interval",
+                   "scale_window", "scale_up_delay", "scale_down_delay")
+"""Options of the Ray Serve replicas only: refused when the server runs alone, where nothing would honour them."""
+
+
+def _check_replicas(values: Mapping[str, object], sources: Mapping[str, str]) -> None:
+    if any(values.get(name) is not None for name in ("replicas", "min_replicas", "max_replicas")):
+        return
+    stray = [sources[name] for name in REPLICA_OPTIONS if name in sources]
+    if stray:
+        raise ConfigError(f"{stray[0]} sets up Ray Serve replicas: give --replicas N, or --min-replicas/--max-replicas "
+                          "to autoscale, or drop it")
 
 
 def _check(entry: Option, value: object, source: str) -> None:

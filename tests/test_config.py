@@ -133,6 +133,8 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
         (["-tp", "0"], {}, "--tensor-parallel-size must be at least 1, got 0"),
         (["-ctk", "q3_k"], {}, "--cache-type-k must be one of f32, f16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"),
         ([], {"LMSERVE_FLASH_ATTN": "yes"}, "LMSERVE_FLASH_ATTN must be one of on, off, auto, got 'yes'"),
+        (["--replica-routing", "round-robin"], {}, "--replica-routing sets up Ray Serve replicas: give --replicas N"),
+        ([], {"LMSERVE_SCALE_WINDOW": "5s"}, "LMSERVE_SCALE_WINDOW sets up Ray Serve replicas"),
     ],
 )
 def test_unusable_values_are_refused_naming_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -262,3 +264,9 @@ def test_the_keep_alive_variable_is_a_duration(raw: str, seconds: float | None) 
 def test_a_keep_alive_that_is_no_duration_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="LMSERVE_KEEP_ALIVE"):
         resolve({}, {"LMSERVE_KEEP_ALIVE": "later"})
+
+
+def test_replica_options_go_with_replicas() -> None:
+    config = resolve(flags("--replicas", "2", "--replica-routing", "round-robin"), env={"LMSERVE_SCALE_WINDOW": "5s"})
+    assert (config.replicas, config.replica_routing, config.scale_window) == (2, "round-robin", 5.0)
+    assert resolve(flags("--max-replicas", "3", "--ray-address", "auto"), env={}).ray_address == "auto"

@@ -11,7 +11,7 @@ LMSERVE_* variables are:
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -36,6 +36,7 @@ from lmserve.replicas.merging import merge
 from lmserve.replicas.routing import router_config
 from lmserve.server import build_app
 
+log = logging.getLogger("lmserve")
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 REPLICA_HEADER = b"lmserve-replica"
 """The response header naming the replica that answered (Ray Serve's replica id)."""
@@ -76,8 +77,11 @@ class Replica:
             raise RuntimeError("; ".join(f"{state.name}: {state.reason}" for state in failed))
 
     async def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        """Ray stops the replica: its engine and any engine processes are closed."""
+        try:
             await self._lifespan.__aexit__(None, None, None)
+        except Exception:
+            log.exception("replica %s: closing its server failed", self._id)
 
 
 async def _call(request: Request) -> HttpCall:
