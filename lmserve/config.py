@@ -31,7 +31,8 @@ T = TypeVar("T")
 class ServerConfig:
     """Everything `lmserve serve` needs to start; each field is one option (flag, variable, default, help)."""
 
-    model: str = option("smollm2:135m", "-m", "--model-path", env="MODEL", positional="model", metavar="PATH",
+    model: str = option("smollm2:135m", "-m", "--model", "--model-path", env="MODEL", positional="model",
+                        metavar="PATH",
                         help="a stored model's name, a hub repository <org>/<repo> (pulled when not stored; gated "
                         "ones read the token from HF_TOKEN), a .gguf file, or a directory with config.json and "
                         "safetensors")

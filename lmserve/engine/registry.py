@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmserve.engine import llamacpp, vllm
+from lmserve.engine import llamacpp, mlx, vllm
 from lmserve.engine.spec import EngineSpec
 from lmserve.errors import InvalidRequest
 
-ENGINES: tuple[EngineSpec, ...] = (llamacpp.SPEC, vllm.SPEC)
+ENGINES: tuple[EngineSpec, ...] = (llamacpp.SPEC, mlx.SPEC, vllm.SPEC)
 """Every engine, in the order `--engine auto` asks them: a model goes to the first that claims it and can run on
 this machine."""
 AUTO = "auto"

@@ -1,0 +1,416 @@
+"""The MLX backend of the slot engine (engine/slots/batching.py): a Hugging Face or MLX-format repository loaded by
+mlx-lm, one cache per slot, decoded in batches on MLX (Apple's GPU through Metal; MLX's CPU build elsewhere).
+
+How a step runs (`step`): a slot that prefills (several tokens, or verifies a draft) runs alone on its own cache;
+the slots that decode one token each run together as one batch. The batch's caches are mlx-lm's batch caches
+(keys and values left-padded to the longest slot; a convolution's state row by row). They persist from step to
+step: a slot joins the batch when it starts decoding (its cache merged in) and leaves it when anything else
+touches it (its cache extracted), so a steady batch of decoding slots costs no copies. Sampling, grammars and
+log-probabilities are engine/mlx/sampler.py's, in numpy, over each row's logits.
+
+Memory a slot keeps between requests is its prefix cache: attention caches are cut at any position; a model with
+convolution or recurrent state cannot be cut (`can_cut_memory` False) and reuses only whole states, as llama.cpp's
+hybrids do. `save_state` writes a slot's caches as bytes (engine/mlx/states.py) for the prompt cache's RAM and
+disk tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from lmserve.engine.context_size import choose_context, machine_memory, memory_beside
+from lmserve.engine.fim import find_by_text
+from lmserve.engine.logprobs import Ranked
+from lmserve.engine.mlx.grammar import Grammars
+from lmserve.engine.mlx.options import MlxLaunch
+from lmserve.engine.mlx.runtime import import_mlx
+from lmserve.engine.mlx.sampler import Sampler
+from lmserve.engine.mlx.states import cut_caches, read_caches, write_caches
+from lmserve.engine.pieces import piece_bytes
+from lmserve.engine.protocol import ModelInfo, PromptImage
+from lmserve.engine.slots.backend import BatchEntry
+from lmserve.engine.slots.prompt_disk import SavedState
+from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.types import Bitmap, LoadOptions, SamplingParams
+
+log = logging.getLogger("lmserve.engine.mlx")
+
+Caches = list[Any]
+"""One slot's caches: one mlx-lm cache per layer."""
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def computing(method: F) -> F:
+    """Run a method on the backend's MLX stream (MLX has no default stream in a thread it did not start)."""
+
+    @wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._mx.stream(self._stream):
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+class MlxBackend:
+    """A model loaded by mlx-lm, decoding batches of slots (the slot engine's Backend)."""
+
+    def __init__(self, path: str | Path, options: LoadOptions, launch: MlxLaunch | None = None) -> None:
+        launch = launch or MlxLaunch()
+        self._mx = mx = import_mlx(launch.mlx_device, options.num_threads)
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import load
+
+        path = Path(path)
+        try:
+            model, tokenizer, config = load(str(path), return_config=True)
+        except (ValueError, FileNotFoundError, KeyError, ImportError) as exc:
+            raise InvalidRequest(f"MLX cannot load {path.name}: {exc}", param="model") from None
+        dtype = _dtype(mx, launch.mlx_dtype, config)
+        if dtype is not None:
+            model.set_dtype(dtype)
+            mx.eval(model.parameters())  # here: arrays left lazy would be computed on this thread's stream
+        self._model = model
+        self._stream = mx.new_thread_local_stream(mx.default_device())
+        """MLX's streams belong to threads: the engine thread computes on this one (`_computing`)."""
+        self._make_cache: Callable[[], Caches] = lambda: make_prompt_cache(model)
+        self._hf = tokenizer._tokenizer
+        self._end_tokens = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        text_config = config.get("text_config") or config
+        num_vocab = int(text_config.get("vocab_size") or len(self._hf))
+        probe = self._make_cache()
+        trimmable = all(cache.is_trimmable() for cache in probe)
+        choice = choose_context(
+            options.num_ctx, trained=int(text_config.get("max_position_embeddings") or 0),
+            kv_bytes_per_token=_kv_bytes_per_token(text_config, probe, dtype or mx.float32),
+            num_slots=options.num_parallel,
+            memory_bytes=memory_beside(_weights_bytes(path), machine_memory()))
+        self._specials = frozenset(int(t) for t in self._hf.all_special_ids) | frozenset(
+            int(i) for i, added in self._hf.added_tokens_decoder.items() if added.special)
+        vocab = self._hf.get_vocab()
+        self.info = ModelInfo(
+            path=str(path), architecture=str(text_config.get("model_type") or config.get("model_type", "")),
+            num_ctx=choice.num_ctx, num_parallel=options.num_parallel, num_vocab=num_vocab,
+            num_ctx_train=choice.trained, chat_template=getattr(self._hf, "chat_template", None),
+            bos_token=str(self._hf.bos_token or ""), eos_token=str(self._hf.eos_token or ""),
+            size_bytes=_weights_bytes(path), num_params=_num_params(model),
+            description=f"MLX {_dtype_name(model)} on the {_device_name(mx)}", can_cut_memory=trimmable,
+            engine="mlx", can_embed=hasattr(model, "model"), can_constrain=True, fim=find_by_text(vocab),
+        )
+        self._grammars = Grammars(self._hf, num_vocab, self._end_tokens)
+        self._caches: list[Caches | None] = [self._make_cache() for _ in range(options.num_parallel)]
+        """Each slot's caches; None while the slot is a row of the decoding batch."""
+        self._batch: Caches | None = None
+        self._batch_slots: list[int] = []
+        self._samplers: dict[int, Sampler] = {}
+        self._last_rows: dict[int, np.ndarray] = {}
+        """Each slot's last row of logits (what `fork` samples the copies' first tokens from)."""
+        self._drafted: dict[int, list[int]] = {}
+        self._bos_id = self._hf.bos_token_id
+
+    # ---- tokens ------------------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        tokens = [int(t) for t in self._hf.encode(text, add_special_tokens=add_special)]
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos_id:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+        return tokens
+
+    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+        raise InvalidRequest("the MLX engine takes no images (mlx-lm runs language models only)", param="images")
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        if token < 0 or (not special and token in self._specials):
+            return b""
+        piece = self._hf.convert_ids_to_tokens(token)
+        return piece_bytes(piece) if isinstance(piece, str) else b""
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._end_tokens
+
+    def check_grammar(self, grammar: str) -> None:
+        self._grammars.compile(grammar)
+
+    # ---- slots -------------------------------------------------------------------------------------------------
+
+    @computing
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+        caches = self._own(slot)
+        if num_reused <= 0 or not cut_caches(caches, num_reused):
+            self._caches[slot] = self._make_cache()
+            num_reused = 0
+        constraint = self._grammars.matcher(sampling.grammar) if sampling.grammar is not None else None
+        self._samplers[slot] = Sampler(sampling, prompt, num_ctx=self.info.num_ctx, end_tokens=self._end_tokens,
+                                       constraint=constraint)
+        return num_reused
+
+    def release(self, slot: int) -> None:
+        self._samplers.pop(slot, None)
+        self._last_rows.pop(slot, None)
+
+    def clear(self, slot: int) -> None:
+        self._own(slot)
+        self._caches[slot] = self._make_cache()
+
+    @computing
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        if not self.info.can_cut_memory:
+            return False
+        copy = read_caches(write_caches(self._own(source)), self._make_cache)
+        self._own(slot)
+        if copy is None or not cut_caches(copy, length):
+            self._caches[slot] = self._make_cache()
+            return False
+        self._caches[slot] = copy
+        return True
+
+    @computing
+    def fork(self, source: int, slots: list[int]) -> list[int | None]:
+        row = self._last_rows.get(source)
+        if row is None:
+            return [None] * len(slots)
+        state = write_caches(self._own(source))
+        tokens: list[int | None] = []
+        for slot in slots:
+            self._own(slot)
+            copy = read_caches(state, self._make_cache)
+            self._caches[slot] = copy if copy is not None else self._make_cache()
+            tokens.append(self._samplers[slot].pick(row) if copy is not None else None)
+        return tokens
+
+    @computing
+    def save_state(self, slot: int) -> SavedState | None:
+        return write_caches(self._own(slot))
+
+    @computing
+    def restore_state(self, slot: int, state: SavedState, length: int) -> bool:
+        self._own(slot)
+        caches = read_caches(state, self._make_cache)
+        if caches is None or not cut_caches(caches, length):
+            self._caches[slot] = self._make_cache()
+            return False
+        self._caches[slot] = caches
+        return True
+
+    def take_drafted(self, slot: int) -> list[int]:
+        return self._drafted.pop(slot, [])
+
+    def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        return {}  # no draft model: drafts come from the sequence's own context (engine/slots/drafting.py)
+
+    def take_logprobs(self, slot: int) -> Ranked | None:
+        sampler = self._samplers.get(slot)
+        return sampler.last if sampler is not None and sampler.sampling.logprobs is not None else None
+
+    # ---- decoding ----------------------------------------------------------------------------------------------
+
+    @computing
+    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        if any(entry.image is not None for entry in entries):
+            raise EngineFailure("the MLX engine was given an image to decode")
+        out: dict[int, int | None] = {}
+        singles = [entry for entry in entries if len(entry.tokens) == 1 and not entry.draft]
+        for entry in entries:
+            if entry not in singles:
+                out[id(entry)] = self._run_alone(entry)
+        if singles:
+            for entry, token in zip(singles, self._run_batch(singles), strict=True):
+                out[id(entry)] = token
+        return [out[id(entry)] for entry in entries]
+
+    def _run_alone(self, entry: BatchEntry) -> int | None:
+        """Prefill a slot's tokens (or verify its draft) on its own cache; the sample after them if wanted."""
+        mx = self._mx
+        caches = self._own(entry.slot)
+        if entry.draft:
+            return self._verify(entry, caches)
+        logits = self._model(mx.array(entry.tokens, dtype=mx.int32)[None], cache=caches)[0, -1].astype(mx.float32)
+        mx.eval([logits, *_arrays(caches)])  # nothing left lazy: another thread may read these caches next
+        if not entry.wants_sample:
+            return None
+        row = np.array(logits)
+        self._last_rows[entry.slot] = row
+        return self._samplers[entry.slot].pick(row)
+
+    def _run_batch(self, entries: list[BatchEntry]) -> list[int | None]:
+        """Decode one token for each entry's slot, all slots as one batch."""
+        mx = self._mx
+        rows = self._join([entry.slot for entry in entries])
+        tokens = [0] * len(self._batch_slots)
+        for entry, row in zip(entries, rows, strict=True):
+            tokens[row] = entry.tokens[0]
+        logits = self._model(mx.array(tokens, dtype=mx.int32)[:, None], cache=self._batch)[:, -1].astype(mx.float32)
+        mx.eval([logits, *_arrays(self._batch or [])])
+        table = np.array(logits)
+        sampled: list[int | None] = []
+        for entry, row in zip(entries, rows, strict=True):
+            if not entry.wants_sample:
+                sampled.append(None)
+                continue
+            self._last_rows[entry.slot] = table[row]
+            sampled.append(self._samplers[entry.slot].pick(table[row]))
+        return sampled
+
+    def _verify(self, entry: BatchEntry, caches: Caches) -> int:
+        """Decode the pending token and the draft after it; keep the drafted tokens the samples agree with."""
+        mx = self._mx
+        before = write_caches(caches) if not self.info.can_cut_memory else None
+        logits = self._model(mx.array(entry.tokens, dtype=mx.int32)[None], cache=caches)[0]
+        rows = logits[-(entry.draft + 1):].astype(mx.float32)
+        mx.eval([rows, *_arrays(caches)])
+        table = np.array(rows)
+        sampler = self._samplers[entry.slot]
+        drafted = entry.tokens[-entry.draft:]
+        samples = [sampler.pick(table[0])]
+        while len(samples) <= entry.draft and samples[-1] == drafted[len(samples) - 1]:
+            samples.append(sampler.pick(table[len(samples)]))
+        self._last_rows[entry.slot] = table[len(samples) - 1]
+        rejected = entry.draft - (len(samples) - 1)
+        if rejected:
+            if before is None:
+                cut_caches(caches, _length(caches) - rejected)
+            else:  # convolution state cannot be cut: back to the state before, then the accepted tokens again
+                restored = read_caches(before, self._make_cache)
+                if restored is None:
+                    raise EngineFailure("the MLX engine could not restore a slot's state after a draft")
+                kept = entry.tokens[: len(entry.tokens) - rejected]
+                mx.eval([self._model(mx.array(kept, dtype=mx.int32)[None], cache=restored), *_arrays(restored)])
+                self._caches[entry.slot] = restored
+        self._drafted[entry.slot] = samples[1:]
+        return samples[0]
+
+    # ---- the batch ---------------------------------------------------------------------------------------------
+
+    def _own(self, slot: int) -> Caches:
+        """The slot's own caches, taking it out of the decoding batch if it is a row there."""
+        if slot in self._batch_slots:
+            self._leave([slot])
+        caches = self._caches[slot]
+        assert caches is not None
+        return caches
+
+    def _leave(self, slots: list[int]) -> None:
+        """Take these slots' rows out of the batch: each gets its caches back."""
+        assert self._batch is not None
+        mx = self._mx
+        for slot in slots:
+            row = self._batch_slots.index(slot)
+            self._caches[slot] = [cache.extract(row) for cache in self._batch]
+            mx.eval([array for cache in self._caches[slot] or [] for array in _cache_arrays(cache)])
+        kept = [row for row, slot in enumerate(self._batch_slots) if slot not in slots]
+        if not kept:
+            self._batch, self._batch_slots = None, []
+            return
+        index = mx.array(kept, dtype=mx.int32)
+        for cache in self._batch:
+            cache.filter(index)
+        mx.eval(_arrays(self._batch))
+        self._batch_slots = [self._batch_slots[row] for row in kept]
+
+    def _join(self, slots: list[int]) -> list[int]:
+        """Make the batch hold exactly these slots; each one's row."""
+        leaving = [slot for slot in self._batch_slots if slot not in slots]
+        if leaving:
+            self._leave(leaving)
+        joining = [slot for slot in slots if slot not in self._batch_slots]
+        if joining:
+            own = [self._caches[slot] for slot in joining]
+            merged = [type(layer[0]).merge(list(layer)) for layer in zip(*own, strict=True)]
+            if self._batch is None:
+                self._batch = merged
+            else:
+                for cache, more in zip(self._batch, merged, strict=True):
+                    cache.extend(more)
+            self._batch_slots += joining
+            self._mx.eval(_arrays(self._batch))
+            for slot in joining:
+                self._caches[slot] = None
+        return [self._batch_slots.index(slot) for slot in slots]
+
+    # ---- embeddings and closing --------------------------------------------------------------------------------
+
+    @computing
+    def embed(self, tokens: list[int]) -> list[float]:
+        mx = self._mx
+        if not self.info.can_embed:
+            raise InvalidRequest("this model cannot embed on the MLX engine", param="model")
+        hidden = self._model.model(mx.array(tokens, dtype=mx.int32)[None])
+        return [float(x) for x in np.array(hidden[0].astype(mx.float32).mean(axis=0))]
+
+    def close(self) -> None:
+        self._batch, self._batch_slots = None, []
+        self._caches = []
+        self._samplers.clear()
+        self._last_rows.clear()
+        del self._model
+        self._mx.clear_cache()
+
+
+def _length(caches: Caches | None) -> int:
+    """Positions a slot's caches hold (0 when it holds none)."""
+    if caches is None:
+        return 0
+    sizes = [cache.size() for cache in caches if cache.is_trimmable()]
+    if sizes:
+        return int(max(sizes))
+    return 0 if all(cache.empty() for cache in caches) else -1
+
+
+def _arrays(caches: Caches) -> list[Any]:
+    return [array for cache in caches for array in _cache_arrays(cache)]
+
+
+def _cache_arrays(cache: Any) -> list[Any]:
+    state = cache.state
+    items = state if isinstance(state, list | tuple) else [state]
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, list | tuple):
+            out += [x for x in item if hasattr(x, "shape")]
+        elif hasattr(item, "shape"):
+            out.append(item)
+    return out
+
+
+def _dtype(mx: Any, asked: str, config: dict[str, Any]) -> Any:
+    """The dtype to compute in: asked, or on a CPU float32 (MLX converts half precision there); None: as loaded."""
+    if asked == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, asked)
+
+
+def _dtype_name(model: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith("weight") and "norm" not in name:
+            return str(value.dtype).removeprefix("mlx.core.")
+    return ""
+
+
+def _device_name(mx: Any) -> str:
+    return "GPU" if mx.default_device() == mx.gpu else "CPU"
+
+
+def _num_params(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    return int(sum(value.size for _, value in tree_flatten(model.parameters())))
+
+
+def _weights_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.glob("*.safetensors"))
+
+
+def _kv_bytes_per_token(config: dict[str, Any], caches: Caches, dtype: Any) -> int:
+    """One token's keys and values in one sequence: 2 x KV heads x head size x dtype, over the attention layers."""
+    heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 0)
+    head_dim = int(config.get("head_dim") or 0) or (
+        int(config.get("hidden_size") or 0) // max(int(config.get("num_attention_heads") or 1), 1))
+    layers = sum(1 for cache in caches if cache.is_trimmable())
+    return 2 * heads * head_dim * layers * int(dtype.size)
