@@ -125,7 +125,7 @@ def test_flag_then_environment_then_default(argv: list[str], env: dict[str, str]
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization must be at most 1.0, got 1.5"),
         ([], {"LMSERVE_GPU_MEMORY_UTILIZATION": "most"}, "LMSERVE_GPU_MEMORY_UTILIZATION must be a number"),
         (["--dtype", "int4"], {}, "--dtype must be one of auto, float16, bfloat16, float32, got 'int4'"),
-        (["--engine", "ollama"], {}, "--engine must be one of auto, llamacpp, vllm, got 'ollama'"),
+        (["--engine", "ollama"], {}, "--engine must be one of auto, llamacpp, mlx, vllm, got 'ollama'"),
         ([], {"LMSERVE_ENABLE_TORCH_COMPILE": "maybe"}, "LMSERVE_ENABLE_TORCH_COMPILE must be one of 1, true"),
         (["--kv-offloading-size", "-1"], {}, "--kv-offloading-size must be at least 0.0, got -1"),
         ([], {"LMSERVE_KV_OFFLOADING_BACKEND": "disk"}, "LMSERVE_KV_OFFLOADING_BACKEND must be one of native, lmcache"),

@@ -1,19 +1,23 @@
-"""Every LFM2 member on both engines agrees with transformers' float32 forward pass (tests/lfm2_reference.py).
+"""Every LFM2 member on each engine that runs it agrees with transformers' float32 forward pass
+(tests/lfm2_reference.py).
 
 Members (tests/hf_repos.py, one set of seeded weights each): `lfm2` (hybrid: conv, conv, attention, conv),
 `lfm2-attention` (attention in every layer), `lfm2moe` (4 experts, top 2, expert bias; layer 0 dense) and `lfm2-vl`'s
-text model. llama.cpp runs the GGUF llama.cpp's converter makes of the repository (float32 weights), vLLM the
-repository (dtype float32). For two multi-token prompts (a chat turn; ~200 tokens of text) and 8 greedy steps, each
-step's top-5 log-probabilities must match and greedy tokens must be the reference's where its top-2 margin exceeds
-the tolerance. Each prompt runs twice: on vLLM the long prompt's second run starts from its prefix cache (128 tokens;
-a hybrid's saved convolution state), on llama.cpp both runs compute the whole prompt.
+text model. llama.cpp runs the GGUF llama.cpp's converter makes of the repository (float32 weights), vLLM and MLX
+(mlx-lm; its CPU build here) the repository (bf16 weights computed in float32). For two multi-token prompts (a chat
+turn; ~200 tokens of text) and 8 greedy steps, each step's top-5 log-probabilities must match and greedy tokens must
+be the reference's where its top-2 margin exceeds the tolerance. Each prompt runs twice: on vLLM the long prompt's
+second run starts from its prefix cache (128 tokens; a hybrid's saved convolution state), on llama.cpp both runs
+compute the whole prompt, on MLX the second run restores the snapshot the first took at a checkpoint (16 and 128
+tokens: CHECKPOINTS); MLX then runs both prompts at once, decoding them as one batch.
 
 Tolerances, and why: the reference and the engines compute in float32 but sum in other orders (blocked matmuls,
-fused kernels, threads), so logprobs differ by float32 rounding through 4 layers: measured ≤ 4.3e-6 on vLLM and
-≤ 8.6e-6 on llama.cpp with a float32 KV cache and flash attention off, hence 1e-4 for both. llama.cpp's defaults
-(a float16 KV cache; flash attention "auto", on for the CPU) round keys and values to 11 bits (the CPU's flash
-attention does so even over a float32 cache: ~1e-3 in the logits): measured ≤ 1.5e-3, hence 2e-3. Not
-`ignore_eos`: llama.cpp bans the end-of-generation tokens for it, renormalizing every logprob.
+fused kernels, threads), so logprobs differ by float32 rounding through 4 layers: measured ≤ 4.3e-6 on vLLM,
+≤ 8.6e-6 on llama.cpp with a float32 KV cache and flash attention off and ≤ 1.0e-5 on MLX (OpenBLAS's products;
+≤ 1.1e-5 with MLX's bundled BLAS), hence 1e-4 for all three (MLX computing in the repository's bf16: off by up to
+0.1). llama.cpp's defaults (a float16 KV cache; flash attention "auto", on for the CPU) round keys and values to 11
+bits (the CPU's flash attention does so even over a float32 cache: ~1e-3 in the logits): measured ≤ 1.5e-3, hence
+2e-3. Not `ignore_eos`: llama.cpp bans the end-of-generation tokens for it, renormalizing every logprob.
 A greedy token is only checked where the reference's top-2 margin exceeds the tolerance: closer than that, rounding
 may pick either.
 
@@ -21,12 +25,14 @@ Before issue 17, vLLM's CPU build failed this from the second prompt token on (i
 3-D query and key; lmserve turned it off for hybrids only, so the all-attention member still fails with the old
 rule; now for the whole family, engine/vllm/engine.py `CPU_ROPE_KERNEL_WRONG`), and the hybrid repository itself was
 inconsistent (config.json described an FFN half as wide as its weights; lmserve now refuses such a repository,
-engine/vllm/weights_check.py). llama.cpp cannot run the all-attention member at all (`LLAMA_CPP_ABORTS`).
+engine/vllm/weights_check.py). llama.cpp cannot run the all-attention member at all (`LLAMA_CPP_ABORTS`), nor can
+mlx-lm, which cannot load LFM2-VL's transformers repository either (`MLX_REFUSES`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -38,6 +44,8 @@ import pytest_asyncio
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.mlx.backend import MlxBackend
+from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, vision_support_missing
 from lmserve.errors import InvalidRequest
@@ -72,6 +80,9 @@ MEASURED: dict[str, float] = {}
 """The largest |Δ| per member and engine, for the summary this module prints at its end (`-s`)."""
 CACHED: dict[str, int] = {}
 """The prompt tokens each second run took from the engine's cache, for the summary."""
+CHECKPOINTS = {"chat": 16, "long": 128}
+"""Where a slot engine snapshots a hybrid's state when asked (`submit(checkpoints=)`, as the server does at the end
+of a system prompt), so that the second run restores it: 16 is the least the scheduler shares (its `min_share`)."""
 
 
 def gguf_of(repo: Path) -> Path:
@@ -81,11 +92,11 @@ def gguf_of(repo: Path) -> Path:
         pytest.skip(str(exc))
 
 
-async def run(engine: BatchingEngine | VllmEngine,
-              prompt: list[int]) -> tuple[list[int], list[dict[int, float]], int]:
+async def run(engine: BatchingEngine | VllmEngine, prompt: list[int],
+              checkpoints: list[int] | None = None) -> tuple[list[int], list[dict[int, float]], int]:
     """The greedy reply's tokens, per token its alternatives' logprobs (its own included), and the prompt tokens
     the engine took from its cache."""
-    chunks: list[Chunk] = [chunk async for chunk in engine.submit(prompt, GREEDY)]
+    chunks: list[Chunk] = [chunk async for chunk in engine.submit(prompt, GREEDY, checkpoints=checkpoints)]
     usage = chunks[-1].usage
     assert chunks[-1].finish_reason == "length" and usage is not None, chunks[-1]
     entries = [entry for chunk in chunks for entry in chunk.logprobs]
@@ -93,13 +104,15 @@ async def run(engine: BatchingEngine | VllmEngine,
     return [e.token for e in entries], alternatives, usage.cached_tokens
 
 
-async def check_member(engine: BatchingEngine | VllmEngine, repo: Path, label: str, tolerance: float) -> None:
+async def check_member(engine: BatchingEngine | VllmEngine, repo: Path, label: str, tolerance: float, *,
+                       checkpoints: bool = False) -> None:
+    """Each prompt twice (with `checkpoints`, snapshots at CHECKPOINTS for the second run to start from)."""
     worst = 0.0
     for name in PROMPTS:
         prompt = prompt_ids(repo, name)
         expected = reference(repo, prompt)
         for attempt in range(2):  # the second run may reuse the first one's cached prefix
-            tokens, logprobs, cached = await run(engine, prompt)
+            tokens, logprobs, cached = await run(engine, prompt, [CHECKPOINTS[name]] if checkpoints else None)
             worst = max(worst, compare(expected, tokens, logprobs, tolerance))
             if attempt:
                 CACHED[f"{label} {name}"] = cached
@@ -188,3 +201,45 @@ async def test_vllm_refuses_a_repository_whose_config_misdescribes_its_ffn(tmp_p
     with pytest.raises(InvalidRequest, match=r"a width of 64 \(intermediate_size 64, .*\) but "
                                              r"model.layers.0.feed_forward.w1.weight in model.safetensors has 128"):
         VllmEngine(repo, VllmOptions(num_ctx=512, num_parallel=1, dtype="float32"))
+
+
+# ---- MLX, from the repository (mlx-lm; float32, its CPU build here) ---------------------------------------------
+
+
+MLX_REFUSES = {
+    "lfm2-attention": "mlx-lm's lfm2 model fails on its first tokens \\(IndexError",
+    "lfm2-vl": "lfm2_vl not supported",
+}
+"""Members mlx-lm (0.32.2) cannot run, and what the refusal names. Its `lfm2` model finds the masks by the cache of
+the first convolution layer, so an LFM2 without one loads and then fails every forward pass (IndexError); it has
+no `lfm2_vl` model type (its `lfm2-vl` reads MLX-converted checkpoints, whose weights are named otherwise)."""
+
+
+def mlx_backend(repo: Path) -> MlxBackend:
+    if importlib.util.find_spec("mlx_lm") is None:
+        pytest.skip("mlx-lm is not installed (pip install 'lmserve[mlx]')")
+    return MlxBackend(repo, LoadOptions(num_ctx=1024, num_parallel=2), MlxLaunch(mlx_dtype="float32"))
+
+
+@pytest.mark.parametrize("member", [member for member in MEMBERS if member not in MLX_REFUSES])
+async def test_mlx_matches_transformers(member: str) -> None:
+    repo = MEMBERS[member]()
+    engine = BatchingEngine(mlx_backend(repo))
+    label = f"{member} MLX"
+    try:
+        assert engine.info.description.startswith("MLX float32")  # the repository's bf16 weights, computed in f32
+        await check_member(engine, repo, label, 1e-4, checkpoints=True)
+        # Both prompts at once: their slots decode as one batch (caches of two lengths, left-padded).
+        prompts = [prompt_ids(repo, name) for name in PROMPTS]
+        replies = await asyncio.gather(*(run(engine, prompt) for prompt in prompts))
+        for prompt, (tokens, logprobs, _) in zip(prompts, replies, strict=True):
+            MEASURED[label] = max(MEASURED[label], compare(reference(repo, prompt), tokens, logprobs, 1e-4))
+    finally:
+        engine.close()
+    assert [CACHED[f"{label} {name}"] for name in PROMPTS] == list(CHECKPOINTS.values())  # restored snapshots
+
+
+@pytest.mark.parametrize("member", list(MLX_REFUSES))
+async def test_mlx_refuses_what_mlx_lm_cannot_run(member: str) -> None:
+    with pytest.raises(InvalidRequest, match=MLX_REFUSES[member]):
+        mlx_backend(MEMBERS[member]())

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine import mlx as mlx_package
 from lmserve.engine import registry
 from lmserve.engine.factory import EngineSettings, engine_of, open_engine
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.spec import EngineSpec
 from lmserve.engine.vllm import engine as vllm_engine
 from lmserve.engine.vllm.options import VllmLaunch
@@ -60,13 +62,37 @@ def test_auto_passes_over_an_engine_this_machine_cannot_run(tmp_path: Path, monk
     assert engine_of(repo).name == "absent"
 
 
+def test_a_repository_goes_to_mlx_on_apple_silicon_and_to_vllm_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX comes before vLLM in the table: auto gives it repositories where it has Apple's GPU; elsewhere it says
+    what it lacks, so vLLM gets them, unless vLLM is not installed either (then the first claimant, MLX's CPU
+    build)."""
+    _, repo = files(tmp_path)
+    mlx = registry.engine_named("mlx")
+    assert mlx.claims(repo)
+    monkeypatch.setattr(mlx_package, "on_apple_silicon", lambda: False)
+    assert engine_of(repo).name == "vllm"
+    assert "Apple silicon's GPU" in (mlx.missing() or "")
+    monkeypatch.setattr(mlx_package, "on_apple_silicon", lambda: True)
+    assert engine_of(repo).name == "mlx"
+    monkeypatch.setattr(mlx_package, "on_apple_silicon", lambda: False)
+    vllm = registry.engine_named("vllm")
+    no_vllm = EngineSpec(name="vllm", label="vLLM", serves=vllm.serves, launch=VllmLaunch, claims=vllm.claims,
+                         open=vllm.open, estimate=vllm.estimate, missing=lambda: "vLLM is not installed")
+    monkeypatch.setattr(registry, "ENGINES", (*registry.ENGINES[:2], no_vllm))
+    assert engine_of(repo).name == "mlx"
+    assert MlxLaunch in {spec.launch for spec in registry.ENGINES}
+
+
 def test_every_engine_declares_its_options_and_capabilities() -> None:
     names = [spec.name for spec in registry.ENGINES]
-    assert names == ["llamacpp", "vllm"] and len(set(names)) == len(names)
+    assert names == ["llamacpp", "mlx", "vllm"] and len(set(names)) == len(names)
     assert {f.name for f in fields(LlamaCppLaunch)} >= {"cache_type_k", "kv_unified", "model_draft", "mmproj"}
     assert {f.name for f in fields(VllmLaunch)} >= {"dtype", "tensor_parallel_size", "headless"}
     assert registry.engine_named("llamacpp").takes == {"adapters", "projector", "quantize"}
     assert registry.engine_named("vllm").takes == frozenset()
+    assert registry.engine_named("mlx").takes == frozenset()
+    assert registry.engine_named("mlx").in_process
     assert registry.engine_named("vllm").serve_headless is not None
     assert registry.engine_named("llamacpp").serve_headless is None
 

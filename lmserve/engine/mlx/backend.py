@@ -69,15 +69,17 @@ class MlxBackend:
         path = Path(path)
         try:
             model, tokenizer, config = load(str(path), return_config=True)
-        except (ValueError, FileNotFoundError, KeyError, ImportError) as exc:
-            raise InvalidRequest(f"MLX cannot load {path.name}: {exc}", param="model") from None
+        except Exception as exc:  # mlx-lm raises what its model code raises on a config it cannot build
+            raise InvalidRequest(f"MLX cannot load {path.name}: {type(exc).__name__}: {exc}", param="model") from None
         dtype = _dtype(mx, launch.mlx_dtype, config)
         if dtype is not None:
             model.set_dtype(dtype)
             mx.eval(model.parameters())  # here: arrays left lazy would be computed on this thread's stream
         self._model = model
         self._stream = mx.new_thread_local_stream(mx.default_device())
-        """MLX's streams belong to threads: the engine thread computes on this one (`_computing`)."""
+        """MLX's streams belong to threads: every thread computes on its own of this one (`computing`)."""
+        with mx.stream(self._stream):
+            _probe(mx, model, make_prompt_cache, path.name, config)
         self._make_cache: Callable[[], Caches] = lambda: make_prompt_cache(model)
         self._hf = tokenizer._tokenizer
         self._end_tokens = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -349,6 +351,20 @@ class MlxBackend:
         self._last_rows.clear()
         del self._model
         self._mx.clear_cache()
+
+
+def _probe(mx: Any, model: Any, make_cache: Callable[[Any], Caches], name: str, config: dict[str, Any]) -> None:
+    """Decode two tokens, one after the other, so a model mlx-lm builds but cannot run (e.g. its LFM2 without
+    convolution layers; a mixture of experts in half precision on MLX's CPU build) is refused at load, naming why,
+    instead of failing every request."""
+    try:
+        caches = make_cache(model)
+        mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=caches))
+        mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=caches))
+    except Exception as exc:
+        kind = config.get("model_type", "?")
+        raise InvalidRequest(f"MLX cannot run {name}: mlx-lm's {kind} model fails on its first tokens "
+                             f"({type(exc).__name__}: {exc})", param="model") from None
 
 
 def _length(caches: Caches | None) -> int:

@@ -221,9 +221,12 @@ class BatchingEngine:
                 raise InvalidRequest("the server is shutting down")
             if self._death is not None:
                 raise EngineStopped(f"the engine stopped: {self._death}")
-            num_waiting = len(self._inbox) + len(self.scheduler.waiting)
-            num_free = self.info.num_parallel - len(self.scheduler.running)  # read across threads: an estimate
-            if num_waiting >= self.max_queue or num_waiting + n - num_free > self.max_queue:
+            # submitted sequences not yet admitted take the free slots first: only the rest wait (a burst of as many
+            # requests as free slots is admitted whole, whatever the queue's size)
+            num_free = max(self.info.num_parallel - len(self.scheduler.running), 0)  # read across threads: an estimate
+            num_queued = len(self._inbox) + len(self.scheduler.waiting)
+            num_waiting = max(num_queued - num_free, 0)
+            if num_queued + n - num_free > self.max_queue:
                 raise Overloaded(f"{num_waiting} sequences are already waiting for this model (at most "
                                  f"{self.max_queue}); retry shortly")
             for seq, stream in zip(seqs, streams, strict=True):
