@@ -1,4 +1,4 @@
-"""End to end on the MLX engine: the same behaviour as on llama.cpp and vLLM, through a real `lmserve serve --engine mlx`.
+"""End to end on the MLX engine: what llama.cpp and vLLM do, through a real `lmserve serve --engine mlx`.
 
 One server for the module serves the embedded SmolLM2 converted to a safetensors repository (tests/hf_repos.py) on
 MLX's CPU build (float32, the engine's default on a CPU), with an API key, so every test also proves that auth works
