@@ -48,6 +48,16 @@ def missing() -> str | None:
     return None
 
 
+VISION_MISSING = ("the MLX engine runs language models through mlx-lm, and a vision-language model's images need "
+                  "mlx-vlm, which it does not use yet: serve it with vLLM, or as a GGUF with its projector on "
+                  "llama.cpp")
+
+
+def vision_missing(config: dict[str, object]) -> str | None:
+    """Why MLX cannot take a vision-language repository's images (it takes none)."""
+    return VISION_MISSING if "vision_config" in config else None
+
+
 def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
     from lmserve.engine.slots.batching import BatchingEngine
 
@@ -86,4 +96,5 @@ def prompt_cache_key(path: Path, launch: MlxLaunch, num_ctx: int) -> str:
 SPEC = EngineSpec(
     name="mlx", label="MLX", serves="safetensors repositories (a directory with config.json; MLX's quantized ones too)",
     launch=MlxLaunch, claims=claims, open=open_model, estimate=estimate, missing=missing, in_process=True,
+    vision_missing=vision_missing,
 )

@@ -16,6 +16,7 @@ disk tiers.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from functools import wraps
@@ -27,6 +28,7 @@ import numpy as np
 from lmserve.engine.context_size import choose_context, machine_memory, memory_beside
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.logprobs import Ranked
+from lmserve.engine.mlx import VISION_MISSING, vision_missing
 from lmserve.engine.mlx.grammar import Grammars
 from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.mlx.runtime import import_mlx
@@ -70,7 +72,10 @@ class MlxBackend:
         try:
             model, tokenizer, config = load(str(path), return_config=True)
         except Exception as exc:  # mlx-lm raises what its model code raises on a config it cannot build
-            raise InvalidRequest(f"MLX cannot load {path.name}: {type(exc).__name__}: {exc}", param="model") from None
+            why = f"MLX cannot load {path.name}: {type(exc).__name__}: {exc}"
+            if vision_missing(_read_config(path)):
+                why += f" ({VISION_MISSING})"
+            raise InvalidRequest(why, param="model") from None
         dtype = _dtype(mx, launch.mlx_dtype, config)
         if dtype is not None:
             model.set_dtype(dtype)
@@ -124,7 +129,7 @@ class MlxBackend:
         return tokens
 
     def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        raise InvalidRequest("the MLX engine takes no images (mlx-lm runs language models only)", param="images")
+        raise InvalidRequest(VISION_MISSING, param="images")
 
     def token_bytes(self, token: int, *, special: bool) -> bytes:
         if token < 0 or (not special and token in self._specials):
@@ -417,6 +422,14 @@ def _num_params(model: Any) -> int:
     from mlx.utils import tree_flatten
 
     return int(sum(value.size for _, value in tree_flatten(model.parameters())))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _weights_bytes(path: Path) -> int:
