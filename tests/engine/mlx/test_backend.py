@@ -108,7 +108,7 @@ def test_attention_memory_is_cut_for_a_shared_prefix_and_hybrid_memory_is_not() 
         prompt = PROMPTS[0]
         expected = greedy_alone(llama, prompt, 2)
         llama.start(0, GREEDY, prompt, 0)
-        llama.step([BatchEntry(0, prompt + [99, 98], 0, False)])
+        llama.step([BatchEntry(0, [*prompt, 99, 98], 0, False)])
         assert llama.copy_prefix(0, 1, len(prompt) - 1)
         assert llama.start(1, GREEDY, prompt, len(prompt) - 1) == len(prompt) - 1
         [token] = llama.step([BatchEntry(1, prompt[-1:], len(prompt) - 1, True)])
