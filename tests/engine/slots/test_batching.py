@@ -123,6 +123,21 @@ async def test_a_full_queue_refuses_with_overloaded_and_the_rest_complete() -> N
         engine.close()
 
 
+async def test_a_burst_as_large_as_the_free_slots_is_admitted_whatever_the_queue() -> None:
+    """Eight requests at once on eight free slots and a queue of two: none waits, so none is refused (they were
+    counted as waiting before the engine thread admitted them); the ninth and tenth wait, the eleventh is refused."""
+    engine = BatchingEngine(FakeBackend(num_ctx=256, num_parallel=8, step_delay=0.05), max_queue=2)
+    try:
+        streams = [engine.submit(engine.tokenize(f"request {i}"), SamplingParams(max_tokens=40)) for i in range(10)]
+        with pytest.raises(Overloaded):
+            engine.submit(engine.tokenize("one too many"), SamplingParams(max_tokens=3))
+        for stream in streams:
+            chunks = [c async for c in stream]
+            assert chunks[-1].finish_reason == "length"
+    finally:
+        engine.close()
+
+
 def bitmap(width: int, height: int, shade: int = 0) -> Bitmap:
     return Bitmap(width, height, bytes([shade]) * (width * height * 3))
 
