@@ -12,6 +12,11 @@ llama.cpp's converter makes, served by llama.cpp; the transformers repository, s
 The expected facts are read independently of lmserve (gguf's GGUFReader, safetensors, config.json). The weights are
 random: replies are checked for structure, and sampling by equality of seeded replies. vLLM starts twice (one per
 text repository, one at a time).
+
+A second server, `--engine mlx` (its engine applies to all of its models, and MLX serves no GGUF), serves the text
+repositories with LFM2's and LFM2.5's chat templates written in (forced calls in LFM2's own format, the card's
+sampling, show, the seed's Modelfile) and refuses, with a 400 naming why, LFM2-VL's repository and an LFM2 without
+convolution layers. It needs no GGUF converter: where llama.cpp's is missing only the other server's tests skip.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import httpx
 import ollama
 import pytest
 from PIL import Image
@@ -49,12 +55,15 @@ from tests.hf_repos import (
     ConverterMissing,
     cache_root,
     lfm2_gguf,
+    tiny_lfm2_attention_repo,
     tiny_lfm2_moe_repo,
     tiny_lfm2_repo,
     tiny_lfm2_vl_repo,
 )
 from tests.store.test_modelfile import LFM2_MODELFILE
+from tests.test_lfm2_tools_e2e import LFM25_TEMPLATE
 from tests.test_server import Server
+from tests.tiny_lfm2 import LFM2_TEMPLATE
 
 TIMEOUT = 300.0
 
@@ -83,14 +92,25 @@ MEMBERS = {"lfm2": ("lfm2", LFM2_CARD, tiny_lfm2_repo), "lfm2moe": ("lfm2moe", L
 """Member → the architecture llama.cpp names its GGUF, its card, its tiny repository."""
 
 
+def write_repo(root: Path, key: str, name: str | None = None, template: str | None = None) -> Path:
+    """A member's repository as `root/<name or key>`, with its card in generation_config.json and, given one, another
+    chat template (in both places transformers reads it)."""
+    _, card, make = MEMBERS[key]
+    repo = Path(shutil.copytree(make(), root / (name or key)))
+    generation = json.loads((repo / "generation_config.json").read_text())
+    (repo / "generation_config.json").write_text(json.dumps({**generation, **card}, indent=2))
+    if template is not None:
+        (repo / "chat_template.jinja").write_text(template)
+        tokenizer = json.loads((repo / "tokenizer_config.json").read_text())
+        (repo / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "chat_template": template}, indent=2))
+    return repo
+
+
 def write_members(root: Path) -> None:
     """Each member's repository with its card in generation_config.json, its GGUF (converted from it) and, for the
     VL, its projector named as the local runner names one (`mmproj-…`, by which a second FROM is the projector)."""
-    for key, (_, card, make) in MEMBERS.items():
-        repo = root / key
-        shutil.copytree(make(), repo)
-        generation = json.loads((repo / "generation_config.json").read_text())
-        (repo / "generation_config.json").write_text(json.dumps({**generation, **card}, indent=2))
+    for key in MEMBERS:
+        repo = write_repo(root, key)
         lfm2_gguf(repo)
         if key == "lfm2-vl":
             lfm2_gguf(repo, projector=True).rename(root / f"mmproj-{key}-F32.gguf")
@@ -396,3 +416,145 @@ def test_the_vision_repository_is_refused_where_vllm_cannot_see(native: ollama.C
         native.generate(model="lfm2-vl-repo", prompt="hi", options={"num_predict": 1})
     assert refused.value.status_code == 400 and "torchvision" in str(refused.value.error)
     assert "vision" not in (native.show("lfm2-vl-repo").capabilities or [])
+
+
+# ---- MLX: the repositories on `lmserve serve --engine mlx` ---------------------------------------------------------
+
+
+MLX_MODELS: dict[str, tuple[str, str | None]] = {
+    "mlx-lfm2": ("lfm2", LFM2_TEMPLATE), "mlx-lfm2-lfm25": ("lfm2", LFM25_TEMPLATE),
+    "mlx-lfm2moe": ("lfm2moe", LFM2_TEMPLATE), "mlx-lfm2-vl": ("lfm2-vl", None)}
+"""The models the MLX server stores → their member and chat template: LFM2's own (tests/tiny_lfm2.py; the tiny
+repositories' is a plain chat template that takes no tools) or LFM2.5's (tests/test_lfm2_tools_e2e.py: the tools in
+the system turn without list tokens), so the calls are checked in the members' own format."""
+MLX_TEXT = ["mlx-lfm2", "mlx-lfm2moe"]
+
+
+@pytest.fixture(scope="module")
+def mlx_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each of MLX_MODELS's repositories, its card in its generation_config.json as for the other server (no GGUF
+    needed), in a directory of the model's name: name → repository."""
+    pytest.importorskip("mlx_lm", reason="the MLX engine needs mlx and mlx-lm (pip install 'lmserve[mlx]')")
+    root = tmp_path_factory.mktemp("mlx-repos")
+    return {name: write_repo(root, key, name, template) for name, (key, template) in MLX_MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def mlx_server(mlx_repos: dict[str, Path]) -> Iterator[Server]:
+    """A server of its own: `--engine` applies to all of a server's models, and MLX serves no GGUF (so it starts with
+    LFM2's repository, not the embedded GGUF). One model loaded at a time, like the other server's."""
+    srv = Server("-c", "512", "-np", "2", "--engine", "mlx", "--model", str(mlx_repos["mlx-lfm2"]),
+                 env={"LMSERVE_MAX_LOADED_MODELS": "1"})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mlx_native(mlx_server: Server) -> Iterator[ollama.Client]:
+    with ollama.Client(host=mlx_server.base_url, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def mlx_stored(mlx_server: Server, mlx_repos: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, Path]:
+    """Each of MLX_MODELS created in the MLX server's store by the CLI from a bare FROM of its repository."""
+    directory = tmp_path_factory.mktemp("mlx-modelfiles")
+    for name, repo in mlx_repos.items():
+        create(mlx_server, name, f"FROM {repo}\n", directory)
+    return mlx_repos
+
+
+@pytest.mark.parametrize("name", MLX_TEXT)
+def test_mlx_show_reports_family_size_context_and_capabilities(mlx_native: ollama.Client,
+                                                               mlx_stored: dict[str, Path], name: str) -> None:
+    family, count, quantization, context = repo_facts(mlx_stored[name])
+    shown = mlx_native.show(name)
+    assert shown.details is not None and shown.modelinfo is not None
+    assert (shown.details.family, shown.details.format) == (family, "safetensors")
+    assert shown.modelinfo[f"{family}.context_length"] == context
+    assert shown.modelinfo["general.parameter_count"] == count
+    assert shown.details.parameter_size == local_runner_count(count)
+    assert shown.details.quantization_level == quantization == "BF16"  # the repository's (MLX computes in float32)
+    capabilities = shown.capabilities or []
+    assert capabilities[:2] == ["completion", "tools"] and "vision" not in capabilities
+    assert shown_parameters(shown.parameters or "") == {
+        "temperature": str(LFM2_CARD["temperature"]), "min_p": str(LFM2_CARD["min_p"]),
+        "repeat_penalty": str(LFM2_CARD["repetition_penalty"])}
+
+
+def rendered(server: Server, name: str, messages: list[dict[str, Any]], tools: list[Any]) -> str:
+    """The chat as the server renders it with the model's template (POST /tokenize, then /detokenize)."""
+    tokens = httpx.post(server.base_url + "/tokenize", json={"model": name, "messages": messages, "tools": tools},
+                        timeout=TIMEOUT)
+    assert tokens.status_code == 200, tokens.text
+    text = httpx.post(server.base_url + "/detokenize", json={"model": name, "tokens": tokens.json()["tokens"]},
+                      timeout=TIMEOUT)
+    assert text.status_code == 200, text.text
+    return str(text.json()["content"])
+
+
+@pytest.mark.parametrize("name", ["mlx-lfm2", "mlx-lfm2-lfm25", "mlx-lfm2moe"])
+def test_mlx_calls_tools_in_the_members_format_and_samples_with_the_card(
+    mlx_server: Server, mlx_native: ollama.Client, mlx_stored: dict[str, Path], name: str
+) -> None:
+    """Each text member with LFM2's template, and LFM2 with LFM2.5's: the template puts the tools where it puts them,
+    a forced call is written in LFM2's own format (the detected `lfm2` parser's grammar, not lmserve's JSON calls)
+    and comes back parsed; and a request without sampling options samples with the card (one test per model: the
+    server holds one model at a time)."""
+    listed = json.dumps(SWITCH, ensure_ascii=False)
+    ask: Any = [{"role": "user", "content": "Turn on the hall lights."}]
+    text = rendered(mlx_server, name, ask, [SWITCH])
+    if MLX_MODELS[name][1] == LFM2_TEMPLATE:
+        assert f"List of tools: <|tool_list_start|>[{listed}]<|tool_list_end|><|im_end|>" in text, text
+    else:
+        assert f"List of tools: [{listed}]<|im_end|>" in text and "<|tool_list_start|>" not in text, text
+    assert_forced_call(mlx_server, name)
+    with mlx_server.client() as client:
+        reply = client.chat.completions.create(model=name, messages=ask, tools=[SWITCH], tool_choice="required",
+                                               max_tokens=120, temperature=0, logprobs=True)
+    [choice] = reply.choices
+    [call] = choice.message.tool_calls or []
+    written = "".join(token.token for token in (choice.logprobs.content if choice.logprobs else None) or [])
+    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
+    assert written.startswith(start) and written.endswith(end), written
+    assert json.loads(written[len(start):-len(end)]) == [
+        {"name": call.function.name, "arguments": json.loads(call.function.arguments)}]  # type: ignore[union-attr]
+    silent, card, runner = seeded_replies(mlx_native, name, LFM2_CARD)
+    assert silent == card
+    assert silent != runner  # the check can fail: the card's sampling differs from the local runner's here
+
+
+@pytest.mark.parametrize("name", ["mlx-lfm2moe", "mlx-lfm2"])  # the MoE first: the one loaded now
+def test_mlx_the_seed_modelfile_creates_a_model_that_chats(mlx_server: Server, mlx_native: ollama.Client,
+                                                           mlx_stored: dict[str, Path], name: str,
+                                                           tmp_path: Path) -> None:
+    seed = f"seed-{name}"
+    create(mlx_server, seed, f"FROM {mlx_stored[name]}\n" + SEED_MODELFILE, tmp_path)
+    shown = cli(mlx_server, "show", seed, "--modelfile")
+    assert shown.returncode == 0, shown.stderr
+    assert parse_modelfile(shown.stdout).parameters == parse_modelfile(f"FROM {seed}\n{SEED_MODELFILE}").parameters
+    reply = mlx_native.chat(model=seed, messages=[{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Hello there"}],
+                            options={"num_predict": 8, "seed": 1})
+    assert reply.done and reply.message.role == "assistant"
+    assert reply.eval_count is not None and 1 <= reply.eval_count <= 8
+    assert reply.prompt_eval_count is not None and reply.prompt_eval_count > 8
+
+
+def test_mlx_refuses_what_mlx_lm_cannot_run_naming_why(mlx_server: Server, mlx_native: ollama.Client,
+                                                       mlx_stored: dict[str, Path], tmp_path: Path) -> None:
+    """LFM2-VL's repository (mlx-lm has no `lfm2_vl` model type) and an LFM2 without convolution layers (mlx-lm's
+    `lfm2` model builds it, then fails on its first tokens: the load's two probe tokens find it) are refused with a
+    400 that says why, and the server goes on serving."""
+    create(mlx_server, "mlx-lfm2-attention", f"FROM {tiny_lfm2_attention_repo()}\n", tmp_path)
+    for name, why in (("mlx-lfm2-vl", ("MLX cannot load", "Model type lfm2_vl not supported", "mlx-vlm")),
+                      ("mlx-lfm2-attention", ("MLX cannot run", "mlx-lm's lfm2 model fails on its first tokens "
+                                                                "(IndexError"))):
+        with pytest.raises(ollama.ResponseError) as refused:
+            mlx_native.generate(model=name, prompt="hi", options={"num_predict": 1})
+        error = str(refused.value.error)
+        assert refused.value.status_code == 400 and error.startswith(f"model '{name}:latest' cannot be served here: ")
+        assert all(part in error for part in why), error
+    assert "vision" not in (mlx_native.show("mlx-lfm2-vl").capabilities or [])
+    assert mlx_native.generate(model="mlx-lfm2", prompt="hi", options={"num_predict": 2}).done

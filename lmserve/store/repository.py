@@ -175,7 +175,11 @@ def architecture(config: dict[str, Any]) -> str:
 
 
 def quantization_level(config: dict[str, Any]) -> str:
-    """The quantization method when the weights are quantized ("AWQ", "FP8"), else the dtype ("BF16")."""
+    """The quantization method when the weights are quantized ("AWQ", "FP8"; MLX's packed layout by its bits,
+    "Q4"), else the dtype ("BF16")."""
+    packed = config.get("quantization")
+    if isinstance(packed, dict) and isinstance(packed.get("bits"), int):
+        return f"Q{packed['bits']}"
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and isinstance(quantization.get("quant_method"), str):
         return str(quantization["quant_method"]).upper()

@@ -166,6 +166,7 @@ def test_parameter_size_labels(num_params: int, label: str) -> None:
         ({"text_config": {"dtype": "bfloat16"}}, "BF16"),
         ({"dtype": "bfloat16", "quantization_config": {"quant_method": "awq"}}, "AWQ"),
         ({"dtype": "int8"}, "INT8"),
+        ({"dtype": "bfloat16", "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}, "Q4"),  # MLX's
         ({}, ""),
     ],
 )

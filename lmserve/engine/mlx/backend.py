@@ -106,7 +106,7 @@ class MlxBackend:
             num_ctx_train=choice.trained, chat_template=getattr(self._hf, "chat_template", None),
             bos_token=str(self._hf.bos_token or ""), eos_token=str(self._hf.eos_token or ""),
             size_bytes=_weights_bytes(path), num_params=_num_params(model),
-            description=f"MLX {_dtype_name(model)} on the {_device_name(mx)}", can_cut_memory=trimmable,
+            description=f"MLX {_dtype_name(model)} ({_device_name(mx)}) {_stored_as(config)}", can_cut_memory=trimmable,
             engine="mlx", can_embed=hasattr(model, "model"), can_constrain=True, fim=find_by_text(vocab),
         )
         self._grammars = Grammars(self._hf, num_vocab, self._end_tokens)
@@ -412,6 +412,15 @@ def _dtype_name(model: Any) -> str:
         if name.endswith("weight") and "norm" not in name:
             return str(value.dtype).removeprefix("mlx.core.")
     return ""
+
+
+def _stored_as(config: dict[str, Any]) -> str:
+    """How the repository stores its weights, as `show` reports a quantization level: MLX's packed bits (Q4, Q8)
+    or the dtype of config.json."""
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    if isinstance(quantization, dict) and quantization.get("bits"):
+        return f"Q{quantization['bits']}"
+    return str(config.get("torch_dtype") or config.get("dtype") or "").upper() or "unknown"
 
 
 def _device_name(mx: Any) -> str:

@@ -153,3 +153,17 @@ def test_embeddings_are_the_mean_hidden_state(backend: MlxBackend) -> None:
     one = backend.embed([5, 6, 7])
     assert len(one) == 64 if backend.info.architecture == "lfm2" else len(one) == 128
     assert backend.embed([5, 6, 7]) == one != backend.embed([7, 6, 5])
+
+
+def test_an_mlx_quantized_repository_loads_as_it_is(tmp_path: Path) -> None:
+    """mlx-lm's own 4-bit layout (what mlx-community publishes; made here by mlx_lm.convert) loads as it is."""
+    from mlx_lm import convert
+
+    out = tmp_path / "tiny-llama-4bit"
+    convert(str(tiny_llama_repo()), mlx_path=str(out), quantize=True, q_group_size=64, q_bits=4)
+    quantized = open_backend(out, slots=1)
+    try:
+        assert quantized.info.description.endswith(" Q4")
+        assert len(greedy_alone(quantized, PROMPTS[0], 3)) == 3
+    finally:
+        quantized.close()

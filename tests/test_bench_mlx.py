@@ -1,0 +1,46 @@
+"""bench/mlx.py --quick: both peers start, serve every level, and the side-by-side table has numeric ratios.
+
+Timings are never asserted (the goals are the full benchmark's business, on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+ROW = re.compile(r"^\s*(?P<streams>\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+(?P<tps>\d+\.\d+)x\s+(PASS|FAIL)\s+\d+/\d+\s+"
+                 r"\d+/\d+\s+(?P<ttft>\d+\.\d+)x\s+(PASS|FAIL)\s*$", re.MULTILINE)
+
+
+def run_quick() -> tuple[int, str]:
+    """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
+    proc = subprocess.Popen([sys.executable, "bench/mlx.py", "--quick"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"bench/mlx.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
+def test_quick_prints_both_peers_side_by_side() -> None:
+    code, out = run_quick()
+    assert code == 0, out[-3000:]
+    assert "default device" in out, out[-3000:]
+    for peer in ("mlx_lm.server", "lmserve"):
+        assert f"[{peer}] $ " in out and f"[{peer}] healthy after" in out, out[-3000:]
+    assert "mlx_lm tok/s" in out and "lmserve tok/s" in out, out[-3000:]
+    rows = {int(m["streams"]): (float(m["tps"]), float(m["ttft"])) for m in ROW.finditer(out)}
+    assert sorted(rows) == [1, 2], out[-3000:]
+    assert all(tps > 0 and ttft > 0 for tps, ttft in rows.values()), rows
