@@ -221,28 +221,44 @@ class MlxBackend:
         if any(entry.image is not None for entry in entries):
             raise EngineFailure("the MLX engine was given an image to decode")
         out: dict[int, int | None] = {}
-        singles = [entry for entry in entries if len(entry.tokens) == 1 and not entry.draft]
         for entry in entries:
-            if entry not in singles:
-                out[id(entry)] = self._run_alone(entry)
-        if singles:
-            for entry, token in zip(singles, self._run_batch(singles), strict=True):
-                out[id(entry)] = token
+            if entry.draft:
+                out[id(entry)] = self._verify(entry, self._own(entry.slot))
+        prompts = [entry for entry in entries if not entry.draft and len(entry.tokens) > 1]
+        if prompts:  # all but a sampled prompt's last token: its last decodes with the batch, as in mlx-lm
+            self._prefill([(entry.slot, entry.tokens[:-1] if entry.wants_sample else entry.tokens)
+                           for entry in prompts])
+        lasts = {id(entry): BatchEntry(entry.slot, entry.tokens[-1:], entry.pos + len(entry.tokens) - 1, True)
+                 for entry in prompts if entry.wants_sample}
+        decoding = [lasts.get(id(entry), entry) for entry in entries
+                    if not entry.draft and (len(entry.tokens) == 1 or id(entry) in lasts)]
+        sampled = dict(zip(map(id, decoding), self._run_batch(decoding), strict=True)) if decoding else {}
+        for entry in entries:
+            if not entry.draft:
+                out[id(entry)] = sampled.get(id(lasts.get(id(entry), entry)))
         return [out[id(entry)] for entry in entries]
 
-    def _run_alone(self, entry: BatchEntry) -> int | None:
-        """Prefill a slot's tokens (or verify its draft) on its own cache; the sample after them if wanted."""
+    def _prefill(self, prompts: list[tuple[int, list[int]]]) -> None:
+        """Run each slot's tokens into its caches, all slots as one batch: the slots' caches merged (left-padded to
+        the longest held), the tokens right-padded to the longest and the padding rolled out after, as mlx-lm's
+        batch generator prefills; each slot then gets its caches back."""
         mx = self._mx
-        caches = self._own(entry.slot)
-        if entry.draft:
-            return self._verify(entry, caches)
-        logits = self._model(mx.array(entry.tokens, dtype=mx.int32)[None], cache=caches)[0, -1].astype(mx.float32)
-        mx.eval([logits, *_arrays(caches)])  # nothing left lazy: another thread may read these caches next
-        if not entry.wants_sample:
-            return None
-        row = np.array(logits)
-        self._last_rows[entry.slot] = row
-        return self._samplers[entry.slot].pick(row)
+        own = [self._own(slot) for slot, _ in prompts]
+        lengths = [len(tokens) for _, tokens in prompts]
+        padding = [max(lengths) - length for length in lengths]
+        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*own, strict=True)]
+        if any(padding):
+            for cache in batch:
+                cache.prepare(lengths=lengths, right_padding=padding)
+        rows = [[*tokens, *[0] * pad] for (_, tokens), pad in zip(prompts, padding, strict=True)]
+        self._model(mx.array(rows, dtype=mx.int32), cache=batch)
+        if any(padding):
+            for cache in batch:
+                cache.finalize()
+        mx.eval(_arrays(batch))
+        for row, (slot, _) in enumerate(prompts):
+            self._caches[slot] = [cache.extract(row) for cache in batch]
+        mx.eval([array for slot, _ in prompts for array in _arrays(self._caches[slot] or [])])
 
     def _run_batch(self, entries: list[BatchEntry]) -> list[int | None]:
         """Decode one token for each entry's slot, all slots as one batch."""

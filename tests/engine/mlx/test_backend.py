@@ -70,6 +70,25 @@ def test_slots_decoded_as_one_batch_give_what_each_gives_alone(backend: MlxBacke
     assert [out[:6] for out in outs] == alone
 
 
+def test_prompts_of_several_lengths_prefilled_as_one_batch_give_what_each_gives_alone(backend: MlxBackend) -> None:
+    """Prompts prefilled in one step are right-padded to the longest (the padding rolled out after), and a slot that
+    already holds a prefix (slot 1: its first chunk came in an earlier step) joins them."""
+    alone = [greedy_alone(backend, prompt, 4) for prompt in PROMPTS]
+    backend.start(1, GREEDY, PROMPTS[1], 0)
+    backend.step([BatchEntry(1, PROMPTS[1][:2], 0, False)])
+    for slot, prompt in enumerate(PROMPTS):
+        if slot != 1:
+            backend.start(slot, GREEDY, prompt, 0)
+    entries = [BatchEntry(0, PROMPTS[0], 0, True), BatchEntry(1, PROMPTS[1][2:], 2, True),
+               BatchEntry(2, PROMPTS[2], 0, True)]
+    outs = [[token] for token in backend.step(entries)]
+    for _ in range(3):
+        steps = [BatchEntry(slot, [out[-1]], len(PROMPTS[slot]) + len(out) - 1, True) for slot, out in enumerate(outs)]
+        for out, token in zip(outs, backend.step(steps), strict=True):
+            out.append(token)
+    assert outs == alone
+
+
 def greedy_step(backend: MlxBackend, slot: int, out: list[int], prompt: list[int]) -> int:
     [token] = backend.step([BatchEntry(slot, [out[-1]], len(prompt) + len(out) - 1, True)])
     assert token is not None
