@@ -21,8 +21,13 @@ ROW = re.compile(r"^\s*(?P<streams>\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+(?P<tps>\d+\.\
 
 
 def run_quick() -> tuple[int, str]:
-    """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
-    proc = subprocess.Popen([sys.executable, "bench/mlx.py", "--quick"], cwd=ROOT, text=True,
+    """Run the quick benchmark on the tests' tiny float32 Llama (the SmolLM2 repository is bf16, and the peer would
+    need a float32 copy of it; the benchmark's default is the real model); on a timeout, SIGTERM it first so it stops
+    the servers it started."""
+    from tests.hf_repos import tiny_llama_repo
+
+    proc = subprocess.Popen([sys.executable, "bench/mlx.py", "--quick", "--model", str(tiny_llama_repo())], cwd=ROOT,
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
