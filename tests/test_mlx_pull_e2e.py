@@ -7,6 +7,7 @@ repository, lists it as Q4 and serves it; `lmserve pull` of a second copy stores
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tests.hf_repos import tiny_llama_repo
 from tests.hub import FakeHub, serve_hub
 from tests.test_server import Server
 
-pytest.importorskip("mlx_lm", reason="the MLX engine needs mlx and mlx-lm")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="the MLX engine needs mlx-lm")
 
 REPOSITORY = "mlx-test/tiny-llama-4bit"
 COPY = "mlx-test/tiny-llama-4bit-copy"

@@ -7,19 +7,20 @@ Models (tests/hf_repos.py): a random Llama (attention only: memory that can be c
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from lmserve.engine.mlx.backend import MlxBackend
+from lmserve.engine.mlx.states import read_caches, write_caches
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.types import LoadOptions, SamplingParams
 from tests.hf_repos import tiny_lfm2_repo, tiny_llama_repo
 
-pytest.importorskip("mlx_lm", reason="the MLX engine needs mlx and mlx-lm")
-
-from lmserve.engine.mlx.backend import MlxBackend
-from lmserve.engine.mlx.states import read_caches, write_caches
+# find_spec, not an import: MLX is imported through the engine, which puts OpenBLAS under it (engine/mlx/runtime.py)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="the MLX engine needs mlx-lm")
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ([5, 17, 300, 42, 9, 1000, 77], [8, 8, 9, 2000, 31], [123, 456, 789])
