@@ -187,3 +187,15 @@ def test_an_mlx_quantized_repository_loads_as_it_is(tmp_path: Path) -> None:
         assert len(greedy_alone(quantized, PROMPTS[0], 3)) == 3
     finally:
         quantized.close()
+
+
+def test_a_model_mlx_lm_builds_but_cannot_run_is_refused_at_load() -> None:
+    """MLX's CPU build multiplies a mixture of experts in float32 only: asked for bfloat16, the two probe tokens of
+    the load fail, and the load is a 400 naming why (not every request failing later)."""
+    from lmserve.engine.mlx.options import MlxLaunch
+    from lmserve.errors import InvalidRequest
+    from tests.hf_repos import tiny_lfm2_moe_repo
+
+    with pytest.raises(InvalidRequest, match=r"mlx-lm's lfm2_moe model fails on its first tokens .*float32") as refused:
+        MlxBackend(tiny_lfm2_moe_repo(), LoadOptions(num_ctx=256, num_parallel=1), MlxLaunch(mlx_dtype="bfloat16"))
+    assert refused.value.param == "model"
