@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import httpx
 
@@ -292,6 +293,31 @@ def bench_server(name: str, args: argparse.Namespace, logdir: Path) -> list[Leve
         print(f"[{name}] failed: {type(e).__name__}: {e} (log: {log})")
     return None
 
+
+
+class _Measured(Protocol):
+    @property
+    def tps(self) -> float: ...
+
+
+M = TypeVar("M", bound=_Measured)
+
+
+def best_levels(old: dict[int, M], new: dict[int, M]) -> dict[int, M]:
+    """Per level (concurrent streams), the round with the higher throughput (bench/vs_vllm.py, bench/mlx.py)."""
+    merged = dict(old)
+    for streams, stats in new.items():
+        if streams not in merged or stats.tps > merged[streams].tps:
+            merged[streams] = stats
+    return merged
+
+
+def ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs > 0 else float("nan")
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
 
 def best_of(old: list[LevelResult] | None, new: list[LevelResult]) -> list[LevelResult]:
     """Per concurrency level, the run with the higher throughput."""

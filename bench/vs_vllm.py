@@ -37,7 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput import RequestResult, StartError, chat, free_port, running  # noqa: E402
+from bench.throughput import (  # noqa: E402
+    RequestResult,
+    StartError,
+    best_levels,
+    chat,
+    free_port,
+    ratio,
+    running,
+    verdict,
+)
 from lmserve.engine.vllm.engine import VllmOptions, available_memory, kv_cache_bytes  # noqa: E402
 
 PEERS = ("vLLM", "lmserve")
@@ -200,24 +209,7 @@ def measure_levels(name: str, base: str, args: argparse.Namespace, results: dict
         print(f"[{name}] requests failed: {type(e).__name__}: {e}", flush=True)
 
 
-def best(old: dict[int, LevelStats], new: dict[int, LevelStats]) -> dict[int, LevelStats]:
-    """Per level, the round with the higher throughput."""
-    merged = dict(old)
-    for streams, stats in new.items():
-        if streams not in merged or stats.tps > merged[streams].tps:
-            merged[streams] = stats
-    return merged
-
-
 # ---- report -----------------------------------------------------------------------------------------------------
-
-
-def ratio(ours: float, theirs: float) -> float:
-    return ours / theirs if theirs > 0 else float("nan")
-
-
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "FAIL"
 
 
 def print_table(results: dict[str, dict[int, LevelStats]], levels: list[int]) -> None:
@@ -298,7 +290,7 @@ def main() -> int:
             order = PEERS if round_no % 2 else PEERS[::-1]
             print(f"--- round {round_no} of {args.rounds}: {' then '.join(order)}", flush=True)
             for name in order:
-                results[name] = best(results[name], bench_peer(name, args, logdir, round_no))
+                results[name] = best_levels(results[name], bench_peer(name, args, logdir, round_no))
     except StartError as e:
         print(f"a server failed to start: {e}")
         return 1
