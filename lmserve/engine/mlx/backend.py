@@ -33,7 +33,7 @@ from lmserve.engine.mlx.grammar import Grammars
 from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.mlx.runtime import import_mlx
 from lmserve.engine.mlx.sampler import Sampler
-from lmserve.engine.mlx.states import cut_caches, read_caches, write_caches
+from lmserve.engine.mlx.states import copy_caches, cut_caches, read_caches, write_caches
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry
@@ -168,7 +168,7 @@ class MlxBackend:
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         if not self.info.can_cut_memory:
             return False
-        copy = read_caches(write_caches(self._own(source)), self._make_cache)
+        copy = copy_caches(self._own(source), self._make_cache)
         self._own(slot)
         if copy is None or not cut_caches(copy, length):
             self._caches[slot] = self._make_cache()
@@ -181,11 +181,11 @@ class MlxBackend:
         row = self._last_rows.get(source)
         if row is None:
             return [None] * len(slots)
-        state = write_caches(self._own(source))
+        source_caches = self._own(source)
         tokens: list[int | None] = []
         for slot in slots:
             self._own(slot)
-            copy = read_caches(state, self._make_cache)
+            copy = copy_caches(source_caches, self._make_cache)
             self._caches[slot] = copy if copy is not None else self._make_cache()
             tokens.append(self._samplers[slot].pick(row) if copy is not None else None)
         return tokens
@@ -282,7 +282,7 @@ class MlxBackend:
     def _verify(self, entry: BatchEntry, caches: Caches) -> int:
         """Decode the pending token and the draft after it; keep the drafted tokens the samples agree with."""
         mx = self._mx
-        before = write_caches(caches) if not self.info.can_cut_memory else None
+        before = copy_caches(caches, self._make_cache) if not self.info.can_cut_memory else None
         logits = self._model(mx.array(entry.tokens, dtype=mx.int32)[None], cache=caches)[0]
         rows = logits[-(entry.draft + 1):].astype(mx.float32)
         mx.eval([rows, *_arrays(caches)])
@@ -298,9 +298,9 @@ class MlxBackend:
             if before is None:
                 cut_caches(caches, _length(caches) - rejected)
             else:  # convolution state cannot be cut: back to the state before, then the accepted tokens again
-                restored = read_caches(before, self._make_cache)
+                restored = before
                 if restored is None:
-                    raise EngineFailure("the MLX engine could not restore a slot's state after a draft")
+                    raise EngineFailure("the MLX engine could not keep a slot's state before a draft")
                 kept = entry.tokens[: len(entry.tokens) - rejected]
                 mx.eval([self._model(mx.array(kept, dtype=mx.int32)[None], cache=restored), *_arrays(restored)])
                 self._caches[entry.slot] = restored

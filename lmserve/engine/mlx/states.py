@@ -84,6 +84,32 @@ def read_caches(state: bytes | bytearray | memoryview | Any, make: Callable[[], 
     return caches
 
 
+def copy_caches(caches: Caches, make: Callable[[], Caches]) -> Caches | None:
+    """Fresh caches (from `make`) holding copies of these (a fork, a shared prefix, the state before a draft), array
+    to array in MLX; None when a cache is of a kind this module does not know (as `write_caches`)."""
+    import mlx.core as mx
+
+    copies = make()
+    for cache, copy in zip(caches, copies, strict=True):
+        kind = type(cache).__name__
+        if kind != type(copy).__name__ or kind not in ("KVCache", "ArraysCache"):
+            return None
+        if kind == "KVCache":
+            if cache.keys is not None:
+                copy.keys = mx.array(cache.keys[..., : cache.offset, :])
+                copy.values = mx.array(cache.values[..., : cache.offset, :])
+            copy.offset = cache.offset
+        else:
+            copy.cache = [None if array is None else mx.array(array) for array in cache.cache]
+    mx.eval([array for copy in copies for array in _held(copy)])
+    return copies
+
+
+def _held(cache: Any) -> list[Any]:
+    arrays = [cache.keys, cache.values] if type(cache).__name__ == "KVCache" else list(cache.cache)
+    return [array for array in arrays if array is not None]
+
+
 def cut_caches(caches: Caches, length: int) -> bool:
     """Keep the first `length` positions; False when the caches hold fewer, or cannot be cut there (a state that
     is not attention can be kept whole only, when it holds exactly `length`)."""
