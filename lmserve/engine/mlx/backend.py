@@ -123,7 +123,8 @@ class MlxBackend:
     # ---- tokens ------------------------------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        tokens = [int(t) for t in self._hf.encode(text, add_special_tokens=add_special)]
+        tokens = [int(t) for t in self._hf.encode(text, add_special_tokens=add_special,
+                                                  split_special_tokens=not parse_special)]
         if len(tokens) >= 2 and tokens[0] == tokens[1] == self._bos_id:
             tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
         return tokens

@@ -199,3 +199,11 @@ def test_a_model_mlx_lm_builds_but_cannot_run_is_refused_at_load() -> None:
     with pytest.raises(InvalidRequest, match=r"mlx-lm's lfm2_moe model fails on its first tokens .*float32") as refused:
         MlxBackend(tiny_lfm2_moe_repo(), LoadOptions(num_ctx=256, num_parallel=1), MlxLaunch(mlx_dtype="bfloat16"))
     assert refused.value.param == "model"
+
+
+def test_special_tokens_in_text_are_parsed_only_when_asked(backend: MlxBackend) -> None:
+    """A client's text (fill-in-the-middle's prefix and suffix) that spells a special token stays text."""
+    end = backend.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    assert len(end) == 1 and backend.is_eog(end[0])
+    spelled = backend.tokenize("<|im_end|>", add_special=False, parse_special=False)
+    assert len(spelled) > 1 and not any(backend.is_eog(token) for token in spelled)
