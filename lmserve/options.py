@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from lmserve.errors import InvalidRequest
-from lmserve.types import LoadOptions, SamplingParams
+from lmserve.types import PRIORITY_RANGE, LoadOptions, SamplingParams
 
 Layer = dict[str, Any]
 """What one layer sets: option name → the value of its SamplingParams / LoadOptions field."""
@@ -90,6 +90,9 @@ TABLE: dict[str, Option] = {o.name: o for o in (
     _sampling("draft_max", int, "speculative decoding: most tokens drafted (from the context or the draft model) per "
               "step, the output unchanged; 0: off (default: the server's --draft-max)", low=0, high=64,
               openai=("draft_max",)),
+    _sampling("priority", int, "scheduling priority: lower runs first and may take a slot from higher (vLLM's "
+              "convention); 0 by default, batch lines run at the lowest, 1000", low=PRIORITY_RANGE[0],
+              high=PRIORITY_RANGE[1], openai=("priority",)),
     _load("num_ctx", int, "context tokens per sequence", low=1),
     _load("num_batch", int, "most tokens decoded in one step", low=1, high=8192),
     _load("num_gpu", int, "layers offloaded to a GPU; -1: all", "num_gpu_layers", low=-1),

@@ -89,11 +89,20 @@ class SamplingParams:
     draft_max: int | None = None
     """Speculative decoding: at most this many tokens drafted from the context and verified per step (the output
     is the same as without); 0: off; None: the engine's default (`--draft-max`)."""
+    priority: int = 0
+    """Scheduling, not sampling, carried here to reach the engine with the request: lower runs first (vLLM's
+    convention); a waiting request of lower value takes a slot before, and from, one of higher value. Batch lines
+    run at `BATCH_PRIORITY`."""
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
 
+
+PRIORITY_RANGE = (-1000, 1000)
+"""The values a request's `priority` may take."""
+BATCH_PRIORITY = PRIORITY_RANGE[1]
+"""The priority of a batch's lines (the Batch API, `lmserve batch`): the lowest, so interactive requests go first."""
 
 AUTO_CONTEXT = 0
 """`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each

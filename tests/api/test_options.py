@@ -68,9 +68,10 @@ def seen(engine: BatchingEngine, monkeypatch: pytest.MonkeyPatch) -> list[Sampli
     record: list[SamplingParams] = []
     start = engine.backend.start
 
-    def recording(slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def recording(slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+                  generated: list[int] | None = None) -> int:
         record.append(sampling)
-        return start(slot, sampling, prompt, num_reused)
+        return start(slot, sampling, prompt, num_reused, generated)
 
     monkeypatch.setattr(engine.backend, "start", recording)
     return record

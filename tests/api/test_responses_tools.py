@@ -58,9 +58,10 @@ class RecordingBackend(FakeBackend):
         super().__init__(**fields)
         self.prompts: list[str] = []
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
         self.prompts.append(bytes(prompt).decode())
-        return super().start(slot, sampling, prompt, num_reused)
+        return super().start(slot, sampling, prompt, num_reused, generated)
 
 
 @pytest.fixture

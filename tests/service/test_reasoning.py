@@ -33,9 +33,10 @@ class RecordingBackend(FakeBackend):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.started: list[tuple[SamplingParams, list[int]]] = []
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
         self.started.append((sampling, list(prompt)))
-        return super().start(slot, sampling, prompt, num_reused)
+        return super().start(slot, sampling, prompt, num_reused, generated)
 
 
 @pytest.fixture

@@ -338,12 +338,15 @@ class LlamaCppBackend:
 
     # ---- slots ----------------------------------------------------------------------------------
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
         self._redecode()
         if num_reused <= 0 or not lc.llama_memory_seq_rm(self._memory, slot, num_reused, -1):
             lc.llama_memory_seq_rm(self._memory, slot, -1, -1)  # hybrid/recurrent memory cannot be cut
             num_reused = 0
         sampler = self._build_sampler(sampling, prompt)
+        for token in generated or ():
+            lc.llama_sampler_accept(sampler, token)
         old = self._samplers.pop(slot, None)
         if old is not None:
             lc.llama_sampler_free(old)

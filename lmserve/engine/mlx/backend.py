@@ -147,7 +147,8 @@ class MlxBackend:
     # ---- slots -------------------------------------------------------------------------------------------------
 
     @computing
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
         caches = self._own(slot)
         if num_reused <= 0 or not cut_caches(caches, num_reused):
             self._caches[slot] = self._make_cache()
@@ -155,6 +156,8 @@ class MlxBackend:
         constraint = self._grammars.matcher(sampling.grammar) if sampling.grammar is not None else None
         self._samplers[slot] = Sampler(sampling, prompt, num_ctx=self.info.num_ctx, end_tokens=self._end_tokens,
                                        constraint=constraint)
+        for token in generated or ():
+            self._samplers[slot].accept(token)
         return num_reused
 
     def release(self, slot: int) -> None:

@@ -70,7 +70,12 @@ class Backend(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int: ...
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
+        """Give `slot` a fresh sampler for a sequence and keep at most `num_reused` positions of its memory; return
+        how many it kept. `generated`: what the sequence output before it lost its slot to a request of higher
+        priority; the sampler takes those tokens as it took them then (penalties, grammar), its random draw restarts."""
+        ...
 
     def check_grammar(self, grammar: str) -> None:
         """Raise InvalidRequest unless `grammar` (GBNF) can constrain sampling; callable from any thread."""

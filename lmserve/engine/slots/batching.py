@@ -140,6 +140,8 @@ class BatchingEngine:
         """Idle slots' prefix caches dropped to make room in a shared KV pool (`--kv-unified`)."""
         self.num_parked = 0
         """Running sequences paused (and later recomputed) to make room in a shared KV pool."""
+        self.num_preempted = 0
+        """Sequences that gave their slot to a request of higher priority (and later recomputed)."""
         self.num_prompt_tokens = 0
         """Prompt tokens of the sequences admitted since load (what the prefix and prompt caches were asked for)."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
@@ -305,7 +307,8 @@ class BatchingEngine:
         cache = self.cache_stats
         cells = self.info.num_kv_cells or self.info.num_ctx * self.info.num_parallel
         usage = min(1.0, self.scheduler.num_held_tokens() / cells)
-        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, preemptions=self.num_parked,
+        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns,
+                           preemptions=self.num_parked + self.num_preempted,
                            kv_cache_usage=usage, kv_block_size=1, kv_num_blocks=cells,
                            prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
                            cache_hits={str(k): v for k, v in cache.hits.items()},
@@ -390,10 +393,17 @@ class BatchingEngine:
     def _step(self) -> None:
         outbox: list[tuple[RequestStream, Chunk]] = []
         now = time.perf_counter_ns()
+        while (victim := self.scheduler.preemptible()) is not None:
+            slot = victim.slot
+            self.scheduler.preempt(victim)
+            self.backend.release(slot)
+            self.num_preempted += 1
         while self.scheduler.can_admit():
             seq = self.scheduler.admit()
-            self._trackers[seq].admitted_ns = now
-            self.num_prompt_tokens += len(seq.prompt)
+            tracker = self._trackers[seq]
+            if not tracker.admitted_ns:  # not when it comes back after a preemption
+                tracker.admitted_ns = now
+                self.num_prompt_tokens += len(seq.prompt)
             self.scheduler.reused(seq, self._start(seq))
         for seq, source, length in self.scheduler.ready_shares():
             if self.backend.copy_prefix(source, seq.slot, length):
@@ -550,7 +560,8 @@ class BatchingEngine:
         A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
         restored after it would be overwritten (the backend refuses that)."""
         self._save(seq.slot, seq.evicts, seq.num_cached)
-        kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached)
+        generated = seq.output[: seq.num_refill] if seq.num_refill else None  # back after a preemption
+        kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached, generated)
         copy = seq.copy_len if seq.copy_from >= 0 and seq.copy_len > kept else 0
         restored, tier = self._restore_cached(seq, max(kept, copy))
         if restored:
@@ -577,8 +588,9 @@ class BatchingEngine:
     def _restore_cached(self, seq: Sequence, floor: int) -> tuple[int, Tier]:
         """Restore into the slot the saved state of the longest prefix of the prompt when it holds at least
         `min_share` more than `floor` positions: (the positions held now, where they came from), or (0, "slot")."""
-        limit = len(seq.prompt) - 1
-        hit = self.cache.lookup(self.cache_key, seq.prompt, limit, self.info.can_cut_memory) \
+        tokens = seq.prefill_tokens
+        limit = len(tokens) - 1
+        hit = self.cache.lookup(self.cache_key, tokens, limit, self.info.can_cut_memory) \
             if self.cache.is_enabled and floor < limit else None
         if hit is None:
             return 0, "slot"

@@ -96,9 +96,10 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token == EOG
 
-    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int) -> int:
+    def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
+              generated: list[int] | None = None) -> int:
         self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
-        self._counts[slot] = 0
+        self._counts[slot] = len(generated or ())  # its text goes on where it stopped
         self.held[slot] = num_reused
         return num_reused
 

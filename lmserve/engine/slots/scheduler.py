@@ -37,6 +37,14 @@ and goes on as if nothing happened. Parked sequences resume oldest first, one ea
 (its memory becomes an evictable prefix cache), or when nothing else could run; no new sequence is admitted while
 one is parked, so the pool is not refilled behind it.
 
+Requests have a priority (`SamplingParams.priority`; lower runs first, as in vLLM). The waiting queue is kept in
+priority order, first come first served within one priority. When a waiting sequence finds no free slot while a
+running one has a lower priority (a higher value), that one is preempted (`preempt`): it leaves its slot, which
+keeps its tokens as any freed slot does (so the engine saves them in the prompt cache when the slot is taken), and
+it waits again ahead of its own priority, to prefill its prompt and output so far when it gets a slot, as a parked
+sequence does. While a sequence prefills, the work of sequences of lower priority waits (`schedule`), so an
+interactive request's first token is not slowed by a batch's decoding.
+
 Each sequence is in one `Phase` at a time, and moves only along the edges of `MOVES` (`Sequence.move` asserts it).
 """
 
@@ -55,7 +63,7 @@ class Phase(Enum):
     """Where a sequence is in its life; only a prefilling or decoding sequence puts tokens in a step."""
 
     WAITING = "waiting"
-    """Queued for a free slot."""
+    """Queued for a free slot (again, after a preemption)."""
     PREFILLING = "prefilling"
     """In a slot, computing its prompt (and after a park, its output so far) chunk by chunk."""
     FOLLOWING = "following"
@@ -72,10 +80,10 @@ class Phase(Enum):
 
 MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.WAITING: frozenset({Phase.PREFILLING, Phase.FOLLOWING, Phase.FORKING, Phase.FINISHED}),
-    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.PARKED, Phase.FINISHED}),
+    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.PARKED, Phase.WAITING, Phase.FINISHED}),
     Phase.FOLLOWING: frozenset({Phase.PREFILLING, Phase.PARKED, Phase.FINISHED}),
     Phase.FORKING: frozenset({Phase.DECODING, Phase.PREFILLING, Phase.FINISHED}),
-    Phase.DECODING: frozenset({Phase.PARKED, Phase.FINISHED}),
+    Phase.DECODING: frozenset({Phase.PARKED, Phase.WAITING, Phase.FINISHED}),
     Phase.PARKED: frozenset({Phase.PREFILLING, Phase.FINISHED}),
     Phase.FINISHED: frozenset(),
 }
@@ -112,9 +120,13 @@ class Sequence:
     this one is forking: it waits, then takes a whole copy of its memory and samples its first token from the same
     logits."""
     num_refill: int = 0
-    """Output tokens prefilled after the prompt, once parked: the prefill recomputes what the slot lost."""
+    """Output tokens prefilled after the prompt, once parked or preempted: the prefill recomputes what was lost."""
     evicts: list[int] = field(default_factory=list)
     """At admission: the tokens the slot held before this sequence took it (it keeps `num_cached` of them)."""
+
+    @property
+    def priority(self) -> int:
+        return self.sampling.priority
 
     def move(self, phase: Phase) -> None:
         """Move to `phase`; AssertionError when `MOVES` has no such edge. Leaving following or forking forgets the
@@ -202,7 +214,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a new sequence behind every waiting one of its priority or a higher one (a lower value)."""
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].priority > seq.priority:
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def num_held_tokens(self) -> int:
         """Tokens whose state the slots' memory holds: each running sequence's, and each free slot's kept prefix
@@ -224,10 +240,11 @@ class Scheduler:
         the slot held before.
         """
         seq = self.waiting.popleft()
-        index, length = self.choose_slot(seq.prompt)
+        tokens = seq.prefill_tokens
+        index, length = self.choose_slot(tokens)
         seq.slot = self._free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
-        seq.num_cached = seq.cut_outside_images(min(length, len(seq.prompt) - 1))
+        seq.num_cached = seq.cut_outside_images(min(length, len(tokens) - 1))
         source = seq.fork_of
         if source is not None and source in self.running and source.phase in (Phase.PREFILLING, Phase.FOLLOWING):
             seq.move(Phase.FORKING)
@@ -240,6 +257,35 @@ class Scheduler:
             seq.move(Phase.FOLLOWING if seq.leader is not None else Phase.PREFILLING)
         self.running.append(seq)
         return seq
+
+    def preemptible(self) -> Sequence | None:
+        """The running sequence to preempt for the first waiting one, or None: when no slot is free (and nothing is
+        parked), the one of the lowest priority below the waiting one's, the newest of them; only a prefilling or
+        decoding sequence (one that others wait for to copy or fork from stays)."""
+        if not self.waiting or self._free_slots or any(seq.phase is Phase.PARKED for seq in self.running):
+            return None
+        first = self.waiting[0].priority
+        candidates = [seq for seq in self.running if seq.priority > first and seq.phase in (
+            Phase.PREFILLING, Phase.DECODING) and not self.forks(seq) and not self._followers(seq)]
+        return max(reversed(candidates), key=lambda seq: seq.priority, default=None)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq` out of its slot (the engine releases the slot's sampler; the slot keeps its tokens, a prefix
+        cache like any freed slot's) and queue it first among its priority. When it gets a slot again it prefills
+        its prompt and its output so far and goes on (`num_refill`), as a parked sequence does."""
+        self.running.remove(seq)
+        self._free_slots.append(seq.slot)
+        self.slot_tokens[seq.slot] = seq.held
+        seq.move(Phase.WAITING)
+        seq.slot, seq.copy_from, seq.copy_len, seq.evicts = -1, -1, 0, []
+        seq.num_refill, seq.num_prefilled, seq.num_cached, seq.draft = len(seq.output), 0, 0, []
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].priority < seq.priority:
+            index += 1
+        self.waiting.insert(index, seq)
+
+    def _followers(self, seq: Sequence) -> list[Sequence]:
+        return [other for other in self.running if other.phase is Phase.FOLLOWING and other.leader is seq]
 
     def choose_slot(self, prompt: list[int]) -> tuple[int, int]:
         """The index in the free list of the slot for `prompt`, and the prefix of it that slot holds.
@@ -336,7 +382,7 @@ class Scheduler:
     def reused(self, seq: Sequence, num_reused: int) -> None:
         """Record how much of the slot's memory the backend kept for `seq`."""
         seq.num_cached = seq.num_prefilled = num_reused
-        self.slot_tokens[seq.slot] = seq.prompt[:num_reused]
+        self.slot_tokens[seq.slot] = seq.prefill_tokens[:num_reused]
 
     def forget(self, slot: int) -> None:
         """The slot's memory is no longer trusted (a failed decode): reuse nothing from it."""
@@ -405,7 +451,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         if all(seq.phase in (Phase.PARKED, Phase.FORKING) for seq in self.running):
             self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
+        urgent = min((seq.priority for seq in self.running if seq.phase is Phase.PREFILLING), default=None)
         for seq in self.running:
+            if urgent is not None and seq.priority > urgent:
+                continue  # a prompt of higher priority is prefilling: this waits for it
             if seq.phase is Phase.DECODING and budget > 0:
                 draft = seq.draft[: budget - 1]
                 plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
@@ -416,7 +465,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.phase is not Phase.PREFILLING:
+            if seq.phase is not Phase.PREFILLING or (urgent is not None and seq.priority > urgent):
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)

@@ -118,6 +118,7 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "enable_prefix_caching": True,
         "disable_log_stats": True,
         "logprobs_mode": "processed_logprobs",  # the sampling distribution's, as on llama.cpp (engine/logprobs.py)
+        "scheduling_policy": "priority",  # requests' `priority` (batch lines run last); FCFS within one priority
     }
     compilation: dict[str, Any] = {}
     if options.is_cpu and cpu_rope_kernel_wrong(config):
@@ -467,11 +468,13 @@ class LogprobMapper:
 class VllmStream:
     """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
 
-    def __init__(self, engine: VllmEngine, prompt: list[int], params: Any, images: list[Any] | None = None) -> None:
+    def __init__(self, engine: VllmEngine, prompt: list[int], params: Any, images: list[Any] | None = None, *,
+                 priority: int = 0) -> None:
         self._engine = engine
         self._prompt = prompt
         self._params = params
         self._images = images or []
+        self._priority = priority
         self._prompt_length = len(prompt)
         self._output: list[int] = []
         self.request_id = f"lmserve-{next(_ids)}"
@@ -510,7 +513,8 @@ class VllmStream:
         request = TokensPrompt(prompt_token_ids=self._prompt)
         if self._images:  # vLLM's processor expands each image's placeholder into the image's tokens
             request["multi_modal_data"] = {"image": self._images}
-        outputs = self._engine.llm.generate(request, self._params, request_id=self.request_id)
+        outputs = self._engine.llm.generate(request, self._params, request_id=self.request_id,
+                                            priority=self._priority)
         try:
             async for out in outputs:
                 completion = out.outputs[0]
@@ -669,7 +673,8 @@ class VllmEngine:
         if images and self.info.image_marker is None:
             raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
                                  param="images")
-        stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []])
+        stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []],
+                            priority=sampling.priority)
         self._streams[stream.request_id] = stream
         return stream
 

@@ -354,3 +354,25 @@ async def test_kv_cache_usage_counts_a_running_sequence() -> None:
         assert seen and (4 + 9) / 128 <= seen[0] <= (4 + 40) / 128  # at least what was streamed, at most all of it
     finally:
         eng.close()
+
+
+async def test_a_request_of_higher_priority_takes_the_slot_and_the_preempted_one_ends_as_it_would_have() -> None:
+    engine = BatchingEngine(FakeBackend(num_ctx=4096, num_parallel=1, step_delay=0.002), max_batch_tokens=64,
+                            max_prefill_tokens=64)
+    alone, _ = await collect(engine, "batch line", max_tokens=60, priority=1000)
+    low = engine.submit(engine.tokenize("batch line"), SamplingParams(max_tokens=60, priority=1000))
+    low_chunks: list[Chunk] = []
+    async for chunk in low:
+        low_chunks.append(chunk)
+        if len(low_chunks) == 10:
+            break
+    high_text, high_end = await collect(engine, "interactive", max_tokens=5, priority=0)
+    async for chunk in low:
+        low_chunks.append(chunk)
+    assert high_text == FakeBackend.expected(len("interactive"), 5)
+    assert "".join(c.text for c in low_chunks) == alone
+    assert low_chunks[-1].finish_reason == "length"
+    assert low_chunks[-1].usage is not None and low_chunks[-1].usage.prompt_tokens == len("batch line")
+    assert engine.stats.preemptions == 1
+    assert high_end.finish_reason == "length"
+    engine.close()

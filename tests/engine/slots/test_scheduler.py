@@ -388,3 +388,98 @@ def test_an_illegal_move_raises_naming_both_phases() -> None:
     scheduler.remove(s)
     with pytest.raises(AssertionError, match="from FINISHED to PREFILLING"):
         s.move(Phase.PREFILLING)
+
+
+# ---- priority ----------------------------------------------------------------------------------------------------
+
+
+def ranked(num_prompt: int, priority: int) -> Sequence:
+    return Sequence(prompt=list(range(num_prompt)), sampling=SamplingParams(priority=priority), max_new_tokens=16)
+
+
+def test_the_waiting_queue_is_in_priority_order_and_first_come_first_served_within_one() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    low1, high, low2, normal = ranked(3, 1000), ranked(3, -5), ranked(3, 1000), ranked(3, 0)
+    for s in (low1, high, low2, normal):
+        scheduler.add(s)
+    assert list(scheduler.waiting) == [high, normal, low1, low2]
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "preempted"),
+    [
+        ((1000, 1000), 0, 1),  # the newest of the lowest
+        ((5, 1000), 0, 1),  # the lowest, not the newest
+        ((1000, 5), 0, 0),
+        ((0, 0), 0, None),  # the same priority waits its turn
+        ((0, 5), 10, None),  # a lower priority never preempts
+    ],
+)
+def test_a_waiting_sequence_preempts_the_lowest_running_below_it_when_no_slot_is_free(
+    running: tuple[int, int], waiting: int, preempted: int | None,
+) -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    seqs = [ranked(3, priority) for priority in running]
+    for s in seqs:
+        scheduler.add(s)
+    admit_all(scheduler)
+    scheduler.add(ranked(3, waiting))
+    victim = scheduler.preemptible()
+    assert victim is (seqs[preempted] if preempted is not None else None)
+
+
+def test_no_preemption_while_a_slot_is_free() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    low = ranked(3, 1000)
+    scheduler.add(low)
+    admit_all(scheduler)
+    scheduler.add(ranked(3, 0))
+    assert scheduler.preemptible() is None
+
+
+def test_a_preempted_sequence_waits_first_among_its_priority_and_prefills_its_output_when_it_returns() -> None:
+    scheduler = Scheduler(num_slots=1, max_batch_tokens=64, max_prefill_tokens=64)
+    low, later_low = ranked(6, 1000), ranked(4, 1000)
+    scheduler.add(low)
+    admit_all(scheduler)
+    scheduler.prefilled(low, 6)
+    low.output = [40, 41, 42]  # 40 and 41 are in the slot, 42 is pending
+    scheduler.add(later_low)
+    high = ranked(5, 0)
+    scheduler.add(high)
+    slot = low.slot
+    assert scheduler.preemptible() is low
+    scheduler.preempt(low)
+    assert low.phase is Phase.WAITING and low.slot == -1
+    assert list(scheduler.waiting) == [high, low, later_low]
+    assert scheduler.slot_tokens[slot] == [*range(6), 40, 41]  # a prefix cache like any freed slot's
+    assert low.prefill_tokens == [*range(6), 40, 41, 42]
+    admit_all(scheduler)
+    assert scheduler.running == [high]
+    scheduler.remove(high)
+    admit_all(scheduler)
+    assert scheduler.running == [low]
+    plan = scheduler.schedule()
+    [(planned, entry)] = plan
+    assert planned is low and entry.tokens == low.prefill_tokens[low.num_prefilled:] and entry.wants_sample
+    assert scheduler.prefilled(low, len(entry.tokens)) is True
+    assert low.phase is Phase.DECODING and low.output == [40, 41, 42]
+
+
+def test_lower_priority_work_waits_while_a_higher_priority_prompt_prefills() -> None:
+    scheduler = Scheduler(num_slots=3, max_batch_tokens=64, max_prefill_tokens=8)
+    batch_decoding, batch_prefilling = ranked(4, 1000), ranked(30, 1000)
+    for s in (batch_decoding, batch_prefilling):
+        scheduler.add(s)
+    admit_all(scheduler)
+    scheduler.prefilled(batch_decoding, 4)
+    batch_decoding.output = [9]
+    interactive = ranked(20, 0)
+    scheduler.add(interactive)
+    admit_all(scheduler)
+    plan = scheduler.schedule()
+    assert [s for s, _ in plan] == [interactive]
+    assert len(plan[0][1].tokens) == 8
+    scheduler.prefilled(interactive, 20)  # done: everyone runs again
+    interactive.output = [1]
+    assert {id(s) for s, _ in scheduler.schedule()} == {id(batch_decoding), id(batch_prefilling), id(interactive)}
