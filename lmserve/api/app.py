@@ -24,7 +24,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.api.access_log import install as install_access_log
 from lmserve.api.anthropic import anthropic_router
+from lmserve.api.batch_lines import asgi_send
+from lmserve.api.batches import BatchService, batch_store, batches_router
 from lmserve.api.conversations import conversations_router, conversations_store
+from lmserve.api.files import FILES_PATH, files_router, files_store
 from lmserve.api.gateway import gateway_router
 from lmserve.api.health import HEALTH_PATH, LIVENESS_PATH, health_router
 from lmserve.api.infill import infill_router
@@ -39,7 +42,7 @@ from lmserve.api.tokens import tokens_router
 from lmserve.api.web import WEB_PREFIX, web_router
 from lmserve.api.wire_errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
-from lmserve.config import DEFAULT_ORIGINS, ServerConfig
+from lmserve.config import DEFAULT_ORIGINS, ServerConfig, env_name
 from lmserve.errors import AuthenticationFailed, LmserveError
 from lmserve.service import Service
 
@@ -64,9 +67,13 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
         for name in preload:
             await service.models.load(name, keep_alive=-1)
         expiry = asyncio.create_task(service.residency.run_expiry())
+        send, close_send = asgi_send(app, config.api_key)  # batch lines go through the app's own routes
+        await batches.start(send)
         try:
             yield
         finally:
+            await batches.stop()
+            await close_send()
             expiry.cancel()
 
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -80,6 +87,10 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     conversations = conversations_store(config)
     app.include_router(responses_router(service, responses_store(config), media, conversations))
     app.include_router(conversations_router(conversations))
+    app.state.files = files_store(config)  # shared with the batch routes
+    app.include_router(files_router(app.state.files))
+    batches = BatchService(batch_store(config), app.state.files, concurrency=config.batch_concurrency)
+    app.include_router(batches_router(batches))
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
@@ -231,6 +242,9 @@ class CatchAllMiddleware:
 
 BLOB_PREFIX = "/api/blobs/"
 """Blob uploads are model weights: exempt from the body limit."""
+FORM_ALLOWANCE = 1 << 20
+"""What a file upload's body (POST /v1/files) may carry beyond LMSERVE_FILES_MAX_UPLOAD: the form around the file
+(the file store bounds the file itself)."""
 CORS_METHODS = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
 CORS_HEADERS = ("Authorization", "Content-Type", "Accept", "User-Agent", "X-Requested-With")
 CORS_MAX_AGE = "86400"
@@ -242,8 +256,8 @@ class BodyTooLarge(StarletteHTTPException):
 
     code = "request_too_large"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"Request body is larger than the limit of {limit} bytes (LMSERVE_MAX_BODY).")
+    def __init__(self, limit: int, variable: str = "LMSERVE_MAX_BODY") -> None:
+        super().__init__(413, f"Request body is larger than the limit of {limit} bytes ({variable}).")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -282,7 +296,8 @@ class GuardMiddleware:
       evil.com that rebinds its name to 127.0.0.1 must not reach the server.
     - An allowed Origin gets Access-Control-Allow-Origin and preflights are answered here with 204 (browsers send
       no Authorization on a preflight). A disallowed Origin gets no CORS headers, and 403 on anything but GET/HEAD.
-    - A body beyond config.max_body_bytes gets 413: at once from Content-Length, else while it is received.
+    - A body beyond config.max_body_bytes gets 413: at once from Content-Length, else while it is received. Blob
+      uploads are exempt; file uploads (POST /v1/files) are bounded by config.files_max_upload instead.
     """
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
@@ -290,6 +305,7 @@ class GuardMiddleware:
         self._check_host = is_loopback_host(config.host)
         self._origins = [origin_pattern(o) for o in (*DEFAULT_ORIGINS, *config.origins)]
         self._max_body = config.max_body_bytes
+        self._max_upload = config.files_max_upload + FORM_ALLOWANCE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -314,19 +330,28 @@ class GuardMiddleware:
                 if method == "OPTIONS" and _header(scope, b"access-control-request-method"):
                     await self._preflight(scope, send, cors)
                     return
-        if self._max_body and not path.startswith(BLOB_PREFIX):
+        limit, variable = self._body_limit(path)
+        if limit:
             length = _header(scope, b"content-length")
-            if length.isdigit() and int(length) > self._max_body:
-                err = _too_large(self._max_body)
+            if length.isdigit() and int(length) > limit:
+                err = _too_large(BodyTooLarge(limit, variable))
                 await send_error(send, path, err, {"Connection": "close"} | _cors_dict(cors))
                 return
-            receive = self._limited(receive)
+            receive = self._limited(receive, limit, variable)
         if cors:
             send = _adding_headers(send, cors)
         try:
             await self.app(scope, receive, send)
-        except BodyTooLarge:  # raised where no exception handler runs; the response cannot have started
-            await send_error(send, path, _too_large(self._max_body))
+        except BodyTooLarge as exc:  # raised where no exception handler runs; the response cannot have started
+            await send_error(send, path, _too_large(exc))
+
+    def _body_limit(self, path: str) -> tuple[int, str]:
+        """The most bytes a request body on `path` may have (0: no limit) and the variable that sets it."""
+        if path.startswith(BLOB_PREFIX):
+            return 0, ""
+        if path == FILES_PATH:
+            return self._max_upload, f"{env_name('files_max_upload')} and {FORM_ALLOWANCE} for the form"
+        return self._max_body, env_name("max_body_bytes")
 
     @staticmethod
     def _on_socket(scope: Scope) -> bool:
@@ -358,8 +383,8 @@ class GuardMiddleware:
         await send({"type": "http.response.start", "status": 204, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
 
-    def _limited(self, receive: Receive) -> Receive:
-        limit = self._max_body
+    @staticmethod
+    def _limited(receive: Receive, limit: int, variable: str) -> Receive:
         received = 0
 
         async def limited_receive() -> Message:
@@ -368,7 +393,7 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, variable)
             return message
 
         return limited_receive
@@ -381,8 +406,8 @@ def _denied(message: str) -> LmserveError:
     return err
 
 
-def _too_large(limit: int) -> LmserveError:
-    err = LmserveError(str(BodyTooLarge(limit).detail), code=BodyTooLarge.code)
+def _too_large(exc: BodyTooLarge) -> LmserveError:
+    err = LmserveError(str(exc.detail), code=BodyTooLarge.code)
     err.status = 413
     err.type = "invalid_request_error"
     return err
