@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lmserve import __version__
+from lmserve import __version__, batch_command
 from lmserve.config import OPTIONS, ConfigError, ServerConfig, add_arguments, environment_help, resolve
 from lmserve.parsing import model_name_for_file
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(serve)
     _add_client_commands(commands)
+    batch_command.add_parser(commands)
     return parser
 
 
@@ -126,6 +127,8 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"lmserve: {exc}", file=sys.stderr)
             return 2
         return _serve(config, argv)
+    if args.command == "batch":
+        return batch_command.run(args)
     from lmserve.client import Client, ClientError
 
     try:

@@ -125,16 +125,18 @@ def _is_stored(catalog: Catalog, name: str) -> bool:
     return True
 
 
-def build_app(config: ServerConfig, *, preload: bool = False) -> tuple[Service, str, FastAPI]:
+def build_app(config: ServerConfig, *, preload: bool = False, resume_batches: bool = True,
+              ) -> tuple[Service, str, FastAPI]:
     """The service, the name of the served model and the HTTP app of `config`: the ASGI factory of `lmserve serve`
     and of `asgi_app`. With `preload`, the app's own lifespan loads the model at startup (kept loaded) and closes
-    the service at shutdown, for ASGI servers other than `serve`'s (which loads it before it serves)."""
+    the service at shutdown, for ASGI servers other than `serve`'s (which loads it before it serves) and for
+    `lmserve batch` (which runs no batch of the store: `resume_batches` False)."""
     from lmserve.api.app import create_app
 
     service, name = build_service(config)
     if not preload:
         return service, name, create_app(service, config, served=name)
-    app = create_app(service, config, preload=[name], served=name)
+    app = create_app(service, config, preload=[name], served=name, resume_batches=resume_batches)
     opened = app.router.lifespan_context
 
     @contextlib.asynccontextmanager

@@ -58,9 +58,11 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 
 
 def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = (),
-               served: str | None = None) -> FastAPI:
+               served: str | None = None, resume_batches: bool = True) -> FastAPI:
     """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded; `served`
-    is the model the server was started with (listed first by GET /v1/models, so the web page starts on it)."""
+    is the model the server was started with (listed first by GET /v1/models, so the web page starts on it).
+    `resume_batches`: run the unfinished batches of the store at startup (not for `lmserve batch`, which runs its
+    own file in process)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,7 +70,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
             await service.models.load(name, keep_alive=-1)
         expiry = asyncio.create_task(service.residency.run_expiry())
         send, close_send = asgi_send(app, config.api_key)  # batch lines go through the app's own routes
-        await batches.start(send)
+        await batches.start(send, resume=resume_batches)
         try:
             yield
         finally:

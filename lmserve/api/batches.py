@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 _WINDOW = re.compile(r"([1-9]\d{0,3})h")
 MAX_METADATA = 16
+SAVE_EVERY = 2.0
+"""Seconds between saves of a running batch's counts (a resumed batch counts its logs again anyway)."""
 
 
 class ExpiresAfter(BaseModel):
@@ -107,10 +109,10 @@ class BatchService:
         self._send: Send | None = None
         self._runs: dict[str, _Run] = {}
 
-    async def start(self, send: Send) -> None:
-        """Run lines through `send` from now on, and resume every batch that had not ended."""
+    async def start(self, send: Send, *, resume: bool = True) -> None:
+        """Run lines through `send` from now on, and (`resume`) every batch that had not ended."""
         self._send = send
-        for record in await asyncio.to_thread(self.store.all):
+        for record in await asyncio.to_thread(self.store.all) if resume else []:
             if record.status in ACTIVE:
                 log.info("resuming batch %s (%s)", record.id, record.status)
                 self._launch(record)
@@ -187,6 +189,10 @@ class BatchService:
 
     async def _run(self, run: _Run) -> None:
         record = run.record
+        claim = await asyncio.to_thread(self.store.claim, record.id)
+        if claim is None:  # another server on this store runs it
+            self._runs.pop(record.id, None)
+            return
         self.files.pin(record.input_file_id)
         try:
             await self._work(run)
@@ -199,6 +205,7 @@ class BatchService:
                               "param": None}]
             await asyncio.to_thread(self.store.save, record)
         finally:
+            claim.release()
             self.files.unpin(record.input_file_id)
             if record.status not in ACTIVE:
                 self._runs.pop(record.id, None)
@@ -264,6 +271,8 @@ class BatchService:
         assert self._send is not None
         record = run.record
 
+        saved = [time.monotonic()]
+
         def on_result(line: BatchLine, result: dict[str, Any]) -> None:
             if result["response"]["status_code"] == 200:
                 output.append(result)
@@ -272,6 +281,9 @@ class BatchService:
             else:
                 errors.append(result)
                 record.failed += 1
+            if time.monotonic() - saved[0] > SAVE_EVERY:  # for GETs that read the disk (another server's batch)
+                self.store.save(record)
+                saved[0] = time.monotonic()
 
         left = record.expires_at - time.time()
         expiry = asyncio.get_running_loop().call_later(max(left, 0), _expire, run)

@@ -15,6 +15,7 @@ resumes runs the others. When a batch ends its logs become files (the files stor
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -160,6 +161,18 @@ class ResultLog:
         self._file.close()
 
 
+class BatchClaim:
+    """A held batch lock (`BatchStore.claim`); `release` lets it go."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = -1
+
+
 class BatchStore:
     """Batch records and their result logs under `root`; at most `max_count` records, each kept `ttl` seconds."""
 
@@ -202,6 +215,19 @@ class BatchStore:
     def open_log(self, batch_id: str, kind: Literal["output", "errors"]) -> ResultLog:
         return ResultLog(self.log_path(batch_id, kind))
 
+    def claim(self, batch_id: str) -> BatchClaim | None:
+        """Hold the right to run a batch (an exclusive lock on `runs/<id>.lock`, which the system lets go when the
+        process ends, however it ends); None when another process holds it (servers sharing a store)."""
+        path = self.root / "runs" / f"{batch_id}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        return BatchClaim(fd)
+
     def _remove_orphan_logs(self) -> None:
         """Logs whose batch the bounds removed go too."""
         runs = self.root / "runs"
@@ -211,5 +237,5 @@ class BatchStore:
             return
         live = set(self.records.ids())
         for name in names:
-            if name.split(".", 1)[0] not in live:
+            if name.split(".", 1)[0] not in live and not name.endswith(".lock"):
                 (runs / name).unlink(missing_ok=True)
