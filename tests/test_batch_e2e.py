@@ -110,7 +110,7 @@ def test_interactive_requests_go_before_a_running_batch(server: Server) -> None:
         done = wait_done(client, batch.id, timeout=30)
         assert done.status == "cancelled"
         ids = [line["custom_id"] for line in result_lines(client, done.output_file_id)]
-        assert len(ids) == len(set(ids)) == done.request_counts.completed  # type: ignore[union-attr]
+        assert len(ids) == len(set(ids)) == done.request_counts.completed
         assert len(ids) < 40
         metrics = httpx.get(server.base_url + "/metrics").text
         preempted = re.search(rf'^lmserve_preemptions_total{{model="{re.escape(MODEL)}"}} (\S+)$', metrics,
@@ -203,5 +203,5 @@ def test_lmserve_batch_against_a_running_server(server: Server, tmp_path: Path) 
     assert "7 lines" in done.stderr.decode() and "5 succeeded, 2 failed" in done.stderr.decode()
     results = {json.loads(line)["custom_id"]: json.loads(line) for line in out.read_text().splitlines()}
     assert results["bad"]["response"]["status_code"] == 400
-    assert results[None]["error"]["code"] == "invalid_json_line"  # type: ignore[index]
+    assert results[None]["error"]["code"] == "invalid_json_line"
     assert all(results[f"r{i}"]["response"]["status_code"] == 200 for i in range(5))

@@ -93,7 +93,7 @@ async def test_a_chat_batch_runs_to_completion_with_openais_output_lines(engine:
             assert response["status_code"] == 200 and response["body"]["object"] == "chat.completion"
             assert response["body"]["usage"]["completion_tokens"] == 4
         assert done.usage is not None and done.usage.output_tokens == 9 * 4
-        output = await client.files.retrieve(done.output_file_id)  # type: ignore[arg-type]
+        output = await client.files.retrieve(done.output_file_id)
         assert output.purpose == "batch_output" and output.filename == f"{batch.id}_output.jsonl"
         listed = await client.batches.list()
         assert [b.id for b in listed.data] == [batch.id]
@@ -206,7 +206,7 @@ async def test_cancel_stops_the_batch_promptly_and_keeps_what_finished(tmp_path:
             assert done.status == "cancelled" and done.cancelled_at
             out = await lines_of(client, done.output_file_id)
             ids = [line["custom_id"] for line in out]
-            assert len(ids) == len(set(ids)) == done.request_counts.completed  # type: ignore[union-attr]
+            assert len(ids) == len(set(ids)) == done.request_counts.completed
             assert 3 <= len(ids) < 200
             await asyncio.sleep(0.1)
             assert engine.num_running == 0 and engine.num_waiting == 0  # the lines in flight were aborted
