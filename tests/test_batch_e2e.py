@@ -205,3 +205,28 @@ def test_lmserve_batch_against_a_running_server(server: Server, tmp_path: Path) 
     assert results["bad"]["response"]["status_code"] == 400
     assert results[None]["error"]["code"] == "invalid_json_line"
     assert all(results[f"r{i}"]["response"]["status_code"] == 200 for i in range(5))
+
+
+def readme_block(marker: str) -> str:
+    """The fenced block right after `<!-- batch example: MARKER -->` in the README."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = text.split(f"<!-- batch example: {marker} -->", 1)[1]
+    return after.split("```", 2)[1].split("\n", 1)[1]
+
+
+def test_the_readmes_batch_example_runs_as_written(tmp_path: Path) -> None:
+    (tmp_path / "requests.jsonl").write_text(readme_block("requests.jsonl"))
+    [command] = [line.split("#")[0].split() for line in readme_block("command").splitlines()
+                 if line.startswith("lmserve batch")]
+    assert command[:2] == ["lmserve", "batch"]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+    environment["LMSERVE_MODELS"] = str(tmp_path / "store")
+    done = subprocess.run([sys.executable, "-m", "lmserve", *command[1:]], cwd=tmp_path, env=environment,
+                          capture_output=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    assert "3 succeeded, 0 failed" in done.stderr.decode()
+    results = {json.loads(line)["custom_id"]: json.loads(line)
+               for line in (tmp_path / "results.jsonl").read_text().splitlines()}
+    assert {custom_id: r["response"]["body"]["object"] for custom_id, r in results.items()} == {
+        "q1": "chat.completion", "q2": "text_completion", "q3": "list"}
+    assert results["q1"]["response"]["body"]["choices"][0]["message"]["content"]

@@ -32,8 +32,12 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.listening": set(),
     "lmserve.supervisor": BASE | {"lmserve.listening", "lmserve.store.load_crashes"},
     "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server", "lmserve.listening",
-                           "lmserve.supervisor", "lmserve.replicas"},
+                           "lmserve.supervisor", "lmserve.replicas", "lmserve.batch_command"},
+    # `lmserve batch` runs the batch lines of the API layer, offline through `serve`'s app or over HTTP
+    "lmserve.batch_command": BASE | {"lmserve.api", "lmserve.server", "lmserve.store.batches"},
     "lmserve.replicas": BASE | {"lmserve.api", "lmserve.server"},
+    # the offline engine composes `serve`'s service and reuses the OpenAI dialect's translators (no second one)
+    "lmserve.offline": BASE | {"lmserve.server", "lmserve.service", "lmserve.api", "lmserve.chat.media"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},
