@@ -239,3 +239,45 @@ async def test_a_server_that_stops_mid_batch_resumes_it_with_no_line_lost_or_wri
             assert done.usage is not None and done.usage.output_tokens == 60 * 8
     finally:
         engine.close()
+
+
+async def test_responses_and_completions_lines_run_as_their_routes_answer(engine: BatchingEngine,
+                                                                          tmp_path: Path) -> None:
+    responses = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": "fake", "input": f"question {i}", "max_output_tokens": 3}} for i in range(3)]
+    completions = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "fake", "prompt": f"text {i}", "max_tokens": 3}} for i in range(3)]
+    async with serving(engine, tmp_path) as client:
+        for endpoint, lines, kind in (("/v1/responses", responses, "response"),
+                                      ("/v1/completions", completions, "text_completion")):
+            upload = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                completion_window="24h")
+            done = await finished(client, batch.id)
+            assert done.status == "completed" and done.request_counts.completed == 3  # type: ignore[union-attr]
+            out = await lines_of(client, done.output_file_id)
+            assert {line["response"]["body"]["object"] for line in out} == {kind}
+
+
+async def test_lines_not_run_when_the_window_passes_go_to_the_error_file_and_the_batch_expires(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("lmserve.api.batches.window_seconds", lambda window: 1)
+    engine = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=2, step_delay=0.005))
+    try:
+        async with serving(engine, tmp_path, batch_concurrency=2) as client:
+            data = jsonl(*(chat_line(f"r{i}", max_tokens=20) for i in range(300)))
+            upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            done = await finished(client, batch.id, timeout=10)
+            assert done.status == "expired" and done.expired_at
+            counts = done.request_counts
+            assert counts is not None and counts.total == 300 and counts.completed + counts.failed == 300
+            assert 0 < counts.completed < 300
+            errors = await lines_of(client, done.error_file_id)
+            assert len(errors) == counts.failed and {e["error"]["code"] for e in errors} == {"batch_expired"}
+            done_ids = {line["custom_id"] for line in await lines_of(client, done.output_file_id)}
+            assert done_ids.isdisjoint(e["custom_id"] for e in errors)
+    finally:
+        engine.close()
