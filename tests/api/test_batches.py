@@ -254,7 +254,7 @@ async def test_responses_and_completions_lines_run_as_their_routes_answer(engine
             batch = await client.batches.create(input_file_id=upload.id, endpoint=endpoint,  # type: ignore[arg-type]
                                                 completion_window="24h")
             done = await finished(client, batch.id)
-            assert done.status == "completed" and done.request_counts.completed == 3  # type: ignore[union-attr]
+            assert done.status == "completed" and done.request_counts.completed == 3
             out = await lines_of(client, done.output_file_id)
             assert {line["response"]["body"]["object"] for line in out} == {kind}
 
