@@ -1,4 +1,5 @@
-"""Command-line interface: `lmserve serve` runs the server; the other commands talk to a running one.
+"""Command-line interface: `lmserve serve` runs the server; `lmserve batch` runs a file of requests
+(lmserve/batch_command.py); the other commands talk to a running server.
 
 `run`, `create`, `list`/`ls`, `rm`, `show`, `ps`, `pull`, `cp` and `stop` follow the local runner's CLI. They use
 `lmserve.client` (imported lazily, so `lmserve --help` stays fast) and start a server in the background when none
