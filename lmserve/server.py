@@ -221,6 +221,9 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        batches = getattr(getattr(self.config.app, "state", None), "batches", None)
+        if batches is not None:  # first: a batch line the grace would fail must stay to run at the next start
+            await batches.stop()
         deadline = asyncio.get_running_loop().call_later(
             self._grace, self._service.fail_all, "the server is shutting down"
         )

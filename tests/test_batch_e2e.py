@@ -118,31 +118,39 @@ def test_interactive_requests_go_before_a_running_batch(server: Server) -> None:
         assert preempted is not None and float(preempted.group(1)) >= 1  # a batch line gave its slot to the chat
 
 
-def test_a_batch_survives_sigkill_and_a_restart_with_no_line_lost_or_doubled(tmp_path: Path) -> None:
+def test_a_batch_survives_sigterm_and_sigkill_restarts_with_no_line_lost_or_doubled(tmp_path: Path) -> None:
     models = tmp_path / "store"
     environment = {"LMSERVE_MODELS": str(models), "LMSERVE_SUPERVISOR": "0", "LMSERVE_BATCH_CONCURRENCY": "4"}
-    first = Server("-np", "4", env=environment)
     lines = [chat_line(f"r{i}", QUESTIONS[i % 5], 24) for i in range(40)]
+    log = models / "batches" / "runs"
+    first = Server("-np", "4", env=environment)
     with first.client() as client:
         upload = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        while client.batches.retrieve(batch.id).request_counts.completed < 6:  # type: ignore[union-attr]
+        while client.batches.retrieve(batch.id).request_counts.completed < 4:  # type: ignore[union-attr]
             time.sleep(0.02)
-    first.process.send_signal(signal.SIGKILL)
-    first.process.communicate()
-    written = (models / "batches" / "runs" / f"{batch.id}.output.jsonl").read_bytes().count(b"\n")
-    assert 6 <= written < 40
+    first.stop()  # SIGTERM: the lines in flight are dropped, not failed
+    assert not (log / f"{batch.id}.errors.jsonl").read_bytes()
     second = Server("-np", "4", env=environment)
+    with second.client() as client:
+        while client.batches.retrieve(batch.id).request_counts.completed < 12:  # type: ignore[union-attr]
+            time.sleep(0.02)
+    second.process.send_signal(signal.SIGKILL)
+    second.process.communicate()
+    written = (log / f"{batch.id}.output.jsonl").read_bytes().count(b"\n")
+    assert 12 <= written < 40
+    third = Server("-np", "4", env=environment)
     try:
-        with second.client() as client:
+        with third.client() as client:
             done = wait_done(client, batch.id)
             assert done.status == "completed"
-            assert done.request_counts is not None and done.request_counts.completed == 40
+            assert done.request_counts is not None
+            assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
             ids = [line["custom_id"] for line in result_lines(client, done.output_file_id)]
             assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # every line once
     finally:
-        second.stop()
+        third.stop()
 
 
 # ---- lmserve batch -----------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.include_router(files_router(app.state.files))
     batches = BatchService(batch_store(config), app.state.files, concurrency=config.batch_concurrency)
     app.include_router(batches_router(batches))
+    app.state.batches = batches  # stopped first when the server shuts down (server.py), before the grace runs out
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients

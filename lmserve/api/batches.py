@@ -118,7 +118,8 @@ class BatchService:
                 self._launch(record)
 
     async def stop(self) -> None:
-        """Stop running (the server stops): the batches stay as they are on disk, to resume at the next start."""
+        """Stop running (the server stops): the batches stay as they are on disk, to resume at the next start; the
+        lines in flight are cancelled, unwritten. Stopping again does nothing."""
         tasks = [run.task for run in self._runs.values() if run.task is not None]
         for task in tasks:
             task.cancel()
