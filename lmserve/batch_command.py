@@ -2,7 +2,7 @@
 
 Offline (the default) it loads the model in this process, as `lmserve serve` would with the same flags, and sends
 each line through the app's own routes in process: no port, no server. With `--url` it sends the lines to a running
-server over HTTP (LMSERVE_API_KEY as its key). Either way the lines run at the lowest priority, `--concurrency` at
+server over HTTP (LMSERVE_API_KEY as its key). Either way the lines run at the lowest priority, `--batch-concurrency` at
 a time (api/batch_lines.py), and each result is appended to OUT, whole and fsync'd, as soon as it is back: one line
 per request (`response` for those that ran, `error` for those refused), in the order they finish.
 
@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from lmserve.config import ConfigError, ServerConfig, add_arguments, environment_help, resolve
 
-BATCH_FLAGS = ("input", "output", "url", "concurrency")
+BATCH_FLAGS = ("input", "output", "url")
 """The batch command's own arguments; the rest are `serve`'s (the model and how it loads)."""
 
 
@@ -40,8 +40,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     batch.add_argument("-o", "--output", metavar="OUT", required=True,
                        help="where results go, appended one line each ('-': stdout, not resumable)")
     batch.add_argument("--url", help="send the lines to the server at this address instead of loading the model here")
-    batch.add_argument("--concurrency", type=int, metavar="N",
-                       help="most lines in flight at once (default: LMSERVE_BATCH_CONCURRENCY, 32)")
     add_arguments(batch)
 
 
@@ -55,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 2
-    if args.concurrency is not None and args.concurrency < 1:
-        print("lmserve: --concurrency must be at least 1", file=sys.stderr)
-        return 2
     try:
         raw = sys.stdin.buffer.read() if args.input == "-" else Path(args.input).expanduser().read_bytes()
     except OSError as exc:
@@ -68,9 +63,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"lmserve: {args.input}: {checked.fatal or 'no JSONL request lines (one JSON object per line)'}",
               file=sys.stderr)
         return 2
-    concurrency = args.concurrency or config.batch_concurrency
     try:
-        return asyncio.run(_run(checked, config, args.output, args.url, concurrency))
+        return asyncio.run(_run(checked, config, args.output, args.url, config.batch_concurrency))
     except KeyboardInterrupt:
         print("\nlmserve: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

@@ -122,18 +122,22 @@ class ServerConfig:
                                   "first)")
     completions_ttl: float | None = option(30 * 86400.0, env="COMPLETIONS_TTL", kind="duration",
                                            help="how long a stored chat completion is kept (negative: forever)")
-    files_max_upload: int = option(512 * 1024 * 1024, env="FILES_MAX_UPLOAD", kind="int", minimum=1,
+    files_max_upload: int = option(512 * 1024 * 1024, "--files-max-upload", env="FILES_MAX_UPLOAD", kind="int",
+                                   minimum=1, metavar="BYTES",
                                    help="largest file one POST /v1/files upload may carry, in bytes (413 beyond "
                                    "it; LMSERVE_MAX_BODY does not bound uploads)")
-    files_max_count: int = option(10000, env="FILES_MAX_COUNT", kind="int", minimum=1,
-                                  help="most files (/v1/files) kept on disk (the oldest go first; those an "
-                                  "unfinished batch reads stay)")
-    files_max_bytes: int = option(20 * 1024 * 1024 * 1024, env="FILES_MAX_BYTES", kind="int", minimum=1,
+    files_max_count: int = option(10000, "--files-max-count", env="FILES_MAX_COUNT", kind="int", minimum=1,
+                                  metavar="N", help="most files (/v1/files) kept on disk (the oldest go first; those "
+                                  "an unfinished batch reads stay)")
+    files_max_bytes: int = option(20 * 1024 * 1024 * 1024, "--files-max-bytes", env="FILES_MAX_BYTES", kind="int",
+                                  minimum=1, metavar="BYTES",
                                   help="most bytes all files (/v1/files) may take on disk together (the oldest go "
                                   "first; those an unfinished batch reads stay)")
-    files_ttl: float | None = option(30 * 86400.0, env="FILES_TTL", kind="duration",
+    files_ttl: float | None = option(30 * 86400.0, "--files-ttl", env="FILES_TTL", kind="duration",
+                                     metavar="DURATION",
                                      help="how long a file (/v1/files) is kept (negative: until deleted)")
-    batch_concurrency: int = option(32, env="BATCH_CONCURRENCY", kind="int", minimum=1, maximum=4096,
+    batch_concurrency: int = option(32, "--batch-concurrency", env="BATCH_CONCURRENCY", kind="int", minimum=1,
+                                    maximum=4096, metavar="N",
                                     help="most lines of one batch (/v1/batches, `lmserve batch`) in flight at once; "
                                     "they run at the lowest priority, after interactive requests")
     load_timeout: float | None = option(300.0, env="LOAD_TIMEOUT", kind="duration",

@@ -172,7 +172,7 @@ def test_lmserve_batch_runs_offline_resumes_after_an_interruption_and_reads_stdi
     requests = tmp_path / "requests.jsonl"
     requests.write_bytes(jsonl(lines))
     out = tmp_path / "results.jsonl"
-    running = batch_command(str(requests), "-o", str(out), "--concurrency", "2", models=tmp_path / "store",
+    running = batch_command(str(requests), "-o", str(out), "--batch-concurrency", "2", models=tmp_path / "store",
                             wait=False)
     assert isinstance(running, subprocess.Popen)
     deadline = time.monotonic() + 300
