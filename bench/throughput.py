@@ -316,8 +316,9 @@ def ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs > 0 else float("nan")
 
 
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "FAIL"
+def verdict(passed: bool, fail: str = "FAIL") -> str:
+    """PASS, or `fail` (bench/batch.py says MISS)."""
+    return "PASS" if passed else fail
 
 def best_of(old: list[LevelResult] | None, new: list[LevelResult]) -> list[LevelResult]:
     """Per concurrency level, the run with the higher throughput."""
