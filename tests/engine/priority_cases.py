@@ -10,10 +10,11 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.types import Chunk, SamplingParams
 
 CASES = {
-    "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-    "penalties": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repeat_penalty=1.8,
+    "greedy": SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+    "penalties": SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, repeat_penalty=1.8,
                                 presence_penalty=1.0, repeat_last_n=64),
-    "grammar": SamplingParams(temperature=0, max_tokens=40, grammar='root ::= "(" [a-z ]+ ")"'),
+    "grammar": SamplingParams(temperature=0, max_tokens=200, grammar="root ::= " + " ".join(["[a-z ]"] * 180)
+                              + " [a-z ]*"),  # 180 characters at least: it runs past the interruption
 }
 PROMPT = [5, 17, 300, 42, 9, 100, 77, 12, 13, 14]
 
