@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shlex
@@ -281,11 +282,17 @@ async def batch_api(base: str, src: Path) -> Run:
     return Run(lines, int(record["usage"]["output_tokens"]), wall)
 
 
+def question(tag: str, i: int) -> str:
+    """A short interactive prompt that differs from the others from its first token: a slot holding an earlier one
+    shares no more of it than the chat template's opening (a batch line's slot shares as much), so idle and busy
+    requests prefill alike."""
+    return f"{hashlib.sha1(f'{tag}-{i}'.encode()).hexdigest()[:8]}: {QUESTIONS[i % len(QUESTIONS)]}"
+
+
 async def interactive(base: str, n: int, tag: str) -> list[float]:
-    """Times to first token of `n` streamed chats sent one at a time (prompts unique, so none is cached)."""
+    """Times to first token of `n` streamed chats sent one at a time."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as c:
-        return [(await chat(c, base, SERVED_NAME, f"{QUESTIONS[i % len(QUESTIONS)]} (#{tag}-{i})", 8)).ttft
-                for i in range(n)]
+        return [(await chat(c, base, SERVED_NAME, question(tag, i), 8)).ttft for i in range(n)]
 
 
 async def interactive_under_batch(base: str, src: Path, n: int, tag: str) -> tuple[list[float], str]:
