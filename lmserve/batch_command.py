@@ -92,9 +92,9 @@ async def _run(checked: Any, config: ServerConfig, output: str, url: str | None,
         counts["ok" if result["response"]["status_code"] == 200 else "failed"] += 1
         progress.advance(task)
 
-    started = time.perf_counter()
     try:
         send, close, model = await _sender(config, url)
+        started = time.perf_counter()  # the rate is the lines', not the model load's
         for line in todo:
             line.body.setdefault("model", model)  # a line that names no model asks the one served
         with progress:
