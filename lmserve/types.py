@@ -93,11 +93,18 @@ class SamplingParams:
     """Scheduling, not sampling, carried here to reach the engine with the request: lower runs first (vLLM's
     convention); a waiting request of lower value takes a slot before, and from, one of higher value. Batch lines
     run at `BATCH_PRIORITY`."""
+    score_tokens: list[int] = field(default_factory=list)
+    """Judging, not sampling: report log P(token | prompt) of each of these ids at the first position, from the
+    model's own distribution (a log-softmax of the raw logits, before any sampling transform), in the final chunk's
+    `scores` (at most MAX_SCORE_TOKENS of them; service/judging.py asks for one token with them)."""
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
 
+
+MAX_SCORE_TOKENS = 128
+"""The most `score_tokens` one request may name (vLLM's limit for `logprob_token_ids`)."""
 
 PRIORITY_RANGE = (-1000, 1000)
 """The values a request's `priority` may take."""
@@ -182,6 +189,24 @@ class ChatRequest:
     """The options the request set, sampling and load-time (the service resolves their precedence)."""
     keep_alive: float | None = None
     """Seconds to keep the model loaded after this request (None: server default; negative: forever)."""
+
+
+QuestionKind = Literal["predicate", "choice", "score"]
+
+
+@dataclass(slots=True)
+class Question:
+    """A typed question about an input (service/judging.py): a `predicate` (answered Yes or No), a `choice` among
+    answers or a `score` on ordered levels (lowest first). `answers` are the texts the model may reply with."""
+
+    kind: QuestionKind
+    instructions: str
+    answers: list[str]
+    descriptions: list[str] = field(default_factory=list)
+    """What each answer means ("" for none), shown beside it."""
+    images: list[bytes] = field(default_factory=list)
+    """Encoded images that are part of the instructions."""
+    name: str | None = None
 
 
 @dataclass(slots=True)
@@ -276,6 +301,8 @@ class Chunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With `SamplingParams.logprobs`: one entry per generated token whose text this chunk carries (in `text`,
     `reasoning` or the markup of `tool_calls`), in order."""
+    scores: list[float] = field(default_factory=list)
+    """On the last chunk of a request with `SamplingParams.score_tokens`: their log-probabilities, in order."""
 
     @property
     def is_failed(self) -> bool:

@@ -118,3 +118,12 @@ class LogprobAligner:
         out = [logprob for start, end, logprob in self._pending if start < self._emitted or end <= self._emitted]
         self._pending.clear()
         return out
+
+
+def score_tokens(logits: np.ndarray, tokens: list[int]) -> list[float]:
+    """log P(t) of each of `tokens` under a log-softmax of a whole row of raw `logits` (SamplingParams.score_tokens:
+    the model's own distribution, before bias, penalties, grammar, filters or temperature)."""
+    values = np.asarray(logits, dtype=np.float64)
+    peak = float(values.max())
+    total = peak + math.log(float(np.exp(values - peak).sum()))
+    return [float(values[t]) - total for t in tokens]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from lmserve.errors import InvalidRequest
-from lmserve.types import Bitmap, Chunk, SamplingParams
+from lmserve.types import MAX_SCORE_TOKENS, Bitmap, Chunk, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,9 @@ class ModelInfo:
     draft_model: str | None = None
     """The name of the model that drafts for speculative decoding (`--model-draft`); None: drafts come from the
     sequence's own context (prompt lookup)."""
+    can_rank: bool = False
+    """A dedicated reranker (a relevance head: llama.cpp's rank pooling, vLLM's score task): `rank` scores
+    (query, document) pairs. Any chat model reranks too, judged (service/judging.py)."""
     num_kv_cells: int = 0
     """Cells (one token each) in the KV cache of all slots together: `num_ctx` * `num_parallel`, or `num_ctx` when
     the slots share one pool (--kv-unified); 0: not known (engines whose cache is not cells)."""
@@ -197,6 +200,12 @@ class Engine(Protocol):
         """One pooled vector per token list (unit length unless `normalize` is false)."""
         ...
 
+    async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
+        """A dedicated reranker's (`info.can_rank`) relevance of each document to `query`: its head's raw score (a
+        logit; higher is more relevant). A pair longer than the context is cut to it when `truncate`, else it is a
+        ContextOverflow. InvalidRequest for a model that is not a reranker."""
+        ...
+
     def fail_all(self, message: str) -> None:
         """End every request in flight with an error chunk carrying `message`."""
         ...
@@ -244,3 +253,11 @@ def unit_vector(vector: list[float]) -> list[float]:
     """`vector` scaled to L2 norm 1 (a zero vector stays zero)."""
     norm = math.sqrt(math.fsum(x * x for x in vector))
     return [x / norm for x in vector] if norm > 0 else list(vector)
+
+
+def check_score_tokens(sampling: SamplingParams, num_vocab: int) -> None:
+    """InvalidRequest unless `sampling.score_tokens` are at most MAX_SCORE_TOKENS ids of the vocabulary."""
+    if len(sampling.score_tokens) > MAX_SCORE_TOKENS:
+        raise InvalidRequest(f"at most {MAX_SCORE_TOKENS} tokens can be scored at once", param="score_tokens")
+    if any(not 0 <= token < num_vocab for token in sampling.score_tokens):
+        raise InvalidRequest(f"score token ids must be in [0, {num_vocab}) for this model", param="score_tokens")

@@ -1,6 +1,7 @@
 """The service: one object the HTTP dialects call, made of parts split by concern.
 
     generation  chat, completion, native generate, embeddings (service/generation.py)
+    judging     decisions, reranking, classifying: exact probabilities of answers (service/judging.py)
     models      list, show, create, copy, delete, pull; load, unload, ps (service/models.py)
     residency   which engine instance serves each model name; shared weights; keep-alive (service/residency.py)
     precedence  the options a request runs with: its own over the model's over the server's (service/precedence.py)
@@ -15,6 +16,7 @@ from __future__ import annotations
 from lmserve.engine.factory import PromptCache
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
 from lmserve.service.generation import Generation, GenerationService
+from lmserve.service.judging import JudgingService
 from lmserve.service.models import ModelService
 from lmserve.service.observers import Observers
 from lmserve.service.precedence import Precedence
@@ -51,6 +53,7 @@ class Service:
                                             tool_call_parser=tool_call_parser, max_messages=max_messages,
                                             max_images=max_images, reasoning_parser=reasoning_parser,
                                             reasoning_budget=reasoning_budget)
+        self.judging = JudgingService(self.generation)
         self.models = ModelService(catalog, residency, self.precedence, hf_endpoint=hf_endpoint)
 
     def fail_all(self, message: str) -> None:

@@ -30,7 +30,7 @@ from lmserve.engine.llamacpp.cpu_load import ThreadGovernor
 from lmserve.engine.llamacpp.draft_model import DraftModel
 from lmserve.engine.llamacpp.memory import context_choice
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
-from lmserve.engine.logprobs import Ranked, rank_candidates
+from lmserve.engine.logprobs import Ranked, rank_candidates, score_tokens
 from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
@@ -207,6 +207,10 @@ class LlamaCppBackend:
         """Slots whose request asked for logprobs → how many alternatives."""
         self._ranked: dict[int, Ranked] = {}
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
+        self._score_slots: dict[int, list[int]] = {}
+        """Slots whose request named `score_tokens` → those tokens."""
+        self._scores: dict[int, list[float]] = {}
+        """The last step's scores of the slots in `_score_slots`."""
         self._drafted: dict[int, list[int]] = {}
         """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         self._copying: set[int] = set()
@@ -355,6 +359,11 @@ class LlamaCppBackend:
             self._logprob_slots.pop(slot, None)
         else:
             self._logprob_slots[slot] = sampling.logprobs
+        self._scores.pop(slot, None)
+        if sampling.score_tokens:
+            self._score_slots[slot] = list(sampling.score_tokens)
+        else:
+            self._score_slots.pop(slot, None)
         return num_reused
 
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
@@ -433,6 +442,8 @@ class LlamaCppBackend:
 
     def release(self, slot: int) -> None:
         self._logprob_slots.pop(slot, None)
+        self._score_slots.pop(slot, None)
+        self._scores.pop(slot, None)
         sampler = self._samplers.pop(slot, None)
         if sampler is not None:
             lc.llama_sampler_free(sampler)
@@ -563,6 +574,10 @@ class LlamaCppBackend:
 
     def _sample(self, slot: int, output: int) -> int:
         """Sample the slot's next token from batch row `output`; a slot that asked for logprobs gets them ranked."""
+        scored = self._score_slots.get(slot)
+        if scored is not None:
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, output), shape=(self._num_vocab,))
+            self._scores[slot] = score_tokens(logits, scored)
         k = self._logprob_slots.get(slot)
         if k is None:
             return int(lc.llama_sampler_sample(self._samplers[slot], self._ctx, output))
@@ -595,6 +610,9 @@ class LlamaCppBackend:
     def take_logprobs(self, slot: int) -> Ranked | None:
         """The ranked log-probabilities of the token the last `step` sampled for `slot` (None: it asked for none)."""
         return self._ranked.get(slot)
+
+    def take_scores(self, slot: int) -> list[float] | None:
+        return self._scores.pop(slot, None)
 
     def _encode(self, chunk: Any, length: int) -> np.ndarray:
         """Run the projector on an image chunk (under the mtmd lock) and copy out its embeddings.

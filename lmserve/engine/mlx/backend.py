@@ -218,6 +218,10 @@ class MlxBackend:
         sampler = self._samplers.get(slot)
         return sampler.last if sampler is not None and sampler.sampling.logprobs is not None else None
 
+    def take_scores(self, slot: int) -> list[float] | None:
+        sampler = self._samplers.get(slot)
+        return sampler.scores if sampler is not None else None
+
     # ---- decoding ----------------------------------------------------------------------------------------------
 
     @computing

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lmserve.engine.logprobs import Ranked, rank_candidates
+from lmserve.engine.logprobs import Ranked, rank_candidates, score_tokens
 from lmserve.types import SamplingParams
 
 MIROSTAT_M = 100
@@ -53,10 +53,14 @@ class Sampler:
         self._mu = 2.0 * s.mirostat_tau
         self.last: Ranked | None = None
         """The last pick's ranked log-probabilities, when the request asked for them."""
+        self.scores: list[float] | None = None
+        """The last pick's `score_tokens` log-probabilities (raw distribution), when the request named any."""
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token after a row of logits; the sampler (penalties, grammar) accepts it."""
         s = self.sampling
+        if s.score_tokens:
+            self.scores = score_tokens(logits, s.score_tokens)
         values = self._shaped(np.array(logits, dtype=np.float32))
         ids = np.arange(len(values))
         if s.is_greedy:

@@ -105,6 +105,11 @@ class Backend(Protocol):
         its request asked for them (`SamplingParams.logprobs`); None otherwise."""
         ...
 
+    def take_scores(self, slot: int) -> list[float] | None:
+        """log P(t) of each of the slot's `SamplingParams.score_tokens` at the place the last `step` sampled from
+        (the raw distribution, engine/logprobs.py `score_tokens`); None when its request named none."""
+        ...
+
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         """Make `slot` hold the first `length` positions of `source`'s memory; False when it cannot."""
         ...

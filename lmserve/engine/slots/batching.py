@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, check_choices, choice_sampling, unit_vector
+from lmserve.engine.protocol import (
+    EngineStats,
+    ModelInfo,
+    PromptImage,
+    check_choices,
+    check_score_tokens,
+    choice_sampling,
+    unit_vector,
+)
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.slots.drafting import DraftLength, NgramDrafter
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
@@ -84,6 +92,8 @@ class _Tracker:
     index of the prompt and output (made at the first draft)."""
     num_drafted: int = 0
     num_accepted: int = 0
+    scores: list[float] = field(default_factory=list)
+    """With `SamplingParams.score_tokens`: their log-probabilities at the first token (for the final chunk)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +134,9 @@ class BatchingEngine:
                                    can_copy=backend.info.can_cut_memory, can_snapshot=self._snapshots,
                                    slot_similarity=slot_similarity)
         self._trackers: dict[Sequence, _Tracker] = {}
+        self._judged: set[int] = set()
+        """Slots whose last sequence only scored (SamplingParams.score_tokens): the tail it left is not worth saving
+        in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
         self._embeds: deque[_EmbedJob] = deque()
@@ -198,6 +211,7 @@ class BatchingEngine:
         _check_prompt(prompt, images, num_vocab)
         if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
+        check_score_tokens(sampling, num_vocab)
         if sampling.grammar is not None:
             if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
                 raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
@@ -277,6 +291,9 @@ class BatchingEngine:
             for job in jobs:
                 job.future.cancel()  # no-op for settled ones; the thread skips the rest
         return [unit_vector(v) for v in vectors] if normalize else list(vectors)
+
+    async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
+        raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance", param="model")
 
     def abort(self, seq: Sequence) -> None:
         with self._cond:
@@ -424,7 +441,7 @@ class BatchingEngine:
             if seq.phase is Phase.PREFILLING:
                 is_done = self.scheduler.prefilled(seq, entry.num_positions)
                 snapshot = self.backend.save_state(seq.slot) if self._snapshots and (
-                    is_done or seq.num_prefilled in seq.checkpoints) else None
+                    (is_done and not seq.sampling.score_tokens) or seq.num_prefilled in seq.checkpoints) else None
                 if snapshot is not None:
                     self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled], snapshot, can_cut=False)
                 if is_done:
@@ -548,6 +565,8 @@ class BatchingEngine:
         tracker = self._trackers[seq]
         if not seq.output:
             tracker.first_token_ns = now
+            if seq.sampling.score_tokens:
+                tracker.scores = self.backend.take_scores(seq.slot) or []
         finish = self._accept(seq, tracker, token, outbox)
         if finish is not None:
             outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
@@ -559,7 +578,8 @@ class BatchingEngine:
 
         A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
         restored after it would be overwritten (the backend refuses that)."""
-        self._save(seq.slot, seq.evicts, seq.num_cached)
+        if seq.slot not in self._judged:
+            self._save(seq.slot, seq.evicts, seq.num_cached)
         generated = seq.output[: seq.num_refill] if seq.num_refill else None  # back after a preemption
         kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached, generated)
         copy = seq.copy_len if seq.copy_from >= 0 and seq.copy_len > kept else 0
@@ -653,11 +673,16 @@ class BatchingEngine:
             eval_ns=now - first,
             total_ns=now - tracker.submitted_ns,
         )
-        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings, logprobs=logprobs)
+        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings, logprobs=logprobs,
+                     scores=tracker.scores)
 
     def _drop(self, seq: Sequence) -> None:
         if self.scheduler.remove(seq):
             self.backend.release(seq.slot)
+            if seq.sampling.score_tokens:
+                self._judged.add(seq.slot)
+            else:
+                self._judged.discard(seq.slot)
         self._trackers.pop(seq, None)
 
     def _fail_all(self, message: str) -> None:

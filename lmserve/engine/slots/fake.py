@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 import zlib
 
+import numpy as np
+
+from lmserve.engine.logprobs import score_tokens
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
@@ -59,6 +62,8 @@ class FakeBackend:
         self.forks: list[tuple[int, list[int]]] = []
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
+        self._score_tokens: dict[int, tuple[list[int], int]] = {}
+        """Slots whose request named score tokens → (those tokens, a hash of the prompt)."""
         self._drafted: dict[int, list[int]] = {}
         self.pool_size = pool_size
         """When set, the slots share a KV pool of this many positions (`--kv-unified`): a step that would hold more
@@ -100,6 +105,10 @@ class FakeBackend:
               generated: list[int] | None = None) -> int:
         self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
         self._counts[slot] = len(generated or ())  # its text goes on where it stopped
+        if sampling.score_tokens:
+            self._score_tokens[slot] = (list(sampling.score_tokens), zlib.crc32(bytes(t % 256 for t in prompt)))
+        else:
+            self._score_tokens.pop(slot, None)
         self.held[slot] = num_reused
         return num_reused
 
@@ -143,6 +152,16 @@ class FakeBackend:
     def take_logprobs(self, slot: int) -> None:
         """The fake ranks no tokens: a request that asks for log-probabilities gets none (not a failure)."""
         return None
+
+    def take_scores(self, slot: int) -> list[float] | None:
+        """A made-up distribution over the whole vocabulary, a function of the slot's prompt only: token t has logit
+        -((t + a hash of the prompt) mod 7), so the same prompt scores the same wherever and with whatever it runs."""
+        scored = self._score_tokens.get(slot)
+        if scored is None:
+            return None
+        tokens, offset = scored
+        logits = -((np.arange(self.info.num_vocab) + offset) % 7).astype(np.float64)
+        return score_tokens(logits, tokens)
 
     def draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """With `draft_model`: guess that the sentence goes on after the first place the last token occurs in it

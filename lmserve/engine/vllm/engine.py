@@ -35,7 +35,14 @@ from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.memory_estimate import meminfo_available as available_memory
 from lmserve.engine.pieces import piece_bytes
-from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage, check_choices, choice_sampling
+from lmserve.engine.protocol import (
+    EngineStats,
+    ModelInfo,
+    PromptImage,
+    check_choices,
+    check_score_tokens,
+    choice_sampling,
+)
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import AUTO_CONTEXT, Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
@@ -291,6 +298,8 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
         kwargs["logit_bias"] = dict(sampling.logit_bias)
     if sampling.logprobs is not None:
         kwargs["logprobs"] = sampling.logprobs
+    if sampling.score_tokens:  # with greedy decoding, vLLM's processed logprobs are the raw distribution's
+        kwargs["logprob_token_ids"] = list(sampling.score_tokens)
     return kwargs
 
 
@@ -498,6 +507,14 @@ class VllmStream:
                                    finished=finished, finish_reason=completion.finish_reason,
                                    stop_reason=completion.stop_reason)
 
+    def _scores(self, completion: Any) -> list[float]:
+        """The first token's log-probabilities of the request's `logprob_token_ids` (SamplingParams.score_tokens)."""
+        wanted = self._params.logprob_token_ids
+        if not wanted or not completion.logprobs:
+            return []
+        first = completion.logprobs[0]
+        return [float(first[token].logprob) for token in wanted]
+
     def abort(self) -> None:
         """Stop generating; vLLM frees the request's blocks on its next step."""
         if not self._aborted:
@@ -530,7 +547,7 @@ class VllmStream:
                     timings = Timings(prompt_eval_ns=first - start, eval_ns=end - first, total_ns=end - start)
                     reason = _FINISH.get(str(completion.finish_reason), "stop")
                     yield Chunk(text=completion.text, finish_reason=reason, usage=usage, timings=timings,
-                                logprobs=self._logprobs_of(completion, finished=True))
+                                logprobs=self._logprobs_of(completion, finished=True), scores=self._scores(completion))
                     return
                 logprobs = self._logprobs_of(completion, finished=False)
                 if completion.text or logprobs:
@@ -656,6 +673,7 @@ class VllmEngine:
         if any(not 0 <= token < self.info.num_vocab for token in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
                                  param="logit_bias")
+        check_score_tokens(sampling, self.info.num_vocab)
         kwargs = to_vllm_sampling(sampling, special=special, room=num_ctx - len(prompt))
         if sampling.grammar is not None:
             if sampling.ignore_eos:
@@ -702,6 +720,9 @@ class VllmEngine:
 
     async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
         raise InvalidRequest("embeddings are not available on the vLLM engine for this model", param="model")
+
+    async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
+        raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance", param="model")
 
     def fail_all(self, message: str) -> None:
         for stream in list(self._streams.values()):
