@@ -27,6 +27,7 @@ from lmserve.api.anthropic import anthropic_router
 from lmserve.api.batch_lines import asgi_send
 from lmserve.api.batches import BatchService, batch_store, batches_router
 from lmserve.api.conversations import conversations_router, conversations_store
+from lmserve.api.decisions import decisions_router
 from lmserve.api.files import FILES_PATH, files_router, files_store
 from lmserve.api.gateway import gateway_router
 from lmserve.api.health import HEALTH_PATH, LIVENESS_PATH, health_router
@@ -35,6 +36,7 @@ from lmserve.api.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.api.native import native_router
 from lmserve.api.openai import openai_router
 from lmserve.api.openapi import install as install_openapi
+from lmserve.api.rerank import rerank_router
 from lmserve.api.responses import responses_router, responses_store
 from lmserve.api.stored_completions import completions_store, stored_completions_router
 from lmserve.api.streaming import ClientGone, dumps
@@ -96,6 +98,8 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.state.batches = batches  # stopped first when the server shuts down (server.py), before the grace runs out
     app.include_router(tokens_router(service))
     app.include_router(infill_router(service))
+    app.include_router(decisions_router(service, media))
+    app.include_router(rerank_router(service))
     app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: one operationId per method
 

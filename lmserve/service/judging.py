@@ -44,6 +44,11 @@ MAX_LEVELS = 10
 PREDICATE_ANSWERS = ("Yes", "No")
 """What a predicate is answered with; its probability is the first's."""
 _WINDOW = 64
+_PROBE = Question("choice", "?", ["0", "1"])
+"""A question unlike any other: where its prompt leaves a question's, the input ends."""
+_MIN_PRIME = 16
+"""Inputs of at least this many tokens are computed on their own before the questions that follow them, so a
+question's answer never depends on which others came with it (see `JudgingService.judge`)."""
 """The most scoring sequences one decision keeps in the engine at once (the rest wait their turn here)."""
 
 
@@ -65,24 +70,27 @@ class Decision:
 
 
 def check_questions(questions: list[Question]) -> None:
-    """InvalidRequest (param "questions") unless there are 1..MAX_QUESTIONS questions, each with distinct, non-empty
-    answers within its kind's limits."""
+    """InvalidRequest (param "questions") unless there are 1..MAX_QUESTIONS questions, each one sound."""
     if not 1 <= len(questions) <= MAX_QUESTIONS:
         raise InvalidRequest(f"ask between 1 and {MAX_QUESTIONS} questions ({len(questions)} given)", param="questions")
     for i, q in enumerate(questions):
-        where = f"questions[{i}]"
-        low, high = {"predicate": (2, 2), "choice": (2, MAX_CHOICES), "score": (2, MAX_LEVELS)}[q.kind]
-        what = "levels" if q.kind == "score" else "choices"
-        if not low <= len(q.answers) <= high:
-            raise InvalidRequest(f"{where}: give between {low} and {high} {what} ({len(q.answers)} given)",
-                                 param=f"{where}.{what}")
-        if any(not a.strip() for a in q.answers):
-            raise InvalidRequest(f"{where}: every one of the {what} needs a non-empty text", param=f"{where}.{what}")
-        if len(set(q.answers)) != len(q.answers):
-            raise InvalidRequest(f"{where}: the {what} must be distinct (the model answers with their text)",
-                                 param=f"{where}.{what}")
-        if not q.instructions.strip() and not q.images:
-            raise InvalidRequest(f"{where}: instructions must not be empty", param=f"{where}.instructions")
+        check_question(q, f"questions[{i}]")
+
+
+def check_question(q: Question, where: str) -> None:
+    """InvalidRequest unless `q` has instructions and distinct, non-empty answers within its kind's limits."""
+    low, high = {"predicate": (2, 2), "choice": (2, MAX_CHOICES), "score": (2, MAX_LEVELS)}[q.kind]
+    what = "levels" if q.kind == "score" else "choices"
+    if not low <= len(q.answers) <= high:
+        raise InvalidRequest(f"{where}: give between {low} and {high} {what} ({len(q.answers)} given)",
+                             param=f"{where}.{what}")
+    if any(not a.strip() for a in q.answers):
+        raise InvalidRequest(f"{where}: every one of the {what} needs a non-empty text", param=f"{where}.{what}")
+    if len(set(q.answers)) != len(q.answers):
+        raise InvalidRequest(f"{where}: the {what} must be distinct (the model answers with their text)",
+                             param=f"{where}.{what}")
+    if not q.instructions.strip() and not q.images:
+        raise InvalidRequest(f"{where}: instructions must not be empty", param=f"{where}.instructions")
 
 
 def question_text(q: Question) -> str:
@@ -199,8 +207,7 @@ class JudgingService:
         num_images = sum(len(m.images) for m in messages) + sum(len(q.images) for q in questions)
         if num_images:
             self.generation.check_images(model_name, num_images, param="input")
-        return await self._judge(model_name, [(messages, q) for q in questions], options or RequestOptions(),
-                                 keep_alive, priority)
+        return await self.judge(model_name, [(messages, q) for q in questions], options, keep_alive, priority)
 
     async def rerank(self, model_name: str, query: str, documents: list[str], *, options: RequestOptions | None = None,
                      keep_alive: float | None = None, truncate: bool = True) -> Ranking:
@@ -226,14 +233,22 @@ class JudgingService:
         finally:
             gen.residency.release(resident)
         relevant = Question("predicate", RELEVANCE, list(PREDICATE_ANSWERS))
-        decision = await self._judge(model_name, [(relevance_input(query, d), relevant) for d in documents], options,
-                                     keep_alive, 0)
+        decision = await self.judge(model_name, [(relevance_input(query, d), relevant) for d in documents], options,
+                                    keep_alive)
         return Ranking(decision.model, [j.probabilities[0] for j in decision.judgments], decision.usage)
 
-    async def _judge(self, model_name: str, cases: list[tuple[list[Message], Question]], options: RequestOptions,
-                     keep_alive: float | None, priority: int) -> Decision:
-        """Each case's question asked about its input, on one lease of the model; the prompts' common beginning is
-        computed once."""
+    async def judge(self, model_name: str, cases: list[tuple[list[Message], Question]],
+                    options: RequestOptions | None = None, keep_alive: float | None = None,
+                    priority: int = 0) -> Decision:
+        """Each case's question asked about its own input, on one lease of the model; the prompts' common beginning
+        is computed once (classifying many texts after the same examples, ranking documents for one query).
+
+        The same question gets the same probabilities alone or among others: the shared input is computed first, on
+        its own, and each scoring sequence is decoded in a batch of its own (engine/slots/batching.py), so nothing
+        else in the step changes how its numbers round."""
+        for i, (_, q) in enumerate(cases):
+            check_question(q, f"questions[{i}]")
+        options = options or RequestOptions()
         gen = self.generation
         settings, resident = await gen._lease(model_name, options, keep_alive)
         try:
@@ -243,7 +258,8 @@ class JudgingService:
                 raise InvalidRequest(f"model '{model.name}' is a dedicated reranker: it ranks documents "
                                      "(/v1/rerank) but answers no questions", param="model")
             rendered = [await self._prompt(settings, model, messages, q, options) for messages, q in cases]
-            shared = _common_length([tokens for tokens, _ in rendered])
+            probe, _ = await self._prompt(settings, model, cases[0][0], _PROBE, options)
+            shared = _common_length([probe, *(tokens for tokens, _ in rendered)])
             end = _end_token(engine)
             spellings = [answer_tokens(engine, q.answers, end) for _, q in cases]
             plans = [plan_nodes(tokens, spelled) for (tokens, _), spelled in zip(rendered, spellings, strict=True)]
@@ -253,8 +269,15 @@ class JudgingService:
                 if longest >= num_ctx:
                     raise ContextOverflow(longest, num_ctx, engine.info.num_ctx_train)
             usage = Usage()
-            jobs = [(node, images) for plan, (_, images) in zip(plans, rendered, strict=True) for node in plan.values()]
-            await self._score_all(engine, jobs, shared, priority, usage)
+            first = rendered[0][0]
+            if shared >= _MIN_PRIME and len(first) > shared and not any(images for _, images in rendered):
+                # the input on its own, with one token more: that token is computed again by the next prime, the
+                # input never (its last token computed alone would round differently from the rest)
+                await self._score_all(engine, [(_Node(first[: shared + 1], [0]), [])], 0, priority, usage)
+            for depth in sorted({len(key) for plan in plans for key in plan}):  # an answer's first tokens first
+                level = [(node, images) for plan, (_, images) in zip(plans, rendered, strict=True)
+                         for key, node in plan.items() if len(key) == depth]
+                await self._score_all(engine, level, shared, priority, usage)
         finally:
             gen.residency.release(resident)
         judgments = []

@@ -25,7 +25,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
 from lmserve.engine import fim
-from lmserve.engine.llamacpp import batch_rows, recurrent_state
+from lmserve.engine.llamacpp import batch_rows, recurrent_state, rerank
 from lmserve.engine.llamacpp.cpu_load import ThreadGovernor
 from lmserve.engine.llamacpp.draft_model import DraftModel
 from lmserve.engine.llamacpp.memory import context_choice
@@ -35,7 +35,7 @@ from lmserve.engine.protocol import FimTokens, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Bitmap, LoadOptions, SamplingParams
+from lmserve.types import AUTO_CONTEXT, Bitmap, LoadOptions, SamplingParams
 
 LAUNCH_DEFAULTS = LlamaCppLaunch()
 
@@ -163,7 +163,9 @@ class LlamaCppBackend:
         threads = options.num_threads or default_threads()
         # Auto, or what was asked (untrusted from a request) but never more than the model was trained for.
         choice = context_choice(model, path, options, launch)
-        num_ctx = choice.num_ctx
+        is_reranker = rerank.is_reranker(model)
+        num_ctx = rerank.context_size(choice.num_ctx, auto=options.num_ctx == AUTO_CONTEXT) if is_reranker \
+            else choice.num_ctx
         cparams = lc.llama_context_default_params()
         cparams.n_seq_max = options.num_parallel
         # One pool of num_ctx tokens for all slots (each may grow to all of it, as llama-server's -c with
@@ -178,6 +180,9 @@ class LlamaCppBackend:
         cparams.type_v = GGML_TYPES[launch.cache_type_v]
         cparams.flash_attn_type = FLASH_ATTN_TYPES[launch.flash_attn]
         cparams.no_perf = True
+        if is_reranker:  # its context ranks pairs and generates nothing (the engine refuses prompts)
+            rerank.configure(cparams, num_ctx, bidirectional=rerank.is_bidirectional(model),
+                             flash_attn=launch.flash_attn)
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
@@ -194,8 +199,8 @@ class LlamaCppBackend:
             lc.llama_model_free(model)
             raise
         self._memory = lc.llama_get_memory(ctx)
-        self._batch = lc.llama_batch_init(options.num_batch, 0, 1)
-        self._batch_capacity = options.num_batch
+        self._batch_capacity = cparams.n_batch if is_reranker else options.num_batch
+        self._batch = lc.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self._eog = frozenset(t for t in range(self._num_vocab) if lc.llama_vocab_is_eog(self._vocab, t))
         self._samplers: dict[int, lc.llama_sampler_p] = {}
@@ -230,6 +235,8 @@ class LlamaCppBackend:
         self._mtmd_lock = threading.Lock()
         self._image_marker: str | None = None
         self._draft_model: DraftModel | None = None
+        self._rank_format = rerank.pair_format(model, self._vocab) if is_reranker else None
+        """How the reranker reads a pair; None: the model is no reranker."""
         try:
             if options.projector:
                 self._load_projector(options, launch)
@@ -240,10 +247,13 @@ class LlamaCppBackend:
             raise
         metadata = self._read_metadata()
         template = lc.llama_model_chat_template(model, None)
+        architecture = metadata.get("general.architecture", "")
+        self._rank_softmax = architecture in rerank.SOFTMAX_ARCHITECTURES
         self.info = ModelInfo(
             path=str(path),
-            architecture=metadata.get("general.architecture", ""),
-            num_ctx=lc.llama_n_ctx_seq(ctx),
+            architecture=architecture,
+            # a reranker's pair is decoded in one micro-batch
+            num_ctx=min(lc.llama_n_ctx_seq(ctx), lc.llama_n_ubatch(ctx)) if is_reranker else lc.llama_n_ctx_seq(ctx),
             num_parallel=options.num_parallel,
             num_vocab=self._num_vocab,
             num_ctx_train=choice.trained,
@@ -259,11 +269,21 @@ class LlamaCppBackend:
             fim=self._fim_tokens(),
             draft_model=self._draft_model.name if self._draft_model is not None else None,
             num_kv_cells=lc.llama_n_ctx(ctx),
+            can_rank=is_reranker,
+            can_embed=not is_reranker,
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        tokens = self._tokenize_raw(text, add_special, parse_special)
+        bos = lc.llama_vocab_bos(self._vocab)
+        if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+        return tokens
+
+    def _tokenize_raw(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """llama.cpp's tokens of `text`, as they come (llama-server's `common_tokenize`)."""
         data = text.encode("utf-8")
         capacity = len(data) + 16
         buf = (lc.llama_token * capacity)()
@@ -272,11 +292,7 @@ class LlamaCppBackend:
             capacity = -n
             buf = (lc.llama_token * capacity)()
             n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        tokens = list(buf[:n])
-        bos = lc.llama_vocab_bos(self._vocab)
-        if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
-            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
-        return tokens
+        return list(buf[:n])
 
     def token_bytes(self, token: int, *, special: bool) -> bytes:
         key = (token, special)
@@ -706,6 +722,49 @@ class LlamaCppBackend:
         self._embed_ctx = ctx
         self._embed_batch = lc.llama_batch_init(self._batch_capacity, 0, 1)
         return ctx, self._embed_batch
+
+    # ---- reranking ----------------------------------------------------------------------------
+
+    def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:
+        """The (query, document) pair as this reranker reads it, as llama-server forms it (engine/llamacpp/rerank.py);
+        its document cut so the pair holds at most `limit` tokens where it can (None: never cut). Any thread."""
+        if self._rank_format is None:
+            raise InvalidRequest("this model is not a dedicated reranker", param="model")
+        return rerank.pair_tokens(self._rank_format, self._tokenize_raw, query, document, limit)
+
+    def rank(self, pairs: list[list[int]]) -> list[float]:
+        """Each pair's relevance logit from the reranker's head (see `rerank.score`), computed in the model's context
+        (a reranker's: it holds no slots' sequences). Pairs are decoded together, in order, as many at a time as the
+        context's sequences and micro-batch take."""
+        if self._rank_format is None:
+            raise InvalidRequest("this model is not a dedicated reranker", param="model")
+        capacity = min(self._batch_capacity, lc.llama_n_ubatch(self._ctx))
+        for pair in pairs:
+            if not pair or len(pair) > capacity:  # llama.cpp would abort on a bidirectional pair beyond its micro-batch
+                raise EngineFailure(f"cannot rank a pair of {len(pair)} tokens in a micro-batch of {capacity}")
+        scores = [0.0] * len(pairs)
+        for group in rerank.groups([len(pair) for pair in pairs], capacity, lc.llama_n_seq_max(self._ctx)):
+            for i, value in zip(group, self._rank_group([pairs[i] for i in group]), strict=True):
+                scores[i] = value
+        return scores
+
+    def _rank_group(self, pairs: list[list[int]]) -> list[float]:
+        """Decode `pairs` in one batch, one sequence each, and read each one's pooled head output."""
+        if self._memory:  # a causal reranker's KV cache; a bidirectional one has none
+            lc.llama_memory_clear(self._memory, True)
+        batch_rows.fill(self._batch, [(seq, pos, token, True) for seq, pair in enumerate(pairs)
+                                      for pos, token in enumerate(pair)])
+        rc = lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise EngineFailure(f"llama_decode failed with code {rc} while ranking")
+        num_values = lc.llama_model_n_cls_out(self._model)
+        scores = []
+        for seq in range(len(pairs)):
+            values = lc.llama_get_embeddings_seq(self._ctx, seq)
+            if not values:
+                raise EngineFailure("llama.cpp returned no rank score")
+            scores.append(rerank.score(values[:num_values], self._rank_softmax))
+        return scores
 
     def close(self) -> None:
         if self._draft_model is not None:

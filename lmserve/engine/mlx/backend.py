@@ -373,6 +373,14 @@ class MlxBackend:
         hidden = self._model.model(mx.array(tokens, dtype=mx.int32)[None])
         return [float(x) for x in np.array(hidden[0].astype(mx.float32).mean(axis=0))]
 
+    def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:
+        """MLX serves no dedicated rerankers: always InvalidRequest."""
+        raise InvalidRequest("the MLX engine serves no dedicated rerankers", param="model")
+
+    def rank(self, pairs: list[list[int]]) -> list[float]:
+        """MLX serves no dedicated rerankers: always InvalidRequest."""
+        raise InvalidRequest("the MLX engine serves no dedicated rerankers", param="model")
+
     def close(self) -> None:
         self._batch, self._batch_slots = None, []
         self._caches = []

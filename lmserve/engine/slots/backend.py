@@ -50,7 +50,8 @@ class Backend(Protocol):
     the token sampled after its last token (image entries are decoded first, each on its own), or raises
     PoolFull when the slots' shared memory has no room for the batch (nothing changed then). `release`
     frees the slot's sampler; its memory stays as a prefix cache for the next request in that slot. `embed`
-    pools one text's hidden states into a vector without touching any slot.
+    pools one text's hidden states into a vector without touching any slot. A dedicated reranker
+    (`info.can_rank`) scores (query, document) pairs with `rank_tokens` and `rank` and runs no sequences.
     """
 
     info: ModelInfo
@@ -134,6 +135,17 @@ class Backend(Protocol):
 
     def embed(self, tokens: list[int]) -> list[float]:
         """The mean of the model's last hidden states over `tokens` (not normalized); uses no slot."""
+        ...
+
+    def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:
+        """A dedicated reranker's tokens for the pair (query, document), as it reads them; the document cut so they
+        are at most `limit` where that is enough (None: never cut; the caller checks the length). InvalidRequest for
+        a model that is not a reranker. Callable from any thread."""
+        ...
+
+    def rank(self, pairs: list[list[int]]) -> list[float]:
+        """Each pair's (from `rank_tokens`, non-empty, at most `info.num_ctx` tokens) relevance score: the reranker
+        head's logit, higher for a more relevant document. InvalidRequest for a model that is not a reranker."""
         ...
 
     def close(self) -> None: ...

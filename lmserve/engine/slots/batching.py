@@ -105,6 +105,16 @@ class _EmbedJob:
     loop: asyncio.AbstractEventLoop
 
 
+@dataclass(slots=True, eq=False)
+class _RankJob:
+    """(query, document) pairs for a dedicated reranker to score, in the embedding jobs' queue; the engine thread
+    settles `future` on `loop` with one score per pair."""
+
+    pairs: list[list[int]]
+    future: asyncio.Future[list[float]]
+    loop: asyncio.AbstractEventLoop
+
+
 class BatchingEngine:
     """Continuous batching over a backend. Thread-safe `submit`/`abort`/`embed`; the rest runs in its thread.
 
@@ -139,7 +149,7 @@ class BatchingEngine:
         in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
-        self._embeds: deque[_EmbedJob] = deque()
+        self._embeds: deque[_EmbedJob | _RankJob] = deque()
         self._failure: str | None = None
         self._death: str | None = None
         """Why the engine thread ended before the engine was closed (`failure`)."""
@@ -200,6 +210,9 @@ class BatchingEngine:
         Choice i samples with `choice_sampling(sampling, i)`. The n sequences count against the queue: Overloaded
         when the queue is full or slots and queue cannot take all n now; InvalidRequest when they never could.
         """
+        if self.info.can_rank:
+            raise InvalidRequest("model is a reranker: it scores documents against a query (rerank) and generates "
+                                 "no text", param="model")
         num_ctx = self.info.num_ctx
         check_choices(n, self.info, self.max_queue)
         images = images or []
@@ -293,7 +306,40 @@ class BatchingEngine:
         return [unit_vector(v) for v in vectors] if normalize else list(vectors)
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
-        raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance", param="model")
+        """A dedicated reranker's relevance logit of each document to `query` (see the Engine protocol), computed on
+        the engine thread. A pair longer than one sequence's context has its document cut when `truncate`, else it is
+        a ContextOverflow (param "documents")."""
+        if not self.info.can_rank:
+            raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance",
+                                 param="model")
+        pairs = [self._rank_pair(query, document, truncate) for document in documents]
+        if not pairs:
+            return []
+        loop = asyncio.get_running_loop()
+        job = _RankJob(pairs, loop.create_future(), loop)
+        with self._cond:
+            if self._is_closing:
+                raise InvalidRequest("the server is shutting down")
+            if self._death is not None:
+                raise EngineStopped(f"the engine stopped: {self._death}")
+            self._embeds.append(job)
+            self._cond.notify()
+        try:
+            return list(await job.future)
+        finally:
+            job.future.cancel()  # no-op once settled; the thread skips a cancelled job
+
+    def _rank_pair(self, query: str, document: str, truncate: bool) -> list[int]:
+        """The reranker's tokens of (query, document), fitted to one sequence's context (see `rank`)."""
+        num_ctx = self.info.num_ctx
+        pair = self.backend.rank_tokens(query, document, num_ctx if truncate else None)
+        if len(pair) > num_ctx:
+            error = ContextOverflow(len(pair), num_ctx, self.info.num_ctx_train)
+            error.param = "documents"
+            raise error
+        if not pair:
+            raise InvalidRequest("a query and document make no tokens to rank", param="documents")
+        return pair
 
     def abort(self, seq: Sequence) -> None:
         with self._cond:
@@ -389,21 +435,22 @@ class BatchingEngine:
         while self._embeds:
             self._settle(self._embeds.popleft(), None, EngineFailure("the server is shutting down"))
 
-    def _embed(self, job: _EmbedJob) -> None:
+    def _embed(self, job: _EmbedJob | _RankJob) -> None:
         if job.future.cancelled():  # the caller is gone (a benign race: at worst one wasted embedding)
             return
         try:
-            vector = self.backend.embed(job.tokens)
+            vector = self.backend.embed(job.tokens) if isinstance(job, _EmbedJob) else self.backend.rank(job.pairs)
         except LmserveError as exc:
             self._settle(job, None, exc)
         except Exception as exc:  # a failed embedding fails its request, never the thread
-            log.exception("embedding failed")
-            self._settle(job, None, EngineFailure(f"embedding failed: {exc}"))
+            what = "embedding" if isinstance(job, _EmbedJob) else "ranking"
+            log.exception("%s failed", what)
+            self._settle(job, None, EngineFailure(f"{what} failed: {exc}"))
         else:
             self._settle(job, vector, None)
 
     @staticmethod
-    def _settle(job: _EmbedJob, vector: list[float] | None, error: Exception | None) -> None:
+    def _settle(job: _EmbedJob | _RankJob, vector: list[float] | None, error: Exception | None) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             job.loop.call_soon_threadsafe(_set_future, job.future, vector, error)
 
@@ -472,9 +519,27 @@ class BatchingEngine:
             if not plan:
                 return None
             try:
-                return plan, self.backend.step([entry for _, entry in plan])
+                return plan, self._step_entries(plan)
             except PoolFull:
                 self._make_room(plan, outbox)
+
+    def _step_entries(self, plan: list[tuple[Sequence, BatchEntry]]) -> list[int | None]:
+        """Decode the plan's entries: together, except that a scoring sequence's (SamplingParams.score_tokens) go
+        each in a batch of its own first, so its scores do not depend on what else runs (batched kernels round
+        differently for different batches). Not with a KV pool the slots share, where a later batch could find no
+        room after an earlier one changed memory."""
+        alone = [i for i, (seq, _) in enumerate(plan) if seq.sampling.score_tokens]
+        shared_pool = 0 < self.info.num_kv_cells != self.info.num_ctx * self.info.num_parallel
+        if not alone or len(plan) == 1 or shared_pool:
+            return self.backend.step([entry for _, entry in plan])
+        sampled: list[int | None] = [None] * len(plan)
+        for i in alone:
+            sampled[i] = self.backend.step([plan[i][1]])[0]
+        rest = [i for i in range(len(plan)) if i not in set(alone)]
+        if rest:
+            for i, token in zip(rest, self.backend.step([plan[i][1] for i in rest]), strict=True):
+                sampled[i] = token
+        return sampled
 
     def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: list[tuple[RequestStream, Chunk]]) -> None:
         """Free memory in the shared KV pool for a step it could not take (see `_decode`)."""

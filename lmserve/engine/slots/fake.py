@@ -40,6 +40,7 @@ class FakeBackend:
         draft_model: bool = False,
         pool_size: int | None = None,
         num_ctx_train: int = 0,
+        reranker: bool = False,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
@@ -52,6 +53,7 @@ class FakeBackend:
             image_marker=IMAGE_MARKER if vision else None,
             draft_model="fake-draft" if draft_model else None,
             num_kv_cells=pool_size if pool_size is not None else num_ctx * num_parallel,
+            can_rank=reranker,
         )
         self.eog_after = eog_after
         self.step_delay = step_delay
@@ -73,6 +75,8 @@ class FakeBackend:
         self.num_full = 0
         """Steps refused with PoolFull."""
         self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
+        self.ranked: list[list[list[int]]] = []
+        """The pairs of each `rank` call (a reranker's)."""
         self.fault: str | None = None
         """When set, every step and every release of a slot raises RuntimeError(fault), as a backend made unusable
         (a device fault) would: the next step fails, failing its requests releases their slots, which fails outside
@@ -219,6 +223,25 @@ class FakeBackend:
         for token in tokens:
             counts[token % EMBED_SIZE] += 1.0
         return counts
+
+    def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:
+        """A reranker's pair: the query's bytes, EOG, then the document's bytes (cut to make at most `limit`)."""
+        if not self.info.can_rank:
+            raise InvalidRequest("this model is not a dedicated reranker", param="model")
+        head = [*query.encode("utf-8"), EOG]
+        body = list(document.encode("utf-8"))
+        return head + (body if limit is None else body[: max(limit - len(head), 0)])
+
+    def rank(self, pairs: list[list[int]]) -> list[float]:
+        """How many distinct bytes of the query the document holds: a pure function of the pair."""
+        if not self.info.can_rank:
+            raise InvalidRequest("this model is not a dedicated reranker", param="model")
+        self.ranked.append([list(pair) for pair in pairs])
+        scores = []
+        for pair in pairs:
+            end = pair.index(EOG)
+            scores.append(float(len(set(pair[:end]) & set(pair[end + 1:]))))
+        return scores
 
     def close(self) -> None:
         pass
