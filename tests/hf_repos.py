@@ -274,6 +274,56 @@ def _write_tiny_lfm2_vl(out: Path) -> None:
     (out / "chat_template.jinja").write_text(LFM2_TEMPLATE)
 
 
+
+RERANKER_WORDS = ["the", "a", "of", "is", "in", "and", "capital", "france", "paris", "berlin", "tokyo", "city",
+                  "what", "bananas", "are", "yellow", "weather", "sun", "river", "seine"]
+"""Whole words of the tiny BERT reranker's vocabulary (any other lowercase word is spelled from its letters)."""
+
+
+def tiny_reranker_repo(arch: str = "bert") -> Path:
+    """A tiny random cross-encoder repository (one relevance logit per (query, document) pair): `arch` "bert" is
+    a BertForSequenceClassification (hidden 64, 2 layers, 2 heads of 32, FFN 128; a WordPiece vocabulary of
+    letters, digits and RERANKER_WORDS, so a pair reads `[CLS] query [SEP] document [SEP]` with token types);
+    "llama" is a LlamaForSequenceClassification (tiny_llama_repo's shape, SmolLM2's tokenizer), vLLM's form of a
+    decoder reranker (the last token's hidden state through the `score` head)."""
+    if arch == "bert":
+        return _cached("tiny-bert-reranker", _write_tiny_bert_reranker)
+    if arch == "llama":
+        return _cached("tiny-llama-reranker", _write_tiny_llama_reranker)
+    raise ValueError(f"no tiny reranker of architecture {arch!r}")
+
+
+def _write_tiny_bert_reranker(out: Path) -> None:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *(f"##{c}" for c in letters),
+             *".,?!'-:;()\"", *RERANKER_WORDS]
+    tokenizer = BertTokenizerFast(vocab={piece: i for i, piece in enumerate(vocab)}, do_lower_case=True,
+                                  model_max_length=512)
+    tokenizer.save_pretrained(out)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
+                        num_labels=1, initializer_range=0.2)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(out)
+
+
+def _write_tiny_llama_reranker(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    smol = smollm2_repo()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / name, out / name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, num_labels=1, initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+
 if __name__ == "__main__":
     print(smollm2_repo())
     print(tiny_llama_repo())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import cohere
@@ -168,3 +169,24 @@ def test_cohere_classify_with_examples(server: Server, http: httpx.Client) -> No
         assert set(item.labels) == {"positive", "negative"}
         assert abs(math.fsum(v.confidence or 0 for v in item.labels.values()) - 1) < 1e-6
         assert item.prediction in item.labels and item.confidence == item.labels[item.prediction].confidence
+
+
+def test_readme_examples_run_as_written(server: Server) -> None:
+    """The README section's Python examples, pointed at this server (they print; they must not fail)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Judgments with exact probabilities", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+    assert len(blocks) == 2
+    for block in blocks:
+        names: dict[str, Any] = {}
+        exec(compile(block.replace("http://localhost:11434", server.base_url), "README.md", "exec"), names)
+        for name in ("client", "co"):  # close what the example opened
+            if name == "client" and name in names:
+                names[name].close()
+            elif name in names:
+                names[name]._client_wrapper.httpx_client.httpx_client.close()
+
+
+def test_show_lists_rerank(server: Server, http: httpx.Client) -> None:
+    shown = http.post(server.base_url + "/api/show", json={"model": MODEL}).json()
+    assert shown["capabilities"][:3] == ["completion", "tools", "rerank"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -38,16 +38,30 @@ EngineOpener = Callable[[Path, LoadOptions], Engine]
 """Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
 
 
-def model_capabilities(template: str, *, vision: bool) -> list[str]:
+def model_capabilities(template: str, *, vision: bool, reranker: bool = False) -> list[str]:
     """What `show` lists: "completion"; "tools" (any model can call tools: a template that does not render them
-    gets lmserve's own JSON call format in the prompt); "vision" with a projector or a vision config; "thinking"
-    when the template thinks."""
-    found = ["completion", "tools"]
+    gets lmserve's own JSON call format in the prompt); "rerank" (any chat model reranks, judging relevance:
+    service/judging.py); "vision" with a projector or a vision config; "thinking" when the template thinks. A
+    dedicated reranker (a relevance head) lists "rerank" only."""
+    if reranker:
+        return ["rerank"]
+    found = ["completion", "tools", "rerank"]
     if vision:
         found.append("vision")
     if detect_reasoning(template):
         found.append("thinking")
     return found
+
+
+def is_reranker_metadata(metadata: Mapping[str, object]) -> bool:
+    """Whether GGUF metadata describes a dedicated reranker (llama.cpp's rank pooling, `<arch>.pooling_type` 4), or
+    a repository's config a sequence classifier with one label (vLLM's score task)."""
+    architecture = metadata.get("general.architecture")
+    if isinstance(architecture, str) and metadata.get(f"{architecture}.pooling_type") == 4:
+        return True
+    architectures = metadata.get("architectures")
+    return (isinstance(architectures, list) and any(str(a).endswith("ForSequenceClassification") for a in architectures)
+            and metadata.get("num_labels", 1) in (1, None))
 
 
 @dataclass(slots=True)
@@ -230,7 +244,8 @@ class StoreCatalog:
             system=manifest.system or "",
             license="\n".join(manifest.license),
             model_info=metadata,
-            capabilities=model_capabilities(template, vision=vision),
+            capabilities=model_capabilities(template, vision=vision,
+                                            reranker=is_reranker_metadata(config if manifest.files else metadata)),
         )
 
     def has_vision(self, name: str) -> bool:
@@ -494,7 +509,8 @@ class StaticCatalog:
             template=info.chat_template or "",
             system=model.system or "",
             model_info=dict(info.metadata),
-            capabilities=model_capabilities(model.template_source or info.chat_template or "", vision=info.has_vision),
+            capabilities=model_capabilities(model.template_source or info.chat_template or "", vision=info.has_vision,
+                                            reranker=info.can_rank),
         )
 
     def has_vision(self, name: str) -> bool:

@@ -113,7 +113,7 @@ async def test_management_routes(client: httpx.AsyncClient) -> None:
     tags = (await client.get("/api/tags")).json()["models"]
     assert [t["name"] for t in tags] == ["fake"]
     show = (await client.post("/api/show", json={"model": "fake"})).json()
-    assert show["capabilities"] == ["completion", "tools"] and "FROM" in show["modelfile"]
+    assert show["capabilities"] == ["completion", "tools", "rerank"] and "FROM" in show["modelfile"]
     await client.post("/api/generate", json={"model": "fake"})
     ps = (await client.get("/api/ps")).json()["models"]
     assert [m["name"] for m in ps] == ["fake"] and "expires_at" in ps[0]

@@ -269,7 +269,7 @@ def test_list_and_show_a_repository(catalog: StoreCatalog, repo: Path) -> None:
     assert listing.details["quantization_level"] == "BF16"
     shown = catalog.describe("tiny:latest")
     assert shown.template == TINY_TEMPLATE
-    assert shown.capabilities == ["completion", "tools"]
+    assert shown.capabilities == ["completion", "tools", "rerank"]
     assert shown.model_info["general.parameter_count"] == TINY_PARAMETERS
     assert shown.modelfile.startswith(f"FROM {catalog.store.model_path(catalog.store.find('tiny').manifest)}")
     assert not catalog.has_vision("tiny:latest")

@@ -5,6 +5,8 @@ its engine core (scheduler, model runner, workers for tensor/pipeline parallelis
 `RequestOutput` deltas back; this module turns lmserve's token prompts and `SamplingParams` into vLLM's and its
 outputs into `Chunk`s. Templates, tool-call parsing, options precedence and the HTTP dialects stay above the seam,
 shared with llama.cpp. `engine_args` (pure, no vLLM import) is where every launch option maps to vLLM's names.
+A cross-encoder repository is a dedicated reranker instead (engine/vllm/rerank.py): vLLM's pooling runner, `rank`
+only. Scoring requests (`score_tokens`) and top-logprobs requests take turns in vLLM (engine/vllm/gate.py).
 
 vLLM is imported only when a model is opened: the llama.cpp path never pays for it.
 """
@@ -23,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,8 @@ from lmserve.engine.protocol import (
     check_score_tokens,
     choice_sampling,
 )
+from lmserve.engine.vllm.gate import KindGate, gate_kind
+from lmserve.engine.vllm.rerank import RankPair, is_reranker, pair_tokens
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import AUTO_CONTEXT, Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
@@ -127,6 +131,10 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         "logprobs_mode": "processed_logprobs",  # the sampling distribution's, as on llama.cpp (engine/logprobs.py)
         "scheduling_policy": "priority",  # requests' `priority` (batch lines run last); FCFS within one priority
     }
+    if is_reranker(config):  # a cross-encoder: vLLM's pooling runner, the classify task (engine/vllm/rerank.py)
+        args["runner"] = "pooling"
+        del args["logprobs_mode"]
+        del args["enable_prefix_caching"]  # vLLM's choice: an encoder-only model has no KV cache to keep
     compilation: dict[str, Any] = {}
     if options.is_cpu and cpu_rope_kernel_wrong(config):
         compilation["custom_ops"] = ["-rotary_embedding"]  # vLLM's PyTorch RoPE instead (CPU_ROPE_KERNEL_WRONG)
@@ -298,9 +306,32 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
         kwargs["logit_bias"] = dict(sampling.logit_bias)
     if sampling.logprobs is not None:
         kwargs["logprobs"] = sampling.logprobs
-    if sampling.score_tokens:  # with greedy decoding, vLLM's processed logprobs are the raw distribution's
+    if sampling.score_tokens:
+        check_scoring(sampling)
         kwargs["logprob_token_ids"] = list(sampling.score_tokens)
     return kwargs
+
+
+def check_scoring(sampling: SamplingParams) -> None:
+    """InvalidRequest unless vLLM's logprobs of `sampling.score_tokens` are the raw distribution's.
+
+    vLLM gathers them from its processed logprobs (logprobs_mode "processed_logprobs"): greedy decoding with no
+    penalty, logit bias or grammar leaves the raw log-softmax unchanged, any of those would change it. Its
+    `logprob_token_ids` also replace the request's own `logprobs` alternatives, so the two do not combine.
+    """
+    transforms = {
+        "temperature": sampling.temperature > 0,
+        "repeat_penalty": sampling.repeat_penalty > 0 and sampling.repeat_penalty != 1.0,
+        "presence_penalty": sampling.presence_penalty != 0,
+        "frequency_penalty": sampling.frequency_penalty != 0,
+        "logit_bias": bool(sampling.logit_bias),
+        "grammar": sampling.grammar is not None,
+        "logprobs": sampling.logprobs is not None,
+    }
+    named = [name for name, present in transforms.items() if present]
+    if named:
+        raise InvalidRequest(f"on the vLLM engine, scoring tokens (score_tokens) needs greedy decoding of the raw "
+                             f"distribution: leave {', '.join(named)} out", param="score_tokens")
 
 
 def cpu_binding(cpus: list[int], workers: int) -> str:
@@ -489,6 +520,8 @@ class VllmStream:
         self.request_id = f"lmserve-{next(_ids)}"
         self.failure: str | None = None
         self._aborted = False
+        self._gated: str | None = None
+        """The kind this request counts as in the engine's KindGate (engine/vllm/gate.py), while it does."""
         self._logprobs = (LogprobMapper(engine.llm_tokenizer, special=not params.skip_special_tokens,
                                         k=int(params.logprobs)) if params.logprobs is not None else None)
 
@@ -508,28 +541,63 @@ class VllmStream:
                                    stop_reason=completion.stop_reason)
 
     def _scores(self, completion: Any) -> list[float]:
-        """The first token's log-probabilities of the request's `logprob_token_ids` (SamplingParams.score_tokens)."""
+        """The first token's log-probabilities of the request's `logprob_token_ids` (SamplingParams.score_tokens),
+        in their order; none when vLLM returned no entry for one of them.
+
+        vLLM's entry for a position maps each id to a `Logprob`: the sampled token first, then the ids asked for
+        (their `rank` is not theirs: vLLM numbers them 1, 2… as if they were the top alternatives).
+        """
         wanted = self._params.logprob_token_ids
         if not wanted or not completion.logprobs:
             return []
         first = completion.logprobs[0]
+        if any(token not in first for token in wanted):
+            return []
         return [float(first[token].logprob) for token in wanted]
 
     def abort(self) -> None:
         """Stop generating; vLLM frees the request's blocks on its next step."""
         if not self._aborted:
             self._aborted = True
-            self._engine.abort(self.request_id)
+            self._engine.abort(self.request_id, then=self._leave_gate)  # then the other kind may not meet it
             self._engine.forget(self)
+
+    def _leave_gate(self) -> None:
+        """Count this request out of the engine's KindGate, once, if it was let in."""
+        if self._gated is not None:
+            self._engine.gate.leave(self._gated)
+            self._gated = None
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter_ns()
-        first = 0
         request = TokensPrompt(prompt_token_ids=self._prompt)
         if self._images:  # vLLM's processor expands each image's placeholder into the image's tokens
             request["multi_modal_data"] = {"image": self._images}
+        kind = gate_kind(self._params)
+        if kind is not None and not self._aborted:  # scoring and top-logprobs requests never share a step
+            await self._engine.gate.enter(kind)
+            self._gated = kind
+            if self._aborted:  # while it waited
+                self._leave_gate()
+        try:
+            if not self._aborted and self.failure is None:
+                async with contextlib.aclosing(self._generate(request, start)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return
+        finally:
+            self._leave_gate()
+            self._engine.forget(self)
+        if not self._aborted or self.failure is not None:
+            yield Chunk(error=self.failure or "the request ended early", finish_reason="error",
+                        usage=Usage(len(self._prompt), len(self._output)))
+
+    async def _generate(self, request: Any, start: int) -> AsyncGenerator[Chunk, None]:
+        """vLLM's deltas of the request as chunks, up to the final one; nothing more when it fails (`failure`)."""
+        first = 0
         outputs = self._engine.llm.generate(request, self._params, request_id=self.request_id,
                                             priority=self._priority)
         try:
@@ -557,10 +625,6 @@ class VllmStream:
             self.failure = self.failure or (f"the engine stopped: {stopped}" if stopped else _engine_error(exc))
         finally:
             await outputs.aclose()
-            self._engine.forget(self)
-        if not self._aborted or self.failure is not None:
-            yield Chunk(error=self.failure or "the request ended early", finish_reason="error",
-                        usage=Usage(len(self._prompt), len(self._output)))
 
 
 class VllmEngine:
@@ -599,8 +663,11 @@ class VllmEngine:
         self._max_queue = options.max_queue
         self._streams: dict[str, VllmStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.gate = KindGate()
+        """Keeps scoring and top-logprobs requests out of each other's steps (engine/vllm/gate.py)."""
         model_config = self.llm.model_config
         tokenizer = self._tokenizer
+        reranker = is_reranker(config)
         self.info = ModelInfo(
             path=str(path),
             architecture=str(config.get("model_type", "")),
@@ -615,10 +682,12 @@ class VllmEngine:
             description=f"vLLM {options.dtype} {config.get('torch_dtype') or config.get('dtype') or ''}".strip(),
             engine="vllm",
             can_embed=False,
-            can_constrain=True,
-            image_marker=image_marker(model_config),
-            fim=find_by_text(tokenizer.get_vocab()),
+            can_constrain=not reranker,
+            image_marker=None if reranker else image_marker(model_config),
+            fim=None if reranker else find_by_text(tokenizer.get_vocab()),
+            can_rank=reranker,
         )
+        self._score_template = _score_template(model_config) if reranker else None
         cache_config = self.llm.vllm_config.cache_config
         self._stats.kv_block_size = int(cache_config.block_size or 0)
         self._stats.kv_num_blocks = int(cache_config.num_gpu_blocks or 0)
@@ -662,6 +731,9 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        if self.info.can_rank:
+            raise InvalidRequest("model is a reranker: it scores documents against a query (rerank) and generates "
+                                 "no text", param="model")
         num_ctx = self.info.num_ctx
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -722,7 +794,60 @@ class VllmEngine:
         raise InvalidRequest("embeddings are not available on the vLLM engine for this model", param="model")
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
-        raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance", param="model")
+        """A cross-encoder's relevance logit of each document to `query` (engine/vllm/rerank.py): one request of
+        vLLM's classify task per pair, without vLLM's sigmoid; at most `num_parallel` + the queue's length in vLLM
+        at once. A pair longer than the context has its document cut when `truncate`, else it is a ContextOverflow."""
+        if not self.info.can_rank:
+            raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance",
+                                 param="model")
+        pairs = [self.rank_pair(query, document, truncate=truncate) for document in documents]
+        if self.failure is not None:
+            raise EngineStopped(f"the engine stopped: {self.failure}")
+        window = asyncio.Semaphore(self.info.num_parallel + self._max_queue)
+
+        async def scored(pair: RankPair) -> float:
+            async with window:
+                return await self._classify(pair)
+
+        tasks = [asyncio.ensure_future(scored(pair)) for pair in pairs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def rank_pair(self, query: str, document: str, *, truncate: bool = True) -> RankPair:
+        """The (query, document) pair as this reranker reads it, fitted to its context (see `rank`)."""
+        score_template = self._score_template(query, document) if self._score_template is not None else None
+        return pair_tokens(self._tokenizer, query, document, limit=self.info.num_ctx, truncate=truncate,
+                           trained=self.info.num_ctx_train, score_template=score_template,
+                           use_sep_token=bool(self.llm.model_config.use_sep_token))
+
+    async def _classify(self, pair: RankPair) -> float:
+        """The reranker's head on one pair: its raw value (vLLM's `use_activation=False`: no sigmoid)."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        params = PoolingParams(task="classify", use_activation=False)
+        if pair.second_from is not None:
+            params.extra_kwargs = {"compressed_token_type_ids": pair.second_from}
+        request_id = f"lmserve-rank-{next(_ids)}"
+        value: float | None = None
+        outputs = self.llm.encode(TokensPrompt(prompt_token_ids=pair.tokens), params, request_id=request_id)
+        try:
+            async for out in outputs:
+                if out.finished:
+                    value = float(out.outputs.data.reshape(-1)[0])
+        except Exception as exc:  # the engine died, or refused the request
+            stopped = self.failure
+            if stopped is not None:
+                raise EngineStopped(f"the engine stopped: {stopped}") from exc
+            raise EngineFailure(_engine_error(exc)) from exc
+        finally:
+            await outputs.aclose()
+        if value is None:
+            raise EngineFailure("vLLM's reranker returned no score")
+        return value
 
     def fail_all(self, message: str) -> None:
         for stream in list(self._streams.values()):
@@ -774,15 +899,20 @@ class VllmEngine:
 
     # ---- for streams ------------------------------------------------------------------------------------------
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request in vLLM (from the event loop; fire and forget)."""
+    def abort(self, request_id: str, then: Callable[[], None] | None = None) -> None:
+        """Abort a request in vLLM (from the event loop; fire and forget), calling `then` once the abort is sent
+        to vLLM's engine core (ahead of any request added later), or at once off the event loop."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            if then is not None:
+                then()
             return
         task = loop.create_task(self.llm.abort(request_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
 
     def forget(self, stream: VllmStream) -> None:
         self._streams.pop(stream.request_id, None)
@@ -818,6 +948,16 @@ def image_marker(model_config: Any) -> str | None:
     except ValueError:  # the model takes other media only
         return None
     return str(first) if first and first == second else None
+
+
+def _score_template(model_config: Any) -> Callable[[str, str], str | None] | None:
+    """The model's own score template (vLLM's `get_score_template(query, document)`), or None where the tokenizer
+    pairs the texts."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+    from vllm.model_executor.models.interfaces import supports_score_template
+
+    model: Any = get_model_cls(model_config)
+    return model.get_score_template if supports_score_template(model) else None
 
 
 def find_all(tokens: list[int], marker: list[int]) -> list[int]:
