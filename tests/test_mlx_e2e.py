@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -410,3 +411,24 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_again(server: KeyedS
         reply = native.chat(model=model, messages=QUESTION, options={"temperature": 0})
         assert "Paris" in reply.message.content
         assert [m.model for m in native.ps().models] == [model]
+
+
+def test_a_decision_puts_most_probability_on_paris(client: openai.OpenAI, model: str) -> None:
+    """Judging on MLX (service/judging.py): 20 questions through a queue of MAX_QUEUE, exact and the same alone."""
+    choices: Any = [{"value": "Berlin"}, {"value": "Paris"}, {"value": "Tokyo"}]
+    questions: Any = [{"type": "choice", "instructions": "Answer the question.", "choices": choices}]
+    questions += [{"type": "predicate", "instructions": f"The question mentions the number {i}."} for i in range(19)]
+    decision = client.decisions.create(model=model, input="What is the capital of France?", questions=questions)
+    first = decision.answers[0]
+    assert first.type == "choice" and first.choice == "Paris"
+    assert abs(math.fsum(p.probability for p in first.probabilities) - 1) < 1e-6
+    alone = client.decisions.create(model=model, input="What is the capital of France?", questions=questions[:1])
+    assert [p.probability for p in alone.answers[0].probabilities] == pytest.approx(  # type: ignore[union-attr]
+        [p.probability for p in first.probabilities], abs=1e-6)
+
+
+def test_a_chat_model_reranks_on_mlx(server: KeyedServer, model: str) -> None:
+    body = {"model": model, "query": "What is the capital of France?",
+            "documents": ["Bananas are yellow.", "Paris is the capital of France."]}
+    ranked = httpx.post(server.base_url + "/v1/rerank", json=body, headers=AUTH, timeout=120).json()
+    assert [r["index"] for r in ranked["results"]] == [1, 0]

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from lmserve.engine.protocol import Engine, GenerationStream, PromptImage
-from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest
+from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, Overloaded
 from lmserve.service.catalog import ModelSettings
 from lmserve.service.generation import GenerationService
 from lmserve.service.residency import LoadedModel
@@ -44,6 +44,9 @@ MAX_LEVELS = 10
 PREDICATE_ANSWERS = ("Yes", "No")
 """What a predicate is answered with; its probability is the first's."""
 _WINDOW = 64
+_OVERLOAD_WAIT = 30.0
+"""Seconds a scoring sequence waits for room in a full engine queue before the decision fails with a 503."""
+_OVERLOAD_POLL = 0.05
 _PROBE = Question("choice", "?", ["0", "1"])
 """A question unlike any other: where its prompt leaves a question's, the input ends."""
 _MIN_PRIME = 16
@@ -297,16 +300,26 @@ class JudgingService:
 
     async def _score_all(self, engine: Engine, jobs: list[tuple[_Node, list[PromptImage]]], shared: int,
                          priority: int, usage: Usage) -> None:
-        """Read every node's scores, at most _WINDOW sequences in the engine at once; the first `shared` tokens are
-        every prompt's, a checkpoint worth keeping."""
-        window = asyncio.Semaphore(_WINDOW)
+        """Read every node's scores, at most twice the engine's slots (and _WINDOW) sequences in it at once; the
+        first `shared` tokens are every prompt's, a checkpoint worth keeping. A full queue (other requests' work) is
+        waited out for up to _OVERLOAD_WAIT seconds before the decision fails with it."""
+        window = asyncio.Semaphore(min(_WINDOW, 2 * max(engine.info.num_parallel, 1)))
 
         async def one(node: _Node, images: list[PromptImage], tokens: list[int]) -> None:
             sampling = SamplingParams(temperature=0.0, max_tokens=1, score_tokens=tokens, draft_max=0,
                                       priority=priority)
+            checkpoints = [shared] if 0 < shared < len(node.prompt) else None
             async with window:
-                stream = engine.submit(node.prompt, sampling, images=images or None,
-                                       checkpoints=[shared] if 0 < shared < len(node.prompt) else None)
+                waited = 0.0
+                while True:
+                    try:
+                        stream = engine.submit(node.prompt, sampling, images=images or None, checkpoints=checkpoints)
+                        break
+                    except Overloaded:
+                        if waited >= _OVERLOAD_WAIT:
+                            raise
+                        await asyncio.sleep(_OVERLOAD_POLL)
+                        waited += _OVERLOAD_POLL
                 final = await _final(stream)
             if final.error is not None or len(final.scores) != len(tokens):
                 raise EngineFailure(f"the engine could not score the answers: {final.error or 'no scores'}")
