@@ -97,6 +97,10 @@ class SamplingParams:
     """Judging, not sampling: report log P(token | prompt) of each of these ids at the first position, from the
     model's own distribution (a log-softmax of the raw logits, before any sampling transform), in the final chunk's
     `scores` (at most MAX_SCORE_TOKENS of them; service/judging.py asks for one token with them)."""
+    reuse_limit: int | None = None
+    """Reuse at most this many prompt tokens computed before (a slot's memory, a copy, a saved state); the rest is
+    computed from there, so it rounds the same however the tokens before it happened to be cached (batched kernels
+    round differently for different batch shapes). None: reuse all that matches."""
 
     @property
     def is_greedy(self) -> bool:

@@ -79,13 +79,13 @@ def test_every_kind_of_question_in_one_decision(client: openai.OpenAI) -> None:
 
 
 def test_a_question_alone_and_among_100_has_the_same_probability(client: openai.OpenAI) -> None:
-    report = " ".join(f"In town {i} the weather was {('warm', 'cold', 'hot')[i % 3]}." for i in range(40))
+    report = " ".join(f"In town {i} the weather was {('mild', 'cold', 'hot')[i % 3]}." for i in range(40))
     questions: Any = [{"type": "choice", "instructions": f"What was the weather in town {i}?",
-                       "choices": [{"value": "warm"}, {"value": "cold"}, {"value": "hot"}]} for i in range(100)]
+                       "choices": [{"value": "mild"}, {"value": "cold"}, {"value": "hot"}]} for i in range(100)]
     many = client.decisions.create(model=MODEL, input=report, questions=questions)
     alone = client.decisions.create(model=MODEL, input=report, questions=questions[7:8])
     assert len(many.answers) == 100
-    seven = [p.probability for p in many.answers[7].probabilities]  # type: ignore[union-attr]
+    seven = [p.probability for p in many.answers[7].probabilities]  # type: ignore[union-attr]  ("mild": 2 tokens)
     assert seven == pytest.approx([p.probability for p in alone.answers[0].probabilities], abs=1e-6)  # type: ignore[union-attr]
     # the report is prefilled once: nearly every prompt token of the 100 questions was found computed
     usage = many.usage

@@ -247,8 +247,9 @@ class JudgingService:
         is computed once (classifying many texts after the same examples, ranking documents for one query).
 
         The same question gets the same probabilities alone or among others: the shared input is computed first, on
-        its own, and each scoring sequence is decoded in a batch of its own (engine/slots/batching.py), so nothing
-        else in the step changes how its numbers round."""
+        its own; each scoring sequence reuses no more than that input (`reuse_limit`), so its own tokens are always
+        computed in one piece from the same place; and it is decoded in a batch of its own (engine/slots/batching.py),
+        so nothing else in the step changes how its numbers round."""
         for i, (_, q) in enumerate(cases):
             check_question(q, f"questions[{i}]")
         options = options or RequestOptions()
@@ -307,7 +308,7 @@ class JudgingService:
 
         async def one(node: _Node, images: list[PromptImage], tokens: list[int]) -> None:
             sampling = SamplingParams(temperature=0.0, max_tokens=1, score_tokens=tokens, draft_max=0,
-                                      priority=priority)
+                                      priority=priority, reuse_limit=shared or None)
             checkpoints = [shared] if 0 < shared < len(node.prompt) else None
             async with window:
                 waited = 0.0

@@ -679,7 +679,7 @@ class BatchingEngine:
             if self.cache.is_enabled and floor < limit else None
         if hit is None:
             return 0, "slot"
-        length = seq.cut_outside_images(hit.length)
+        length = seq.cut_outside_images(min(hit.length, seq.reuse_limit))
         if length >= floor + self.scheduler.min_share and self.backend.restore_state(seq.slot, hit.state, length):
             return length, hit.tier
         return 0, "slot"

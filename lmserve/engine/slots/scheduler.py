@@ -179,6 +179,12 @@ class Sequence:
         return pos
 
     @property
+    def reuse_limit(self) -> int:
+        """The most prompt tokens computed before that this sequence may reuse (SamplingParams.reuse_limit)."""
+        limit = self.sampling.reuse_limit
+        return len(self.prompt) + self.num_refill if limit is None else limit
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the slot's memory after this step's input (prompt + generated, minus the pending one)."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
@@ -244,7 +250,7 @@ class Scheduler:
         index, length = self.choose_slot(tokens)
         seq.slot = self._free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
-        seq.num_cached = seq.cut_outside_images(min(length, len(tokens) - 1))
+        seq.num_cached = seq.cut_outside_images(min(length, len(tokens) - 1, seq.reuse_limit))
         source = seq.fork_of
         if source is not None and source in self.running and source.phase in (Phase.PREFILLING, Phase.FOLLOWING):
             seq.move(Phase.FORKING)
@@ -307,7 +313,8 @@ class Scheduler:
         return index, common_prefix_length(self.slot_tokens[self._free_slots[index]], prompt)
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
-        return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1))
+        return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1,
+                                          seq.reuse_limit))
 
     def _plan_sharing(self, seq: Sequence) -> None:
         """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 
 import pytest
@@ -376,3 +377,19 @@ async def test_a_request_of_higher_priority_takes_the_slot_and_the_preempted_one
     assert engine.stats.preemptions == 1
     assert high_end.finish_reason == "length"
     engine.close()
+
+
+async def test_scoring_sequences_are_decoded_each_in_a_batch_of_its_own() -> None:
+    backend = FakeBackend(num_ctx=256, num_parallel=3)
+    eng = BatchingEngine(backend, max_batch_tokens=64, max_prefill_tokens=64)
+    try:
+        prompts = [eng.tokenize(f"prompt number {i}") for i in range(3)]
+        scoring = SamplingParams(temperature=0, max_tokens=1, score_tokens=[1, 2])
+        finals = await asyncio.gather(_last(eng.submit(prompts[0], scoring)), _last(eng.submit(prompts[1], scoring)),
+                                      _last(eng.submit(prompts[2], SamplingParams(max_tokens=4))))
+        assert [len(f.scores) for f in finals] == [2, 2, 0]
+        assert math.fsum(math.exp(v) for v in finals[0].scores) < 1
+        scored = [step for step in backend.steps if any(e.tokens in prompts[:2] for e in step)]
+        assert len(scored) == 2 and all(len(step) == 1 for step in scored)  # never sharing a decode call
+    finally:
+        eng.close()

@@ -483,3 +483,12 @@ def test_lower_priority_work_waits_while_a_higher_priority_prompt_prefills() -> 
     scheduler.prefilled(interactive, 20)  # done: everyone runs again
     interactive.output = [1]
     assert {id(s) for s, _ in scheduler.schedule()} == {id(batch_decoding), id(batch_prefilling), id(interactive)}
+
+
+def test_a_reuse_limit_caps_the_prefix_taken_from_a_slot_and_from_copies() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64, can_copy=True)
+    scheduler.slot_tokens = [[1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7]]
+    s = Sequence(prompt=[1, 2, 3, 4, 5, 6, 8], sampling=SamplingParams(reuse_limit=3), max_new_tokens=1)
+    scheduler.add(s)
+    scheduler.admit()
+    assert s.num_cached == 3 and s.copy_len <= 3  # slot 1 holds 6 of its tokens: it may take 3
