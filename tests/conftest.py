@@ -23,7 +23,8 @@ import pytest
 
 from lmserve.store.embedded import embedded_model_path
 
-TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora"})
+TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora",
+                       "tests.tiny_reranker"})
 LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize"})
 VLLM = frozenset({"vllm", "tests.hf_repos"})
 SERVER = frozenset({"subprocess", "pexpect", "tests.test_server"})
