@@ -10,7 +10,8 @@ are not counted.
 
 Every question's prompt begins with the same tokens (the input); they are computed once and shared by every
 question (the engine's prefix sharing, a snapshot at their end for a model whose memory cannot be cut), so each
-question costs its own tokens and one step.
+question costs its own tokens and one step. Each question is computed the same way wherever it runs (see
+`JudgingService.judge`), so its answer does not depend on the other questions asked with it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ MAX_LEVELS = 10
 PREDICATE_ANSWERS = ("Yes", "No")
 """What a predicate is answered with; its probability is the first's."""
 _WINDOW = 64
+"""The most scoring sequences one decision keeps in the engine at once (the rest wait their turn here)."""
 _OVERLOAD_WAIT = 30.0
 """Seconds a scoring sequence waits for room in a full engine queue before the decision fails with a 503."""
 _OVERLOAD_POLL = 0.05
@@ -52,7 +54,6 @@ _PROBE = Question("choice", "?", ["0", "1"])
 _MIN_PRIME = 16
 """Inputs of at least this many tokens are computed on their own before the questions that follow them, so a
 question's answer never depends on which others came with it (see `JudgingService.judge`)."""
-"""The most scoring sequences one decision keeps in the engine at once (the rest wait their turn here)."""
 
 
 @dataclass(slots=True)
