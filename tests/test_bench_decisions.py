@@ -1,0 +1,55 @@
+"""bench/decisions.py --quick: one decision against the chat requests asking the same questions (with the server's
+default max_tokens, and with max_tokens 8), each with a numeric ratio and a verdict, the answers compared; and the
+rerank part's rows (the chat model, a tiny reranker on lmserve, and on llama-server or skipped without its binary).
+
+Timings are never asserted (the goal is the full benchmark's business, on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+RATIO = re.compile(r"^\| decisions / (?P<peer>chat|chat, max_tokens 8), wall \| (?P<ratio>\d+\.\d+)x \| <= 0\.1x \| "
+                   r"(?P<verdict>PASS|MISS) \|$", re.MULTILINE)
+AGREEMENT = re.compile(r"^\| same answer as the decision \| - \| \d+/20 \(\d+%\) \| \d+/20 \(\d+%\) \|$", re.MULTILINE)
+TINY = re.compile(r"^\| tiny BERT reranker[^|]* \| (?P<server>lmserve|llama-server) \| "
+                  r"(?P<ms>\d+\.\d+|- \| skipped: no binary) \|", re.MULTILINE)
+
+
+def run_quick(model: Path) -> tuple[int, str]:
+    """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
+    proc = subprocess.Popen([sys.executable, "bench/decisions.py", "--quick", "--model", str(model)], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"bench/decisions.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def test_quick_prints_both_ratios_the_agreement_and_the_rerank_rows(model_path: Path) -> None:
+    code, out = run_quick(model_path)
+    assert code == 0, out[-3000:]
+    ratios = {m["peer"]: float(m["ratio"]) for m in RATIO.finditer(out)}
+    assert sorted(ratios) == ["chat", "chat, max_tokens 8"], out[-3000:]
+    assert all(value > 0 for value in ratios.values()), ratios
+    assert AGREEMENT.search(out), out[-3000:]
+    assert "| requests | 1 | 20 | 20 |" in out, out[-3000:]
+    assert re.search(r"^\| \S+ \(chat model judging: P\(Yes\)\) \| lmserve \| \d+\.\d+ \|", out, re.MULTILINE), out
+    tiny = {m["server"]: m["ms"] for m in TINY.finditer(out)}
+    assert sorted(tiny) == ["llama-server", "lmserve"], out[-3000:]
+    assert float(tiny["lmserve"]) > 0
+    if tiny["llama-server"][0].isdigit():  # both ran: the same GGUF gives the same scores
+        assert "lmserve / llama-server, tiny reranker, ms per passage: " in out, out[-3000:]
+        delta = re.search(r"max abs difference (\S+) \(after a sigmoid\)", out)
+        assert delta and float(delta[1]) < 1e-3, out[-3000:]
