@@ -122,11 +122,12 @@ def rerank_router(service: Service) -> APIRouter:
     """The rerank, score, classify and native rerank routes over `service`."""
     router = APIRouter(route_class=JsonBodyRoute)
 
-    async def rank(body: RerankRequest, request: Request, options: RequestOptions | None = None,
-                   keep_alive: float | None = None) -> tuple[Ranking, list[str]]:
+    async def rank(body: RerankRequest, request: Request) -> tuple[Ranking, list[str]]:
+        """The ranking on every route: `options` (load-time ones such as num_ctx) and `keep_alive` as natively."""
         documents = [document_text(d) for d in body.documents]
+        options = RequestOptions(from_native(body.options or {}), "native")
         work = service.judging.rerank(default_model(service, body.model), body.query, documents, options=options,
-                                      keep_alive=keep_alive, truncate=body.truncate)
+                                      keep_alive=parse_keep_alive(body.keep_alive), truncate=body.truncate)
         return await until_disconnect(work, request.receive), documents
 
     async def openai_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
@@ -141,6 +142,9 @@ def rerank_router(service: Service) -> APIRouter:
         router.add_api_route(path, openai_rerank, methods=["POST"], name=f"rerank {path}")
 
     async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+        if body.truncate_prompt_tokens is not None:
+            raise InvalidRequest("truncate_prompt_tokens is not supported: pairs longer than the context are cut "
+                                 "to it (dedicated rerankers) or refused", param="truncate_prompt_tokens")
         pairs = score_pairs(body)
         model = default_model(service, body.model)
         scores: list[float] = [0.0] * len(pairs)
@@ -161,6 +165,9 @@ def rerank_router(service: Service) -> APIRouter:
 
     @router.post("/v1/classify")
     async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
+        if body.truncate not in (None, "NONE", "END"):
+            raise InvalidRequest("truncate: only NONE and END are supported (a long input is refused, or cut at its "
+                                 "end by the context)", param="truncate")
         labels = list(dict.fromkeys(e.label for e in body.examples))
         if len(labels) < 2:
             raise InvalidRequest("examples must carry at least two different labels", param="examples")
@@ -181,8 +188,7 @@ def rerank_router(service: Service) -> APIRouter:
 
     @router.post("/api/rerank")
     async def native_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-        options = RequestOptions(from_native(body.options or {}), "native")
-        ranking, documents = await rank(body, request, options, parse_keep_alive(body.keep_alive))
+        ranking, documents = await rank(body, request)
         return {"model": ranking.model, "results": ranked_results(ranking, documents, body.top_n, True),
                 "prompt_eval_count": ranking.usage.prompt_tokens}
 

@@ -114,3 +114,16 @@ async def test_classify_gives_every_label_a_probability(client: httpx.AsyncClien
     assert first["prediction"] in ("pos", "neg") and second["input"] == "awful"
     one_label = await client.post("/v1/classify", json={"model": "fake", "inputs": ["x"], "examples": examples[:1]})
     assert one_label.status_code == 400
+
+
+async def test_options_that_are_not_served_are_refused(client: httpx.AsyncClient) -> None:
+    score = await client.post("/v1/score", json={"model": "fake", "text_1": "q", "text_2": "a",
+                                                 "truncate_prompt_tokens": 5})
+    assert score.status_code == 400 and assert_openai_error(score.json())["param"] == "truncate_prompt_tokens"
+    classify = await client.post("/v1/classify", json={"model": "fake", "inputs": ["x"], "truncate": "START",
+                                                       "examples": [{"text": "a", "label": "p"},
+                                                                    {"text": "b", "label": "n"}]})
+    assert classify.status_code == 400
+    bad_keep_alive = await client.post("/v1/rerank", json={"model": "fake", "query": "q", "documents": ["d"],
+                                                           "keep_alive": "soon"})
+    assert bad_keep_alive.status_code == 400
