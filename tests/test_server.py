@@ -30,11 +30,12 @@ def free_port() -> int:
 
 def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 120.0) -> None:
     """Return once the server `process` answers GET /health with 200; RuntimeError with its output when it exits
-    first, or when `timeout` passes (it is killed then)."""
+    first, or when `timeout` passes (it is killed then). A failed process is reaped and its pipe closed, so nothing
+    is left for the garbage collector to warn about in a later test."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stdout.read() if process.stdout else ''}")
+            raise RuntimeError(f"server exited: {process.communicate()[0] or ''}")
         try:
             if httpx.get(base_url + "/health", timeout=1).status_code == 200:
                 return
@@ -44,20 +45,33 @@ def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float =
     raise RuntimeError(f"server did not become healthy: {process.communicate()[0]}")
 
 
+PORT_TAKEN = re.compile(r"is already in use|failed to bind to address", re.IGNORECASE)  # ours; Ray Serve's proxy
+
+
 class Server:
     """A running `lmserve serve` process."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         """Start the server with `args`; `env` adds to (or overrides) its environment."""
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "lmserve", "serve", "--port", str(self.port), "-c", "1024", "-np", "8", *args]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
         self.models_dir = tempfile.mkdtemp(prefix="lmserve-store-")
         environ["LMSERVE_MODELS"] = self.models_dir
         environ.update(env or {})
-        self.process = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_healthy(self.process, self.base_url)
+        for attempt in range(3):
+            # A free port can be taken by another process (a Ray worker, a parallel test) before the server binds
+            # it: that is the harness's race, not the server's failure, so it is retried on a fresh port.
+            self.port = free_port()
+            self.base_url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "lmserve", "serve", "--port", str(self.port), "-c", "1024", "-np", "8", *args]
+            self.process = subprocess.Popen(
+                cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            try:
+                wait_healthy(self.process, self.base_url)
+                return
+            except RuntimeError as error:
+                if attempt == 2 or not PORT_TAKEN.search(str(error)):
+                    raise
 
     def repository_model(self, headers: dict[str, str] | None = None) -> str:
         """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF)."""
@@ -96,6 +110,22 @@ def server() -> Iterator[Server]:
 def client(server: Server) -> Iterator[openai.OpenAI]:
     with server.client() as c:
         yield c
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_free_port = free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = int(taken.getsockname()[1])
+        ports = iter([taken_port])
+        monkeypatch.setattr(sys.modules[__name__], "free_port", lambda: next(ports, None) or real_free_port())
+        srv = Server("-c", "256", "-np", "1")
+        try:
+            assert srv.port != taken_port
+            assert httpx.get(srv.base_url + "/health").status_code == 200
+        finally:
+            srv.stop()
 
 
 def test_startup_prints_address_model_context_and_slots() -> None:
