@@ -130,19 +130,19 @@ def make_questions(towns: list[Town], count: int) -> list[Ask]:
             instructions = f"What was the weather in town {town.number}?"
             asks.append(Ask({"type": "choice", "instructions": instructions,
                              "choices": [{"value": w} for w in WEATHERS]},
-                            f"{instructions}\nAnswer with one of: {', '.join(WEATHERS)}.", WEATHERS, town.weather))
+                            f"Answer with one of: {', '.join(WEATHERS)}.\n{instructions}", WEATHERS, town.weather))
         elif kind == 1:
             holds = (i // 3) % 2 == 0
             goods = town.goods if holds else GOODS[(GOODS.index(town.goods) + 1 + i % 5) % len(GOODS)]
             statement = f"The market in town {town.number} sold {goods}."
             asks.append(Ask({"type": "predicate", "instructions": statement},
-                            f"Statement: {statement}\nIs the statement true? Answer Yes or No.", PREDICATE,
+                            f"Say whether the statement is true. Answer Yes or No.\nStatement: {statement}", PREDICATE,
                             "Yes" if holds else "No"))
         else:
             instructions = f"How large was the crowd in town {town.number}?"
             asks.append(Ask({"type": "score", "instructions": instructions,
                              "levels": [{"label": c} for c in CROWDS]},
-                            f"{instructions}\nAnswer with one of from lowest to highest: {', '.join(CROWDS)}.", CROWDS,
+                            f"Answer with one of from lowest to highest: {', '.join(CROWDS)}.\n{instructions}", CROWDS,
                             town.crowd))
     return asks
 

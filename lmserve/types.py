@@ -100,7 +100,9 @@ class SamplingParams:
     reuse_limit: int | None = None
     """Reuse at most this many prompt tokens computed before (a slot's memory, a copy, a saved state); the rest is
     computed from there, so it rounds the same however the tokens before it happened to be cached (batched kernels
-    round differently for different batch shapes). None: reuse all that matches."""
+    round differently for different batch shapes). With checkpoints (`Engine.submit`), a reused prefix that reaches
+    past the first is cut back to the last checkpoint it reaches: prefill never runs across a checkpoint, so each
+    stretch between two is always computed in one piece. None: reuse all that matches."""
 
     @property
     def is_greedy(self) -> bool:

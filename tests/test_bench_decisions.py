@@ -53,3 +53,13 @@ def test_quick_prints_both_ratios_the_agreement_and_the_rerank_rows(model_path: 
         assert "lmserve / llama-server, tiny reranker, ms per passage: " in out, out[-3000:]
         delta = re.search(r"max abs difference (\S+) \(after a sigmoid\)", out)
         assert delta and float(delta[1]) < 1e-3, out[-3000:]
+
+
+def test_the_chat_side_asks_each_question_in_the_words_a_decision_uses() -> None:
+    from bench.decisions import make_questions, make_towns
+    from lmserve.service.judging import question_text
+    from lmserve.types import Question
+
+    for ask in make_questions(make_towns(4), 9):
+        question = Question(ask.body["type"], ask.body["instructions"], list(ask.answers))
+        assert ask.text == question_text(question)

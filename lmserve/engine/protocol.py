@@ -175,8 +175,8 @@ class Engine(Protocol):
         """Queue a prompt (token ids; `images` placed in it) for generation.
 
         `special` keeps special tokens in the text (tool-call markers often are). `checkpoints` are prompt
-        positions worth remembering for later prompts that share them (e.g. the end of the system prompt).
-        Raises ContextOverflow, InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
+        positions worth remembering for later prompts that share them (e.g. the end of the system prompt); with a
+        `reuse_limit` (SamplingParams), stretches of the prompt each computed in one piece. Raises ContextOverflow, InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
         """
         ...
 

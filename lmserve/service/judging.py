@@ -49,11 +49,15 @@ _WINDOW = 64
 _OVERLOAD_WAIT = 30.0
 """Seconds a scoring sequence waits for room in a full engine queue before the decision fails with a 503."""
 _OVERLOAD_POLL = 0.05
-_PROBE = Question("choice", "?", ["0", "1"])
-"""A question unlike any other: where its prompt leaves a question's, the input ends."""
+_PROBE = "?"
+"""A question text unlike any other's opening: where a prompt asking it leaves a question's, the input ends; where
+one asking a question's opening and then it leaves the question's, the opening ends."""
 _MIN_PRIME = 16
 """Inputs of at least this many tokens are computed on their own before the questions that follow them, so a
 question's answer never depends on which others came with it (see `JudgingService.judge`)."""
+_MIN_HEADER = 4
+"""A question's opening of at least this many tokens is a stretch of its own, computed once for the questions that
+share it (see `JudgingService.judge`)."""
 
 
 @dataclass(slots=True)
@@ -97,32 +101,39 @@ def check_question(q: Question, where: str) -> None:
         raise InvalidRequest(f"{where}: instructions must not be empty", param=f"{where}.instructions")
 
 
-def question_text(q: Question) -> str:
-    """How a question is put to the model after its input: the instructions and the answers it may give, in few
-    tokens (each question's own tokens are what it costs)."""
+def question_header(q: Question) -> str:
+    """The opening of a question's turn: how to answer it (its answers, in few tokens). Questions with the same
+    answers open alike, so after one input that opening is computed once for all of them (see
+    `JudgingService.judge`) and each question costs only its own instructions."""
     if q.kind == "predicate":
-        return f"Statement: {q.instructions}\nIs the statement true? Answer Yes or No."
+        return "Say whether the statement is true. Answer Yes or No."
     scale = " from lowest to highest" if q.kind == "score" else ""
     descriptions = _descriptions(q)
     if any(descriptions):
         lines = "\n".join(f"- {a}: {d}" if d else f"- {a}" for a, d in zip(q.answers, descriptions, strict=True))
-        return f"{q.instructions}\nAnswer with one of these{scale}:\n{lines}"
-    return f"{q.instructions}\nAnswer with one of{scale}: {', '.join(q.answers)}."
+        return f"Answer with one of these{scale}:\n{lines}"
+    return f"Answer with one of{scale}: {', '.join(q.answers)}."
+
+
+def question_text(q: Question) -> str:
+    """How a question is put to the model after its input: how to answer (`question_header`), then the question."""
+    body = f"Statement: {q.instructions}" if q.kind == "predicate" else q.instructions
+    return f"{question_header(q)}\n{body}"
 
 
 def _descriptions(q: Question) -> list[str]:
     return list(q.descriptions) + [""] * (len(q.answers) - len(q.descriptions))
 
 
-def asked(messages: list[Message], q: Question) -> list[Message]:
-    """The conversation that asks `q` about `messages`: the question joins the last user turn (after a blank line),
-    or follows as a user turn of its own after any other."""
-    text = question_text(q)
+def asked(messages: list[Message], text: str, images: list[bytes] | None = None) -> list[Message]:
+    """The conversation that asks `text` (a question, with its `images`) about `messages`: it joins the last user
+    turn (after a blank line), or follows as a user turn of its own after any other."""
+    images = images or []
     if messages and messages[-1].role == "user":
         last = messages[-1]
         content = f"{last.content}\n\n{text}" if last.content else text
-        return [*messages[:-1], replace(last, content=content, images=[*last.images, *q.images])]
-    return [*messages, Message("user", text, images=list(q.images))]
+        return [*messages[:-1], replace(last, content=content, images=[*last.images, *images])]
+    return [*messages, Message("user", text, images=list(images))]
 
 
 @dataclass(slots=True)
@@ -245,12 +256,14 @@ class JudgingService:
                     options: RequestOptions | None = None, keep_alive: float | None = None,
                     priority: int = 0) -> Decision:
         """Each case's question asked about its own input, on one lease of the model; the prompts' common beginning
-        is computed once (classifying many texts after the same examples, ranking documents for one query).
+        is computed once (classifying many texts after the same examples, ranking documents for one query), and so
+        is each question's opening (`question_header`) for the questions that share it.
 
         The same question gets the same probabilities alone or among others: the shared input is computed first, on
-        its own; each scoring sequence reuses no more than that input (`reuse_limit`), so its own tokens are always
-        computed in one piece from the same place; and it is decoded in a batch of its own (engine/slots/batching.py),
-        so nothing else in the step changes how its numbers round."""
+        its own; each scoring sequence's prompt has checkpoints at the input's end and its opening's end, and reuses
+        no more than up to the last one it reaches (`reuse_limit`), so each stretch between them is always computed
+        in one piece from the same place; and it is decoded in a batch of its own (engine/slots/batching.py), so
+        nothing else in the step changes how its numbers round."""
         for i, (_, q) in enumerate(cases):
             check_question(q, f"questions[{i}]")
         options = options or RequestOptions()
@@ -262,9 +275,11 @@ class JudgingService:
             if engine.info.can_rank:
                 raise InvalidRequest(f"model '{model.name}' is a dedicated reranker: it ranks documents "
                                      "(/v1/rerank) but answers no questions", param="model")
-            rendered = [await self._prompt(settings, model, messages, q, options) for messages, q in cases]
-            probe, _ = await self._prompt(settings, model, cases[0][0], _PROBE, options)
+            rendered = [await self._prompt(settings, model, messages, question_text(q), q.images, options)
+                        for messages, q in cases]
+            probe, _ = await self._prompt(settings, model, cases[0][0], _PROBE, [], options)
             shared = _common_length([probe, *(tokens for tokens, _ in rendered)])
+            openings = await self._openings(settings, model, cases, rendered, shared, options)
             end = _end_token(engine)
             spellings = [answer_tokens(engine, q.answers, end) for _, q in cases]
             plans = [plan_nodes(tokens, spelled) for (tokens, _), spelled in zip(rendered, spellings, strict=True)]
@@ -278,10 +293,13 @@ class JudgingService:
             if shared >= _MIN_PRIME and len(first) > shared and not any(images for _, images in rendered):
                 # the input on its own, with one token more: that token is computed again by the next prime, the
                 # input never (its last token computed alone would round differently from the rest)
-                await self._score_all(engine, [(_Node(first[: shared + 1], [0]), [])], 0, priority, usage)
+                await self._score_all(engine, [(_Node(first[: shared + 1], [0]), [], 0)], 0, priority, usage)
             for depth in sorted({len(key) for plan in plans for key in plan}):  # an answer's first tokens first
-                level = [(node, images) for plan, (_, images) in zip(plans, rendered, strict=True)
+                level = [(node, images, opening)
+                         for plan, (_, images), opening in zip(plans, rendered, openings, strict=True)
                          for key, node in plan.items() if len(key) == depth]
+                # questions that open alike run together, so their slots hold that opening for the next one
+                level.sort(key=lambda job: job[0].prompt[shared: job[2]])
                 await self._score_all(engine, level, shared, priority, usage)
         finally:
             gen.residency.release(resident)
@@ -292,30 +310,53 @@ class JudgingService:
         gen.observers.finished(model.name, Chunk(finish_reason="stop", usage=usage))
         return Decision(model.name, judgments, usage)
 
-    async def _prompt(self, settings: ModelSettings, model: LoadedModel, messages: list[Message], q: Question,
-                      options: RequestOptions) -> tuple[list[int], list[PromptImage]]:
-        """The tokens (and images' places) of the chat turn that asks `q`, rendered as a chat reply would be, with
-        thinking off (the answer comes first)."""
-        request = ChatRequest(model.name, asked(messages, q), SamplingParams(), think=False, options=options)
+    async def _prompt(self, settings: ModelSettings, model: LoadedModel, messages: list[Message], text: str,
+                      images: list[bytes], options: RequestOptions) -> tuple[list[int], list[PromptImage]]:
+        """The tokens (and images' places) of the chat turn that asks `text` (with `images`) about `messages`,
+        rendered as a chat reply would be, with thinking off (the answer comes first)."""
+        request = ChatRequest(model.name, asked(messages, text, images), SamplingParams(), think=False,
+                              options=options)
         prompt = await self.generation._chat_prompt(settings, model, request)
         return prompt.tokens, list(prompt.images)
 
-    async def _score_all(self, engine: Engine, jobs: list[tuple[_Node, list[PromptImage]]], shared: int,
+    async def _openings(self, settings: ModelSettings, model: LoadedModel, cases: list[tuple[list[Message], Question]],
+                        rendered: list[tuple[list[int], list[PromptImage]]], shared: int,
+                        options: RequestOptions) -> list[int]:
+        """Where each case's opening (`question_header`) ends in its prompt: where the prompt leaves one asking the
+        same opening followed by `_PROBE`, which depends on that question alone; 0 where the opening is too short to
+        be worth a stretch of its own, or the prompt has images."""
+        ends = []
+        probes: dict[tuple[int, str], list[int]] = {}
+        for (messages, q), (tokens, images) in zip(cases, rendered, strict=True):
+            if images:
+                ends.append(0)
+                continue
+            header = question_header(q)
+            key = (id(messages), header)
+            if key not in probes:
+                probes[key] = (await self._prompt(settings, model, messages, f"{header}\n{_PROBE}", [], options))[0]
+            opening = _common_length([tokens, probes[key]])
+            ends.append(opening if opening - shared >= _MIN_HEADER and opening < len(tokens) - 1 else 0)
+        return ends
+
+    async def _score_all(self, engine: Engine, jobs: list[tuple[_Node, list[PromptImage], int]], shared: int,
                          priority: int, usage: Usage) -> None:
         """Read every node's scores, at most twice the engine's slots (and _WINDOW) sequences in it at once; the
-        first `shared` tokens are every prompt's, a checkpoint worth keeping. A full queue (other requests' work) is
-        waited out for up to _OVERLOAD_WAIT seconds before the decision fails with it."""
+        first `shared` tokens are every prompt's, and a job's opening ends where it says (0: no opening): the
+        checkpoints of its prompt (see `judge`). A full queue (other requests' work) is waited out for up to
+        _OVERLOAD_WAIT seconds before the decision fails with it."""
         window = asyncio.Semaphore(min(_WINDOW, 2 * max(engine.info.num_parallel, 1)))
 
-        async def one(node: _Node, images: list[PromptImage], tokens: list[int]) -> None:
+        async def one(node: _Node, images: list[PromptImage], opening: int, tokens: list[int]) -> None:
+            marks = sorted({mark for mark in (shared, opening) if 0 < mark < len(node.prompt)})
             sampling = SamplingParams(temperature=0.0, max_tokens=1, score_tokens=tokens, draft_max=0,
-                                      priority=priority, reuse_limit=shared or None)
-            checkpoints = [shared] if 0 < shared < len(node.prompt) else None
+                                      priority=priority, reuse_limit=marks[-1] if marks else None)
             async with window:
                 waited = 0.0
                 while True:
                     try:
-                        stream = engine.submit(node.prompt, sampling, images=images or None, checkpoints=checkpoints)
+                        stream = engine.submit(node.prompt, sampling, images=images or None,
+                                               checkpoints=marks or None)
                         break
                     except Overloaded:
                         if waited >= _OVERLOAD_WAIT:
@@ -330,8 +371,8 @@ class JudgingService:
                 usage.prompt_tokens += final.usage.prompt_tokens
                 usage.cached_tokens += final.usage.cached_tokens
 
-        calls = [one(node, images, node.tokens[i: i + MAX_SCORE_TOKENS])
-                 for node, images in jobs for i in range(0, len(node.tokens), MAX_SCORE_TOKENS)]
+        calls = [one(node, images, opening, node.tokens[i: i + MAX_SCORE_TOKENS])
+                 for node, images, opening in jobs for i in range(0, len(node.tokens), MAX_SCORE_TOKENS)]
         tasks = [asyncio.ensure_future(call) for call in calls]
         try:
             await asyncio.gather(*tasks)

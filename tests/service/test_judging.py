@@ -15,7 +15,7 @@ from lmserve.engine.logprobs import score_tokens
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
-from lmserve.service import Service, static_service
+from lmserve.service import Service, judging, static_service
 from lmserve.service.judging import (
     MAX_QUESTIONS,
     answer_tokens,
@@ -60,7 +60,7 @@ async def test_probabilities_follow_the_chain_rule_and_sum_to_one(service: Servi
     decision = await service.judging.decide("m", INPUT, [question])
     [judgment] = decision.judgments
     assert math.fsum(judgment.probabilities) == pytest.approx(1, abs=1e-9)
-    prompt = list(ChatTemplate(None).render(asked(INPUT, question), add_generation_prompt=True).encode())
+    prompt = list(ChatTemplate(None).render(asked(INPUT, question_text(question)), add_generation_prompt=True).encode())
     expected = []
     for answer in ("Monday", "Tuesday"):
         tokens = list(answer.encode())
@@ -95,6 +95,22 @@ async def test_alone_and_among_many_give_the_same_probabilities(service: Service
     assert many.usage.cached_tokens > 0  # the input was computed once, then found
 
 
+async def test_questions_that_open_alike_compute_their_opening_once_per_slot(
+        service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    questions = [choice(f"What happened on day {i}?", "rain", "sun", "snow") for i in range(30)]
+    questions += [Question("predicate", f"Day {i} was sunny.", ["Yes", "No"]) for i in range(30)]
+
+    async def computed(tag: str) -> int:
+        decision = await service.judging.decide("m", [Message("user", f"{tag}: {INPUT[0].content}")], questions)
+        return decision.usage.prompt_tokens - decision.usage.cached_tokens
+
+    shared_openings = await computed("A")
+    monkeypatch.setattr(judging, "_MIN_HEADER", 10**6)  # no opening is worth a stretch of its own
+    each_its_own = await computed("B")
+    # the fake tokenizes bytes: an opening is ~40 of the ~65 tokens each of the 360 answer positions computes
+    assert shared_openings < 0.75 * each_its_own
+
+
 @pytest.mark.parametrize("questions", [
     [],
     [choice("x", "a")],
@@ -109,10 +125,12 @@ def test_bad_questions_are_refused(questions: list[Question]) -> None:
         check_questions(questions)
 
 
-def test_question_text_names_every_answer() -> None:
+def test_question_text_says_how_to_answer_first_then_asks() -> None:
     text = question_text(Question("score", "Rate it.", ["low", "high"], ["", "very good"]))
-    assert "- low\n- high: very good" in text and "lowest to highest" in text
-    assert "Yes or No" in question_text(Question("predicate", "It rains.", ["Yes", "No"]))
+    assert text == "Answer with one of these from lowest to highest:\n- low\n- high: very good\nRate it."
+    assert question_text(choice("Which?", "a", "b")) == "Answer with one of: a, b.\nWhich?"
+    predicate = question_text(Question("predicate", "It rains.", ["Yes", "No"]))
+    assert predicate == "Say whether the statement is true. Answer Yes or No.\nStatement: It rains."
 
 
 async def test_a_chat_model_reranks_by_judging(service: Service) -> None:

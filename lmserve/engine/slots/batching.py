@@ -196,7 +196,8 @@ class BatchingEngine:
         `images` are the places of images in `prompt` (from `tokenize_images`); every other position must be
         a token id of the vocabulary, and the prompt must end with text (the next token is sampled after it).
         `checkpoints` are prompt positions worth a snapshot (e.g. the end of the system prompt) for a model whose
-        memory cannot be cut; other models ignore them.
+        memory cannot be cut; other models ignore them, but for a sequence with a `reuse_limit`, whose prefill stops
+        at each (SamplingParams.reuse_limit).
         """
         return self.submit_many(prompt, sampling, 1, special=special, images=images, checkpoints=checkpoints)[0]
 
@@ -236,7 +237,8 @@ class BatchingEngine:
         leader = seqs[0]
         for seq in seqs[1:]:
             seq.fork_of = leader
-        if self._snapshots and checkpoints:
+        if checkpoints and (self._snapshots or sampling.reuse_limit is not None):  # snapshots, or stretches to
+            # compute in one piece (SamplingParams.reuse_limit)
             inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and leader.cut_outside_images(c) == c]
             leader.checkpoints = sorted(set(inside))
         if self._snapshots and n > self.info.num_parallel:
@@ -679,7 +681,7 @@ class BatchingEngine:
             if self.cache.is_enabled and floor < limit else None
         if hit is None:
             return 0, "slot"
-        length = seq.cut_outside_images(min(hit.length, seq.reuse_limit))
+        length = seq.reusable(hit.length)
         if length >= floor + self.scheduler.min_share and self.backend.restore_state(seq.slot, hit.state, length):
             return length, hit.tier
         return 0, "slot"

@@ -184,6 +184,16 @@ class Sequence:
         limit = self.sampling.reuse_limit
         return len(self.prompt) + self.num_refill if limit is None else limit
 
+    def reusable(self, length: int) -> int:
+        """How much of a `length`-token prefix computed before this sequence may reuse: at most all but the last
+        prefill token (decoded for the next token's logits) and `reuse_limit`, never part of an image; and with a
+        `reuse_limit`, a prefix reaching past the first checkpoint is cut back to the last checkpoint it reaches, so
+        each stretch between checkpoints is always computed in one piece (SamplingParams.reuse_limit)."""
+        pos = min(length, len(self.prefill_tokens) - 1, self.reuse_limit)
+        if self.sampling.reuse_limit is not None and self.checkpoints and pos > min(self.checkpoints):
+            pos = max(c for c in self.checkpoints if c <= pos)
+        return self.cut_outside_images(pos)
+
     @property
     def num_tokens(self) -> int:
         """Tokens in the slot's memory after this step's input (prompt + generated, minus the pending one)."""
@@ -250,7 +260,7 @@ class Scheduler:
         index, length = self.choose_slot(tokens)
         seq.slot = self._free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
-        seq.num_cached = seq.cut_outside_images(min(length, len(tokens) - 1, seq.reuse_limit))
+        seq.num_cached = seq.reusable(length)
         source = seq.fork_of
         if source is not None and source in self.running and source.phase in (Phase.PREFILLING, Phase.FOLLOWING):
             seq.move(Phase.FORKING)
@@ -313,8 +323,7 @@ class Scheduler:
         return index, common_prefix_length(self.slot_tokens[self._free_slots[index]], prompt)
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
-        return seq.cut_outside_images(min(common_prefix_length(tokens, seq.prompt), len(seq.prompt) - 1,
-                                          seq.reuse_limit))
+        return seq.reusable(common_prefix_length(tokens, seq.prompt))
 
     def _plan_sharing(self, seq: Sequence) -> None:
         """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""

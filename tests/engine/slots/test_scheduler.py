@@ -492,3 +492,28 @@ def test_a_reuse_limit_caps_the_prefix_taken_from_a_slot_and_from_copies() -> No
     scheduler.add(s)
     scheduler.admit()
     assert s.num_cached == 3 and s.copy_len <= 3  # slot 1 holds 6 of its tokens: it may take 3
+
+
+def test_with_a_reuse_limit_a_prefix_past_a_checkpoint_is_cut_back_to_the_last_checkpoint_it_reaches() -> None:
+    prompt = list(range(1, 31))
+    judged = Sequence(prompt=prompt, sampling=SamplingParams(reuse_limit=20), max_new_tokens=1, checkpoints=[10, 20])
+    assert [judged.reusable(n) for n in (5, 10, 15, 19, 20, 25)] == [5, 10, 10, 10, 20, 20]
+    chat = Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=1, checkpoints=[10, 20])
+    assert [chat.reusable(n) for n in (15, 25, 40)] == [15, 25, 29]  # a chat's checkpoints only pause prefill
+
+
+def test_a_judged_sequence_copies_a_prefix_only_up_to_a_checkpoint_and_prefills_each_stretch_alone() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64, can_copy=True, min_share=2)
+    scheduler.slot_tokens = [[], [*range(1, 16), 99]]  # the input and part of the opening: 15 tokens in common
+    s = Sequence(prompt=list(range(1, 31)), sampling=SamplingParams(reuse_limit=20), max_new_tokens=1,
+                 checkpoints=[10, 20])
+    scheduler.add(s)
+    scheduler.admit()
+    assert (s.slot, s.num_cached) == (1, 10)  # cut back to the input's end, never into the opening
+    scheduler.reused(s, 10)
+    starts = []
+    while s.phase is Phase.PREFILLING:
+        [(seq, entry)] = scheduler.schedule()
+        starts.append((entry.pos, len(entry.tokens)))
+        scheduler.prefilled(seq, len(entry.tokens))
+    assert starts == [(10, 10), (20, 10)]  # the opening in one piece, then the question's own tokens
