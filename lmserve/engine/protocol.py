@@ -176,7 +176,8 @@ class Engine(Protocol):
 
         `special` keeps special tokens in the text (tool-call markers often are). `checkpoints` are prompt
         positions worth remembering for later prompts that share them (e.g. the end of the system prompt); with a
-        `reuse_limit` (SamplingParams), stretches of the prompt each computed in one piece. Raises ContextOverflow, InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
+        `reuse_limit` (SamplingParams), the ends of stretches each computed in one piece. Raises ContextOverflow,
+        InvalidRequest (bad ids, bad grammar) or Overloaded (queue full).
         """
         ...
 

@@ -231,7 +231,7 @@ class RenderedPrompt:
 
 
 @dataclass(frozen=True, slots=True)
-class _ChatPrompt:
+class ChatPrompt:
     plan: ThinkingPlan
     tokens: list[int]
     images: list[PromptImage]
@@ -262,10 +262,10 @@ class GenerationService:
                       keep_alive: float | None = None) -> Resident:
         """Resolve `name`, load it (or find it loaded) with the load-time `options` a request set, and lease it until
         `residency.release`."""
-        _, resident = await self._lease(name, options or RequestOptions(), keep_alive)
+        _, resident = await self.lease(name, options or RequestOptions(), keep_alive)
         return resident
 
-    async def _lease(self, name: str, asked: RequestOptions, keep_alive: float | None,
+    async def lease(self, name: str, asked: RequestOptions, keep_alive: float | None,
                      ) -> tuple[ModelSettings, Resident]:
         """The model's settings (read once per version of it), and its lease under the load options in force."""
         model = self.catalog.settings(name)
@@ -320,10 +320,10 @@ class GenerationService:
         """`n` answers to one chat request (the OpenAI `n`): the prompt is prefilled once and shared by the n choices
         (see `Engine.submit_many`), each a Generation with parsers of its own; the model's lease ends with the last."""
         started = time.perf_counter_ns()
-        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        settings, resident = await self.lease(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
-            prompt = await self._chat_prompt(settings, model, request)
+            prompt = await self.chat_prompt(settings, model, request)
             checkpoints = prompts.system_checkpoint(model, request, prompt.tokens) if not prompt.images else []
             return self._submit(resident, prompt.plan, prompt.tokens, prompt.sampling, n, prompt.parser,
                                 prompt.images, checkpoints, forced=request.forced_tool is not None,
@@ -332,7 +332,7 @@ class GenerationService:
             self.residency.release(resident)
             raise
 
-    async def _chat_prompt(self, settings: ModelSettings, model: LoadedModel, request: ChatRequest) -> _ChatPrompt:
+    async def chat_prompt(self, settings: ModelSettings, model: LoadedModel, request: ChatRequest) -> ChatPrompt:
         """What a chat request submits: its prompt rendered with the model's template (the thinking plan's), tokenized
         with its images, and the sampling in force (a forced tool call's grammar added)."""
         fmt = self.reasoning_format(model)
@@ -343,21 +343,21 @@ class GenerationService:
         plan = plan_thinking(fmt, text, request.think, self._budget(request.reasoning_budget), sampling)
         images = [image for message in request.messages for image in message.images]
         tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
-        return _ChatPrompt(plan, tokens, places, sampling, parser)
+        return ChatPrompt(plan, tokens, places, sampling, parser)
 
     async def render_chat_tokens(self, request: ChatRequest) -> RenderedPrompt:
         """The token ids `chat` would prefill for `request` (rendered and tokenized as it does), without generating:
         vLLM's render endpoints, which gateways call to route by prompt tokens."""
-        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        settings, resident = await self.lease(request.model, request.options, request.keep_alive)
         try:
-            prompt = await self._chat_prompt(settings, resident.model, request)
+            prompt = await self.chat_prompt(settings, resident.model, request)
             return RenderedPrompt(resident.model.name, prompt.tokens, prompt.sampling)
         finally:
             self.residency.release(resident)
 
     async def render_completion_tokens(self, request: CompletionRequest) -> RenderedPrompt:
         """The token ids `complete` would prefill for `request`, without generating (see `render_chat_tokens`)."""
-        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        settings, resident = await self.lease(request.model, request.options, request.keep_alive)
         try:
             tokens = fim.completion_prompt(resident.model, request)
             sampling = self.precedence.sampling(settings, request.options, request.sampling)
@@ -386,7 +386,7 @@ class GenerationService:
     async def complete_choices(self, request: CompletionRequest, n: int) -> list[Generation]:
         """`n` completions of one prompt (the OpenAI `n`), prefilled once and shared (see `chat_choices`); with
         `request.infill`, of the gap between its prefix and suffix (fill-in-the-middle, service/fim.py)."""
-        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        settings, resident = await self.lease(request.model, request.options, request.keep_alive)
         try:
             tokens = fim.completion_prompt(resident.model, request)
             sampling = self.precedence.sampling(settings, request.options, request.sampling)
@@ -406,7 +406,7 @@ class GenerationService:
         if (raw and not request.images) or request.infill is not None:
             return await self.complete(request)
         started = time.perf_counter_ns()
-        settings, resident = await self._lease(request.model, request.options, request.keep_alive)
+        settings, resident = await self.lease(request.model, request.options, request.keep_alive)
         try:
             model = resident.model
             sampling = self.precedence.sampling(settings, request.options, request.sampling)

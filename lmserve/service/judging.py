@@ -9,8 +9,9 @@ maybe more"). Answers are scored as their canonical tokenization; other spelling
 are not counted.
 
 Every question's prompt begins with the same tokens (the input); they are computed once and shared by every
-question (the engine's prefix sharing, a snapshot at their end for a model whose memory cannot be cut), so each
-question costs its own tokens and one step. Each question is computed the same way wherever it runs (see
+question (the engine's prefix sharing, a snapshot at their end for a model whose memory cannot be cut). A question's
+turn then opens with how to answer it (`question_header`), which questions with the same answers share too, so each
+question costs its own instructions and one step. Each question is computed the same way wherever it runs (see
 `JudgingService.judge`), so its answer does not depend on the other questions asked with it.
 """
 
@@ -268,7 +269,7 @@ class JudgingService:
             check_question(q, f"questions[{i}]")
         options = options or RequestOptions()
         gen = self.generation
-        settings, resident = await gen._lease(model_name, options, keep_alive)
+        settings, resident = await gen.lease(model_name, options, keep_alive)
         try:
             model = resident.model
             engine = model.engine
@@ -316,7 +317,7 @@ class JudgingService:
         rendered as a chat reply would be, with thinking off (the answer comes first)."""
         request = ChatRequest(model.name, asked(messages, text, images), SamplingParams(), think=False,
                               options=options)
-        prompt = await self.generation._chat_prompt(settings, model, request)
+        prompt = await self.generation.chat_prompt(settings, model, request)
         return prompt.tokens, list(prompt.images)
 
     async def _openings(self, settings: ModelSettings, model: LoadedModel, cases: list[tuple[list[Message], Question]],
