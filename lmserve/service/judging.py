@@ -223,7 +223,8 @@ class JudgingService:
         num_images = sum(len(m.images) for m in messages) + sum(len(q.images) for q in questions)
         if num_images:
             self.generation.check_images(model_name, num_images, param="input")
-        return await self.judge(model_name, [(messages, q) for q in questions], options, keep_alive, priority)
+        return await self.judge(model_name, [(messages, q) for q in questions], options, keep_alive, priority,
+                                share_openings=True)
 
     async def rerank(self, model_name: str, query: str, documents: list[str], *, options: RequestOptions | None = None,
                      keep_alive: float | None = None, truncate: bool = True) -> Ranking:
@@ -255,10 +256,11 @@ class JudgingService:
 
     async def judge(self, model_name: str, cases: list[tuple[list[Message], Question]],
                     options: RequestOptions | None = None, keep_alive: float | None = None,
-                    priority: int = 0) -> Decision:
+                    priority: int = 0, *, share_openings: bool = False) -> Decision:
         """Each case's question asked about its own input, on one lease of the model; the prompts' common beginning
-        is computed once (classifying many texts after the same examples, ranking documents for one query), and so
-        is each question's opening (`question_header`) for the questions that share it.
+        is computed once (classifying many texts after the same examples, ranking documents for one query), and with
+        `share_openings` (questions about one input: a decision) so is each question's opening (`question_header`)
+        for the questions that share it; after inputs of their own it would only split each prompt in two.
 
         The same question gets the same probabilities alone or among others: the shared input is computed first, on
         its own; each scoring sequence's prompt has checkpoints at the input's end and its opening's end, and reuses
@@ -280,7 +282,8 @@ class JudgingService:
                         for messages, q in cases]
             probe, _ = await self._prompt(settings, model, cases[0][0], _PROBE, [], options)
             shared = _common_length([probe, *(tokens for tokens, _ in rendered)])
-            openings = await self._openings(settings, model, cases, rendered, shared, options)
+            openings = await self._openings(settings, model, cases, rendered, shared, options) if share_openings \
+                else [0] * len(cases)
             end = _end_token(engine)
             spellings = [answer_tokens(engine, q.answers, end) for _, q in cases]
             plans = [plan_nodes(tokens, spelled) for (tokens, _), spelled in zip(rendered, spellings, strict=True)]

@@ -489,10 +489,9 @@ class BatchingEngine:
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.phase is Phase.PREFILLING:
                 is_done = self.scheduler.prefilled(seq, entry.num_positions)
-                snapshot = self.backend.save_state(seq.slot) if self._snapshots and (
-                    (is_done and not seq.sampling.score_tokens) or seq.num_prefilled in seq.checkpoints) else None
-                if snapshot is not None:
-                    self.cache.put(self.cache_key, seq.prefill_tokens[: seq.num_prefilled], snapshot, can_cut=False)
+                if self._snapshots and (
+                        (is_done and not seq.sampling.score_tokens) or seq.num_prefilled in seq.checkpoints):
+                    self._snapshot(seq)
                 if is_done:
                     forked += self._fork(seq)
             if token is not None:
@@ -506,6 +505,16 @@ class BatchingEngine:
         for seq, token in forked:
             self._take(seq, token, now, outbox)
         self._deliver(outbox)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """Save the state of `seq`'s slot after the prompt positions it has prefilled (a model that cannot cut its
+        memory shares prefixes so), unless the prompt cache holds that state already."""
+        held = seq.prefill_tokens[: seq.num_prefilled]
+        if self.cache.covers(self.cache_key, held, False):
+            return
+        snapshot = self.backend.save_state(seq.slot)
+        if snapshot is not None:
+            self.cache.put(self.cache_key, held, snapshot, can_cut=False)
 
     def _decode(
         self, outbox: list[tuple[RequestStream, Chunk]]
