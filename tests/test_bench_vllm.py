@@ -7,35 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_quick import run_quick
+
 TIMEOUT_S = 400
 ROW = re.compile(r"^\s*(?P<streams>\d+)\s+\d+\s+[\d.]+\s+[\d.]+\s+(?P<tps>\d+\.\d+)x\s+(PASS|FAIL)\s+\d+/\d+\s+"
                  r"\d+/\d+\s+(?P<ttft>\d+\.\d+)x\s+(PASS|FAIL)\s*$", re.MULTILINE)
 
 
-def run_quick() -> tuple[int, str]:
-    """Run the quick benchmark; on a timeout, SIGTERM it first so it stops the servers it started."""
-    proc = subprocess.Popen([sys.executable, "bench/vs_vllm.py", "--quick"], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"bench/vs_vllm.py --quick ran past {TIMEOUT_S} s:\n{out[-3000:]}")
-    return proc.returncode, out
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_quick_prints_both_peers_side_by_side() -> None:
-    code, out = run_quick()
+    code, out = run_quick("vs_vllm.py", timeout_s=TIMEOUT_S)
     assert code == 0, out[-3000:]
     assert "[vLLM] $ " in out and "[lmserve] $ " in out, out[-3000:]
     assert "vLLM tok/s" in out and "lmserve tok/s" in out, out[-3000:]

@@ -3,6 +3,7 @@ question alone and among others; the limits; reranking with a dedicated reranker
 
 from __future__ import annotations
 
+import asyncio
 import math
 import zlib
 from collections.abc import Iterator
@@ -109,6 +110,17 @@ async def test_questions_that_open_alike_compute_their_opening_once_per_slot(
     each_its_own = await computed("B")
     # the fake tokenizes bytes: an opening is ~40 of the ~65 tokens each of the 360 answer positions computes
     assert shared_openings < 0.75 * each_its_own
+
+
+async def test_decisions_from_several_users_at_once_answer_as_each_alone(service: Service) -> None:
+    weather = [choice(f"What happened on day {i}?", "rain", "sun", "snow") for i in range(20)]
+    sunny = [Question("predicate", f"Day {i} was sunny.", ["Yes", "No"]) for i in range(20)]
+    other = [Message("user", "Another report, of another week. " * 6)]
+    asks = [(INPUT, weather), (other, sunny), (INPUT, weather[5:8] + sunny[:2])]  # 45 sequences, 3 slots
+    alone = [await service.judging.decide("m", messages, questions) for messages, questions in asks]
+    together = await asyncio.gather(*(service.judging.decide("m", messages, questions) for messages, questions in asks))
+    for one, other_time in zip(alone, together, strict=True):
+        assert [j.probabilities for j in other_time.judgments] == [j.probabilities for j in one.judgments]
 
 
 @pytest.mark.parametrize("questions", [
