@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.bench_quick import run_quick
 
 TIMEOUT_S = 300
-ROW = re.compile(r"^\| (?P<part>1|2a|2b) \| [^|]+ \| [^|]+ \| [^|]+ \| (?P<ratio>\d+\.\d+)x \| [^|]+ \| "
+ROW = re.compile(r"^\| (?P<part>1|2a|2b) \| [^|]+ \| [^|]+ \| [^|]+ \| (?P<ratio>-?\d+\.\d+)x \| [^|]+ \| "
                  r"(?P<verdict>PASS|MISS) \|$", re.MULTILINE)
 
 
@@ -24,4 +24,6 @@ def test_quick_prints_every_llama_cpp_goal_with_a_ratio(model_path: Path) -> Non
     assert "vllm" not in out.lower().split("| part |")[-1], out[-3000:]  # no vLLM row in a quick run
     rows = {m["part"]: float(m["ratio"]) for m in ROW.finditer(out)}
     assert sorted(rows) == ["1", "2a", "2b"], out[-3000:]
-    assert all(value > 0 for value in rows.values()), rows
+    # Part 1 is a difference of two short runs (the file's less the one-line file's): on a busy machine a quick
+    # run's 12 lines can be within the load's noise and come out negative, which the table then calls a MISS.
+    assert rows["2a"] > 0 and rows["2b"] > 0, rows
