@@ -11,6 +11,7 @@ A process is named by its pid and start time, so a reused pid is never signalled
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -70,6 +71,7 @@ class Lifeline:
             if self._guardian is None:
                 self._guardian = subprocess.Popen(  # its own session: a Ctrl-C or a group kill leaves it to clean up
                     [sys.executable, "-m", "lmserve.engine.lifeline"], stdin=subprocess.PIPE, start_new_session=True)
+                atexit.register(self.close)
             assert self._guardian.stdin is not None
             self._guardian.stdin.write("".join(f"{pid} {start}\n" for pid, start in sorted(named)).encode())
             self._guardian.stdin.flush()
@@ -79,6 +81,20 @@ class Lifeline:
         """Watch every process this one has started so far (call it once an engine's processes are up)."""
         guardian = self._guardian.pid if self._guardian is not None else None
         self.watch([pid for pid in descendants(os.getpid()) if pid != guardian])
+
+    def close(self, wait: float = 1.0) -> None:
+        """At a normal exit, once what it watches has ended: close the pipe and give the guardian `wait` seconds
+        to exit. While a watched process still runs (an engine whose own exit handler has yet to stop it) the pipe
+        is left to close when this process is gone, as after a kill."""
+        with self._lock:
+            if self._guardian is None or any(start_time(pid) == start for pid, start in self._watched):
+                return
+            guardian, self._guardian = self._guardian, None
+        assert guardian.stdin is not None
+        with contextlib.suppress(OSError):
+            guardian.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guardian.wait(wait)
 
     @contextlib.contextmanager
     def watching(self, every: float = 1.0) -> Iterator[None]:

@@ -44,3 +44,30 @@ def test_descendants_include_grandchildren() -> None:
             os.kill(child, signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+def exit_after_watching(child_ends: bool) -> tuple[subprocess.CompletedProcess[str], int]:
+    """A Python process that watches a child of its own and exits (`-X dev`: warnings shown); the child's pid."""
+    script = ("import subprocess; from lmserve.engine.lifeline import LIFELINE; "
+              "child = subprocess.Popen(['sleep', '60']); LIFELINE.watch([child.pid]); print(child.pid, flush=True); "
+              + ("child.kill(); child.wait()" if child_ends else "child.returncode = 0"))  # or forgotten, running
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done, int(done.stdout)
+
+
+def ended_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while start_time(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return start_time(pid) is None
+
+
+def test_a_normal_exit_after_the_watched_processes_ended_closes_the_guardian_cleanly() -> None:
+    done, _ = exit_after_watching(child_ends=True)
+    assert "ResourceWarning" not in done.stderr, done.stderr  # the guardian was waited for and its pipe closed
+
+
+def test_a_process_that_exits_leaving_a_watched_process_running_has_the_guardian_end_it() -> None:
+    _, child = exit_after_watching(child_ends=False)
+    assert ended_within(child, 10)
