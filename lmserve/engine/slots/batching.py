@@ -349,10 +349,16 @@ class BatchingEngine:
             self._cond.notify()
 
     def fail_all(self, message: str) -> None:
-        """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline)."""
+        """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline).
+
+        The streams end now, whatever step the engine thread is in (one step of a busy machine can take seconds, and
+        the deadline must not wait for it); the thread frees their sequences after its step (what it sends them
+        after their error chunk is never read)."""
         with self._cond:
             self._failure = message
+            streams = [tracker.stream for tracker in self._trackers.values()]
             self._cond.notify()
+        self._deliver([(stream, Chunk(finish_reason="error", error=message)) for stream in streams])
 
     @property
     def failure(self) -> str | None:

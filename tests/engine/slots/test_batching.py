@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
 from lmserve.engine.protocol import PromptImage
+from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import ContextOverflow, EngineStopped, InvalidRequest, Overloaded
@@ -329,6 +331,43 @@ async def test_an_error_that_breaks_the_engine_thread_fails_every_request_and_th
         with pytest.raises(EngineStopped, match="the slot's memory is gone"):
             await engine.embed(["again"])
     finally:
+        engine.close()
+
+
+class StuckBackend(FakeBackend):
+    """A fake whose steps, once `hold` is set, wait for `release`: one step of a very busy machine."""
+
+    def __init__(self) -> None:
+        super().__init__(num_ctx=4096, num_parallel=2)
+        self.hold = False
+        self.stuck = threading.Event()
+        self.release = threading.Event()
+
+    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+        if self.hold:
+            self.stuck.set()
+            self.release.wait(60)
+        return super().step(entries)
+
+
+async def test_fail_all_ends_every_stream_at_once_even_while_a_step_is_still_running() -> None:
+    """Graceful shutdown's deadline: the streams end with the error now, not when the engine's step is done."""
+    backend = StuckBackend()
+    engine = BatchingEngine(backend)
+    try:
+        streams = [engine.submit(engine.tokenize(prompt), SamplingParams(max_tokens=3000))
+                   for prompt in ("one story", "another story")]
+        for stream in streams:
+            async for _ in stream:
+                break
+        backend.hold = True
+        assert await asyncio.to_thread(backend.stuck.wait, 30)
+        engine.fail_all("the server is shutting down")
+        for stream in streams:
+            last = await asyncio.wait_for(_last(stream), timeout=30)
+            assert (last.finish_reason, last.error) == ("error", "the server is shutting down")
+    finally:
+        backend.release.set()
         engine.close()
 
 
