@@ -110,12 +110,14 @@ def test_render_gives_the_ids_the_request_prefills(server: Server) -> None:
     chat: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [
         {"role": "system", "content": "You answer in one word."},
         {"role": "user", "content": "What is the capital of France?"}]}
-    rendered = httpx.post(server.base_url + "/v1/chat/completions/render", json=chat).json()
-    reply = httpx.post(server.base_url + "/v1/chat/completions", json=chat).json()
+    rendered = httpx.post(server.base_url + "/v1/chat/completions/render", json=chat, timeout=120).json()
+    reply = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=120).json()
     assert len(rendered["token_ids"]) == reply["usage"]["prompt_tokens"]
-    tokenized = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]}).json()
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": chat["messages"]},
+                           timeout=120).json()
     assert rendered["token_ids"] == tokenized["tokens"]
     completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-    [rendered_completion] = httpx.post(server.base_url + "/v1/completions/render", json=completion).json()
-    reply = httpx.post(server.base_url + "/v1/completions", json=completion).json()
+    [rendered_completion] = httpx.post(server.base_url + "/v1/completions/render", json=completion,
+                                       timeout=120).json()
+    reply = httpx.post(server.base_url + "/v1/completions", json=completion, timeout=120).json()
     assert len(rendered_completion["token_ids"]) == reply["usage"]["prompt_tokens"]

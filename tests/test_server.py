@@ -28,9 +28,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 120.0) -> None:
+def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 600.0) -> None:
     """Return once the server `process` answers GET /health with 200; RuntimeError with its output when it exits
-    first, or when `timeout` passes (it is killed then). A failed process is reaped and its pipe closed, so nothing
+    first, or when `timeout` passes (it is killed then; only a guard against a hang: a vLLM or Ray server can take
+    minutes to start on a loaded machine). A failed process is reaped and its pipe closed, so nothing
     is left for the garbage collector to warn about in a later test."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

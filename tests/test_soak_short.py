@@ -37,7 +37,7 @@ def test_soak_short() -> None:
 
 
 def test_overload_short() -> None:
-    result = load("overload").run_overload(requests=12, max_queue=2, parallel=2, max_tokens=8,
+    result = load("overload").run_overload(requests=16, max_queue=2, parallel=2, max_tokens=32,
                                            python=sys.executable)
     assert result.rejected > 0, result.summary()
     assert result.other == 0, result.summary()

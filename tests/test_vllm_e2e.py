@@ -293,7 +293,7 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(
     assert running(server, model) == 1
     stream.close()
     closed = time.monotonic()
-    while running(server, model) > 0 and time.monotonic() - closed < 5:
+    while running(server, model) > 0 and time.monotonic() - closed < 60:  # a loaded server notices late
         time.sleep(0.05)
     assert running(server, model) == 0
     assert gauge(server, "lmserve_generated_tokens_total", model) == generated  # aborted, never finished

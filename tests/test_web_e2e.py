@@ -68,7 +68,8 @@ def browser() -> Iterator[Browser]:
 def page(browser: Browser) -> Iterator[Page]:
     """A fresh browser profile (empty localStorage) per test."""
     context = browser.new_context(viewport={"width": 1100, "height": 760})
-    context.set_default_timeout(TIMEOUT_MS)
+    context.set_default_timeout(TIMEOUT_MS)  # actions (click, fill, goto); assertions have their own:
+    expect.set_options(timeout=TIMEOUT_MS)  # (5 s by default: too short for an answer on a loaded machine)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -128,7 +129,7 @@ def running_sequences(server: Server) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^lmserve_running_sequences\{[^}]*\} (\S+)$", text, re.M))
 
 
-def eventually(check: Callable[[], bool], timeout: float = 10) -> bool:
+def eventually(check: Callable[[], bool], timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():

@@ -131,9 +131,15 @@ async def test_a_failing_choice_ends_the_stream_with_an_error() -> None:
     transport = httpx.ASGITransport(create_app(service, ServerConfig()))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            asyncio.get_running_loop().call_later(0.2, engine.fail_all, "the engine broke")
+            async def fail_once_both_run() -> None:
+                while not (engine.num_running == 2 and all(seq.output for seq in list(engine.scheduler.running))):
+                    await asyncio.sleep(0.01)  # both choices have begun
+                engine.fail_all("the engine broke")
+
+            failing = asyncio.create_task(fail_once_both_run())
             body = {"model": "fake", "messages": USER, "max_tokens": 1900, "n": 2, "stream": True}
             frames = events((await client.post("/v1/chat/completions", json=body)).text)
+            await failing
     finally:
         engine.close()
     assert frames[-1] != "[DONE]" and frames[-1]["error"]["message"] == "the engine broke"

@@ -21,9 +21,9 @@ def test_the_guardian_ends_watched_processes_and_spares_a_reused_pid() -> None:
         lines = [f"{p.pid} {start_time(p.pid)}" for p in (polite, stubborn)] + [f"{bystander.pid} 1"]
         started = time.monotonic()
         guard(lines, grace=1.0)
-        assert polite.wait(5) == -signal.SIGTERM
-        assert stubborn.wait(5) == -signal.SIGKILL  # it ignored SIGTERM: killed after the grace period
-        assert time.monotonic() - started < 5
+        assert polite.wait(20) == -signal.SIGTERM
+        assert stubborn.wait(20) == -signal.SIGKILL  # it ignored SIGTERM: killed after the grace period
+        assert time.monotonic() - started < 20  # (not the 60 s of its sleep; 1 s grace, slack for a loaded machine)
         assert bystander.poll() is None  # its start time differs: a pid reused by another process is left alone
     finally:
         for process in (polite, stubborn, bystander):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -167,16 +168,23 @@ def test_a_replica_that_dies_is_replaced_and_the_other_keeps_serving(ray_server:
     replicas = [p for p in children if "ServeReplica:lmserve:Replica" in " ".join(p.cmdline())]
     assert len(replicas) == 2
 
+    begun = [threading.Event() for _ in range(6)]
+
     def stream(n: int) -> str:
         body = {"model": MODEL, "stream": True, "max_tokens": 400, "temperature": 1,
                 "messages": [{"role": "user", "content": f"Tell story number {n} about a distant land."}]}
+        text = ""
         with httpx.stream("POST", ray_server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
-            text = "".join(response.iter_text())
+            for piece in response.iter_text():
+                text += piece
+                begun[n].set()
+        begun[n].set()
         return "error" if '"error"' in text else "done" if "[DONE]" in text else text
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream, n) for n in range(6)]
-        time.sleep(3)
+        for event in begun:  # every stream is being answered (a fixed wait was too short on a loaded machine)
+            event.wait(120)
         os.kill(replicas[0].pid, signal.SIGKILL)
         outcomes = [s.result() for s in streams]
     assert set(outcomes) <= {"error", "done"}, outcomes
