@@ -174,11 +174,14 @@ def test_a_replica_that_dies_is_replaced_and_the_other_keeps_serving(ray_server:
         body = {"model": MODEL, "stream": True, "max_tokens": 400, "temperature": 1,
                 "messages": [{"role": "user", "content": f"Tell story number {n} about a distant land."}]}
         text = ""
-        with httpx.stream("POST", ray_server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
-            for piece in response.iter_text():
-                text += piece
-                begun[n].set()
-        begun[n].set()
+        try:
+            with httpx.stream("POST", ray_server.base_url + "/v1/chat/completions", json=body,
+                              timeout=120) as response:
+                for piece in response.iter_text():
+                    text += piece
+                    begun[n].set()
+        finally:
+            begun[n].set()  # (a stream that failed early must not hold the kill back)
         return "error" if '"error"' in text else "done" if "[DONE]" in text else text
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -356,9 +356,9 @@ class BatchingEngine:
         after their error chunk is never read)."""
         with self._cond:
             self._failure = message
-            streams = [tracker.stream for tracker in self._trackers.values()]
+            trackers = list(self._trackers.values())  # one call: the engine thread drops trackers without the lock
             self._cond.notify()
-        self._deliver([(stream, Chunk(finish_reason="error", error=message)) for stream in streams])
+        self._deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
 
     @property
     def failure(self) -> str | None:
