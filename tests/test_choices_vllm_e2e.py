@@ -1,40 +1,31 @@
 """End to end on the vLLM engine: `n` choices through a real `lmserve serve`, read by the official `openai` client.
 
-The embedded SmolLM2 as a safetensors repository (tests/hf_repos.py), float32 so greedy output is batch invariant
-on CPU. The same checks as tests/test_choices_e2e.py makes on llama.cpp.
+The run's shared vLLM server (tests/conftest.py: the embedded SmolLM2 as a safetensors repository, float32 so
+greedy output is batch invariant on CPU, 2 slots and a queue of 16). The same checks as tests/test_choices_e2e.py
+makes on llama.cpp.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
-from tests.test_server import Server
+from tests.conftest import SHARED_VLLM_QUEUE
 
 MESSAGES: Any = [{"role": "user", "content": "Name one animal."}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server(str(smollm2_repo()), "--dtype", "float32", env={"LMSERVE_MAX_QUEUE": "4"})
-    yield srv
-    srv.stop()
+def client(vllm_client: openai.OpenAI) -> openai.OpenAI:
+    return vllm_client
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(server: Server) -> str:
-    return server.repository_model()
+def model(vllm_model: str) -> str:
+    return vllm_model
 
 
 def test_greedy_choices_equal_one_answer_and_usage_sums(client: openai.OpenAI, model: str) -> None:
@@ -70,6 +61,7 @@ def test_seeded_choices_stream_by_index_as_the_whole_reply(client: openai.OpenAI
 def test_completion_choices_and_the_bound_on_n(client: openai.OpenAI, model: str) -> None:
     reply = client.completions.create(model=model, prompt="The sky is", temperature=1.0, seed=2, max_tokens=6, n=2)
     assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].text != reply.choices[1].text
-    with pytest.raises(openai.BadRequestError) as never:  # 8 sequences and a queue of 4 can never hold 13
-        client.chat.completions.create(model=model, messages=MESSAGES, n=13)
+    most = 2 + SHARED_VLLM_QUEUE  # 2 sequences and the queue can never hold one more
+    with pytest.raises(openai.BadRequestError) as never:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=most + 1)
     assert never.value.param == "n" and "--parallel" in never.value.message

@@ -31,7 +31,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ from lmserve.types import RequestOptions, SamplingParams
 from tests.hf_repos import (
     VERSION,
     ConverterMissing,
-    cache_root,
+    cached_folder,
     lfm2_gguf,
     tiny_lfm2_attention_repo,
     tiny_lfm2_moe_repo,
@@ -115,26 +114,15 @@ def write_members(root: Path) -> None:
         lfm2_gguf(repo)
         if key == "lfm2-vl":
             lfm2_gguf(repo, projector=True).rename(root / f"mmproj-{key}-F32.gguf")
-    (root / "complete").touch()
 
 
 @pytest.fixture(scope="module")
 def members() -> dict[str, Member]:
     """The members, built once per machine (converting takes a while) as tests/hf_repos.py builds its own."""
-    root = cache_root() / f"lfm2-family-cards-v{VERSION}"
-    if not (root / "complete").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".lfm2-family-cards-", dir=root.parent))
-        try:
-            write_members(work)
-            os.replace(work, root)
-        except ConverterMissing as exc:
-            pytest.skip(str(exc))
-        except OSError:
-            if not (root / "complete").is_file():  # not a concurrent builder that won the rename
-                raise
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    try:
+        root = cached_folder(f"lfm2-family-cards-v{VERSION}", write_members)
+    except ConverterMissing as exc:
+        pytest.skip(str(exc))
     return {key: Member(key, family, card, root / key, root / f"{key}.gguf",
                         root / f"mmproj-{key}-F32.gguf" if key == "lfm2-vl" else None)
             for key, (family, card, _) in MEMBERS.items()}

@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from lmserve.engine.lifeline import descendants
+
 MODEL = "smollm2:135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
@@ -51,6 +53,9 @@ PORT_TAKEN = re.compile(r"is already in use|failed to bind to address", re.IGNOR
 
 class Server:
     """A running `lmserve serve` process."""
+
+    kv_events_port = 0
+    """Where the server publishes KV cache events, when it was started with a --kv-events-config that says so."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         """Start the server with `args`; `env` adds to (or overrides) its environment."""
@@ -98,6 +103,36 @@ class Server:
             self.process.kill()
             out, _ = self.process.communicate()
         return out or ""
+
+    def stop_leaving_nothing(self) -> str:
+        """Stop with SIGTERM, and check what a stop must do: the server exits 0 and every process it started (an
+        engine's core and workers) ends with it. A shared server's teardown carries this check."""
+        started = set(descendants(self.process.pid))
+        out = self.stop()
+        assert self.process.returncode == 0, f"SIGTERM: the server exited {self.process.returncode}:\n{out[-2000:]}"
+        assert wait_until_gone(started, 30) == set(), "processes the server started outlived it"
+        return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (a zombie has ended)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
+    """Those of `pids` still running after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive(pids)
 
 
 @pytest.fixture(scope="module")

