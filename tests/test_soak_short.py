@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.cores import all_cores
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 REPLICAS_TIMEOUT_S = 600
 
@@ -24,7 +26,11 @@ def load(name: str) -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # the scripts put bench/ on sys.path to share code: its names (bench/mlx.py) must not shadow packages
+        sys.path[:] = path
     return module
 
 
@@ -50,7 +56,8 @@ def test_replicas_short_prints_both_tables() -> None:
     argv = [sys.executable, str(BENCH / "replicas.py"), "--python", sys.executable, "--conversations", "2",
             "--turns", "2", "--users", "2", "--system-tokens", "100", "--max-tokens", "4", "--concurrency", "1",
             "--max-tokens-overhead", "8", "--requests-per-stream", "1", "--min-requests", "1", "--rounds", "1"]
-    proc = subprocess.Popen(argv, cwd=BENCH.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with all_cores():  # Ray's processes on one core start several times slower (tests/cores.py)
+        proc = subprocess.Popen(argv, cwd=BENCH.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=REPLICAS_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -26,6 +26,7 @@ import pytest
 from PIL import Image
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from tests.cores import all_cores
 from tests.test_reasoning_e2e import THINKING_TEMPLATE
 from tests.test_server import MODEL as TEXT_MODEL
 from tests.test_server import Server
@@ -59,7 +60,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        with all_cores():  # the browser's processes are not starved by the server on this worker's core
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
 
@@ -154,7 +156,7 @@ def test_an_answer_streams_in_as_markdown_with_its_numbers(page: Page, server: S
     page.select_option("#model", TEXT_MODEL)
     settings(page, max_tokens="60")
     record_answer_lengths(page)
-    ask(page, "Write a haiku about the sea.")
+    ask(page, "Write a long poem about the sea.")  # long enough to be seen while it streams in
     expect(page.locator("#stop")).to_be_visible()
     wait_until_answered(page)
     lengths = page.evaluate("window.__lengths")
@@ -171,7 +173,7 @@ def test_an_answer_streams_in_as_markdown_with_its_numbers(page: Page, server: S
 
     with server.client() as client:  # the page sent what the chat holds, at temperature 0: the same reply
         reply = client.chat.completions.create(
-            model=TEXT_MODEL, messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+            model=TEXT_MODEL, messages=[{"role": "user", "content": "Write a long poem about the sea."}],
             temperature=0, max_tokens=60,
         )
     [chat] = stored_chats(page)

@@ -44,13 +44,13 @@ async def reply(engine: BatchingEngine, prompt: str, max_tokens: int) -> tuple[l
 
 
 async def test_the_pool_is_the_context_and_each_sequence_may_fill_it(model_path: Path) -> None:
-    engine = open_engine(model_path, parallel=8, unified=True)
+    engine = open_engine(model_path, parallel=8, unified=True, ctx=256)
     try:
-        assert engine.info.num_ctx == 1024  # not 1024 / 8: one sequence may use the whole pool
+        assert engine.info.num_ctx == 256  # not 256 / 8: one sequence may use the whole pool
         prompt = engine.tokenize(PROMPTS[0])
         stream = engine.submit(prompt, SamplingParams(temperature=0, ignore_eos=True))
         last = [chunk async for chunk in stream][-1]
-        assert last.finish_reason == "length" and len(prompt) + len(stream.output_tokens) == 1024
+        assert last.finish_reason == "length" and len(prompt) + len(stream.output_tokens) == 256
     finally:
         engine.close()
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable
 
 import pytest
 
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, check_scoring
+from lmserve.engine.vllm.engine import VllmEngine, check_scoring
 from lmserve.engine.vllm.gate import SCORES, TOP_LOGPROBS, KindGate
 from lmserve.errors import InvalidRequest
 from lmserve.types import MAX_SCORE_TOKENS, Chunk, SamplingParams
-from tests.hf_repos import smollm2_repo
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")  # vLLM's output handler lives on the loop that first used it
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # vLLM's output handler lives on the loop that first used it
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 WORDS = ["Paris", " Paris", "Berlin", "Tokyo", "I", "L"]
@@ -30,11 +29,9 @@ CONCURRENT_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[VllmEngine]:
-    """One engine for the module, with room for 8 sequences at once and 64 waiting."""
-    opened = VllmEngine(smollm2_repo(), VllmOptions(num_ctx=1024, num_parallel=8, max_queue=64, dtype="float32"))
-    yield opened
-    opened.close()
+def engine(vllm_engine: VllmEngine) -> VllmEngine:
+    """The run's shared engine (tests/conftest.py), with room for 8 sequences at once and 64 waiting."""
+    return vllm_engine
 
 
 def scoring(tokens: list[int]) -> SamplingParams:

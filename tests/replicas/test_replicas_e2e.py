@@ -21,6 +21,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cores import all_cores
 from tests.test_server import Server
 
 MODEL = "smollm2:135m"
@@ -28,7 +29,10 @@ REPLICA_HEADER = "lmserve-replica"
 
 
 def replicas_server(*args: str, env: dict[str, str] | None = None) -> Server:
-    return Server("--replica-cpus", "0", "-t", "1", *args, env={"LMSERVE_SUPERVISOR": "0", **(env or {})})
+    """A server of replicas on Ray Serve, on every core of the run: Ray's own processes (its control store, node
+    manager, proxy and one process per replica) on one core start several times slower (tests/cores.py)."""
+    with all_cores():
+        return Server("--replica-cpus", "0", "-t", "1", *args, env={"LMSERVE_SUPERVISOR": "0", **(env or {})})
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.cores import all_cores
 from tests.test_server import free_port, wait_healthy
 
 RAYSERVICE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "rayservice.yaml"
@@ -27,8 +28,9 @@ def test_the_rayservice_serve_config_runs_under_serve_run(tmp_path: Path) -> Non
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     log = (tmp_path / "serve.log").open("w")
     serve = Path(sys.executable).parent / "serve"
-    process = subprocess.Popen([str(serve), "run", str(tmp_path / "serve.yaml")], stdout=log,
-                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    with all_cores():  # Ray's processes on one core start several times slower (tests/cores.py)
+        process = subprocess.Popen([str(serve), "run", str(tmp_path / "serve.yaml")], stdout=log,
+                                   stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
         wait_healthy(process, f"http://127.0.0.1:{port}", timeout=240)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,

@@ -1,22 +1,22 @@
 """The engine seam over a real vLLM engine (the option mapping: test_vllm_options.py).
 
 The real engine serves the embedded SmolLM2 converted to a safetensors repository (tests/hf_repos.py); one engine
-is started for the module (a start costs ~25 s on 2 cores).
+is started for the run and shared with tests/engine/test_vllm_scores.py (tests/conftest.py `vllm_engine`: a start
+costs ~25 s on 2 cores).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
+from lmserve.engine.vllm.engine import VllmEngine
 from lmserve.errors import ContextOverflow, InvalidRequest, Overloaded
 from lmserve.types import Chunk, SamplingParams
-from tests.hf_repos import smollm2_repo
+from tests.conftest import VLLM_ENGINE_QUEUE
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")  # vLLM's output handler lives on the loop that first used it
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # vLLM's output handler lives on the loop that first used it
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -24,11 +24,10 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[VllmEngine]:
-    """One engine for the module (its requests all run on the module's event loop)."""
-    opened = VllmEngine(smollm2_repo(), VllmOptions(num_ctx=1024, num_parallel=8, max_queue=2, dtype="float32"))
-    yield opened
-    opened.close()
+def engine(vllm_engine: VllmEngine) -> VllmEngine:
+    """The run's shared engine (8 sequences, VLLM_ENGINE_QUEUE waiting; its requests all run on the session's
+    event loop)."""
+    return vllm_engine
 
 
 async def collect(engine: VllmEngine, prompt: list[int], sampling: SamplingParams) -> list[Chunk]:
@@ -107,7 +106,7 @@ async def test_fail_all_ends_streams_in_flight_with_the_reason(engine: VllmEngin
 
 async def test_the_queue_is_bounded(engine: VllmEngine) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    streams = [engine.submit(engine.tokenize(PROMPT), long) for _ in range(10)]  # 8 running + 2 waiting
+    streams = [engine.submit(engine.tokenize(PROMPT), long) for _ in range(8 + VLLM_ENGINE_QUEUE)]  # running, waiting
     with pytest.raises(Overloaded):
         engine.submit(engine.tokenize(PROMPT), long)
     for stream in streams:

@@ -29,9 +29,9 @@ from lmserve.errors import InvalidRequest
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import Bitmap, Chunk, SamplingParams
-from tests.hf_repos import tiny_lfm2_vl_repo, tiny_llama_repo
+from tests.hf_repos import tiny_lfm2_vl_repo
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")  # vLLM's output handler lives on the loop that first used it
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # vLLM's output handler lives on the loop that first used it
 
 
 def _torchvision_imports() -> bool:
@@ -76,15 +76,10 @@ def text(chunks: list[Chunk]) -> str:
     return "".join(c.text for c in chunks)
 
 
-def close(engine: VllmEngine) -> None:
-    engine.close()
-
-
 @pytest.fixture(scope="module")
-def text_engine() -> Iterator[VllmEngine]:
-    opened = VllmEngine(tiny_llama_repo(), VllmOptions(num_ctx=512, num_parallel=2, dtype="float32"))
-    yield opened
-    close(opened)
+def text_engine(vllm_engine: VllmEngine) -> VllmEngine:
+    """The run's shared engine over SmolLM2, a text model (tests/conftest.py)."""
+    return vllm_engine
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +95,7 @@ def vision_engine() -> Iterator[VllmEngine]:
 _KEPT: list[VllmEngine] = []
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def client(text_engine: VllmEngine, request: pytest.FixtureRequest) -> AsyncIterator[httpx.AsyncClient]:
     """Both dialects over "reader", the text model, and "seer", the vision model where it loads."""
     models = [LoadedModel(name="reader", engine=text_engine, template=ChatTemplate(text_engine.info.chat_template))]
