@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench browser agents openblas
+.PHONY: install serve test test-fast lint bench browser agents openblas durations
 
 install: $(STAMP)
 
@@ -49,7 +49,6 @@ serve: $(STAMP) openblas
 test: $(STAMP) browser openblas $(FAL_STAMP) converter agents
 	$(PY) -m pytest -n 2 --dist loadgroup
 
-.PHONY: durations
 durations: $(STAMP)
 	$(PY) -m tests.timing
 

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from lmserve.store.embedded import embedded_model_path
+from tests.cores import all_cores
 from tests.test_server import Server
 from tests.tiny_agent_model import write_agent_model
 
@@ -93,7 +94,8 @@ no token repeats (a programmed reply's tokens must be distinct)."""
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server (llama.cpp, two slots of 48k tokens) with the programmed models."""
-    srv = Server("-c", "49152", "-np", "2")
+    with all_cores():  # three agents' 20k-token prompts at once: the run's cores, as a user's machine gives them
+        srv = Server("-c", "49152", "-np", "2")
     directory = tmp_path_factory.mktemp("agent-models")
     try:
         add_model(srv, "tiny-talk", TALK, directory)
@@ -175,7 +177,7 @@ def check_codex_tool_turn(done: subprocess.CompletedProcess[str]) -> None:
     assert not [e for e in events if e.get("type") in ("error", "turn.failed")], events
     commands = [e["item"] for e in events
                 if e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"]
-    assert len(commands) == 1 and f"cat{MARKER}.txt" in commands[0]["command"], events
+    assert len(commands) == 1 and f"cat{MARKER}.txt" in commands[0]["command"], done.stdout[-6000:] + done.stderr
     assert NOTES in commands[0]["aggregated_output"], commands
 
 
@@ -188,7 +190,7 @@ def test_three_agents_at_once_on_two_slots_each_call_a_tool_or_talk(server: Serv
     homes = [tmp_path / name for name in ("claude-tool", "codex-tool", "claude-talk")]
     for home in homes:
         home.mkdir()
-    with ThreadPoolExecutor(3) as pool:
+    with all_cores(), ThreadPoolExecutor(3) as pool:  # the agents' processes too (tests/cores.py)
         claude_tool = pool.submit(claude, server, "tiny-claude-tool", "What does notes.txt say?", homes[0],
                                   NOTES_FILE.parent, "--output-format", "stream-json", "--verbose")
         codex_tool = pool.submit(codex, server, "tiny-codex-tool", "What does notes.txt say?", homes[1], workdir)

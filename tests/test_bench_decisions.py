@@ -15,19 +15,23 @@ from tests.bench_quick import run_quick
 TIMEOUT_S = 300
 RATIO = re.compile(r"^\| decisions / (?P<peer>chat|chat, max_tokens 8), wall \| (?P<ratio>\d+\.\d+)x \| <= 0\.1x \| "
                    r"(?P<verdict>PASS|MISS) \|$", re.MULTILINE)
-AGREEMENT = re.compile(r"^\| same answer as the decision \| - \| \d+/20 \(\d+%\) \| \d+/20 \(\d+%\) \|$", re.MULTILINE)
+QUESTIONS = 8
+"""Fewer than --quick's 20: enough to batch the questions, share their opening and compare the answers."""
+SMALLEST = ("--doc-tokens", "200", "--questions", str(QUESTIONS), "--documents", str(QUESTIONS))
+AGREEMENT = re.compile(rf"^\| same answer as the decision \| - \| \d+/{QUESTIONS} \(\d+%\) "
+                       rf"\| \d+/{QUESTIONS} \(\d+%\) \|$", re.MULTILINE)
 TINY = re.compile(r"^\| tiny BERT reranker[^|]* \| (?P<server>lmserve|llama-server) \| "
                   r"(?P<ms>\d+\.\d+|- \| skipped: no binary) \|", re.MULTILINE)
 
 
 def test_quick_prints_both_ratios_the_agreement_and_the_rerank_rows(model_path: Path) -> None:
-    code, out = run_quick("decisions.py", "--model", str(model_path), timeout_s=TIMEOUT_S)
+    code, out = run_quick("decisions.py", "--model", str(model_path), *SMALLEST, timeout_s=TIMEOUT_S)
     assert code == 0, out[-3000:]
     ratios = {m["peer"]: float(m["ratio"]) for m in RATIO.finditer(out)}
     assert sorted(ratios) == ["chat", "chat, max_tokens 8"], out[-3000:]
     assert all(value > 0 for value in ratios.values()), ratios
     assert AGREEMENT.search(out), out[-3000:]
-    assert "| requests | 1 | 20 | 20 |" in out, out[-3000:]
+    assert f"| requests | 1 | {QUESTIONS} | {QUESTIONS} |" in out, out[-3000:]
     assert re.search(r"^\| \S+ \(chat model judging: P\(Yes\)\) \| lmserve \| \d+\.\d+ \|", out, re.MULTILINE), out
     tiny = {m["server"]: m["ms"] for m in TINY.finditer(out)}
     assert sorted(tiny) == ["llama-server", "lmserve"], out[-3000:]

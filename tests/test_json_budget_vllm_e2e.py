@@ -18,14 +18,14 @@ from tests.test_json_budget_e2e import FORMAT, MESSAGES, SCHEMA
 from tests.test_server import Server
 
 
-def test_vllm_closes_within_every_limit_streamed_and_whole(vllm_client: openai.OpenAI, vllm_model: str) -> None:
+def test_vllm_closes_within_the_limit_streamed_and_whole(vllm_client: openai.OpenAI, vllm_model: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         vllm_client.chat.completions.create(model=vllm_model, messages=MESSAGES, temperature=0, max_tokens=1,
                                             response_format=FORMAT)
     found = re.search(r"at least (\d+)", str(caught.value))
     assert found is not None and caught.value.status_code == 400
     minimum = int(found.group(1))
-    for limit in sorted({minimum, minimum + 1, 10, 25, 60} - set(range(minimum))):
+    for limit in (minimum, 25):  # the edge and one representative: the sweep is in-process
         reply = vllm_client.chat.completions.create(model=vllm_model, messages=MESSAGES, temperature=0,
                                                     max_tokens=limit, response_format=FORMAT)
         choice = reply.choices[0]

@@ -185,6 +185,7 @@ async def test_a_scoring_request_waiting_for_its_turn_can_be_aborted_or_cancelle
         await cancelled
     await settle()
     assert engine.gate.waiting == engine.gate.inside(SCORES) == engine.gate.inside(TOP_LOGPROBS) == 0
+    assert engine.num_running == engine.num_waiting == 0  # the cancelled one holds no place in the queue
     assert len((await final(engine, question, scoring(candidates(engine)))).scores) == len(WORDS)
 
 

@@ -576,12 +576,12 @@ class VllmStream:
         if self._images:  # vLLM's processor expands each image's placeholder into the image's tokens
             request["multi_modal_data"] = {"image": self._images}
         kind = gate_kind(self._params)
-        if kind is not None and not self._aborted:  # scoring and top-logprobs requests never share a step
-            await self._engine.gate.enter(kind)
-            self._gated = kind
-            if self._aborted:  # while it waited
-                self._leave_gate()
-        try:
+        try:  # a consumer cancelled while the request waits for the gate is forgotten too (it held a queue place)
+            if kind is not None and not self._aborted:  # scoring and top-logprobs requests never share a step
+                await self._engine.gate.enter(kind)
+                self._gated = kind
+                if self._aborted:  # while it waited
+                    self._leave_gate()
             if not self._aborted and self.failure is None:
                 async with contextlib.aclosing(self._generate(request, start)) as chunks:
                     async for chunk in chunks:

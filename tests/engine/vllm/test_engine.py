@@ -106,11 +106,16 @@ async def test_fail_all_ends_streams_in_flight_with_the_reason(engine: VllmEngin
 
 async def test_the_queue_is_bounded(engine: VllmEngine) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    streams = [engine.submit(engine.tokenize(PROMPT), long) for _ in range(8 + VLLM_ENGINE_QUEUE)]  # running, waiting
-    with pytest.raises(Overloaded):
-        engine.submit(engine.tokenize(PROMPT), long)
-    for stream in streams:
-        stream.abort()
+    streams = []
+    try:
+        for _ in range(8 + VLLM_ENGINE_QUEUE):  # running, then waiting
+            streams.append(engine.submit(engine.tokenize(PROMPT), long))
+        with pytest.raises(Overloaded):
+            engine.submit(engine.tokenize(PROMPT), long)
+    finally:  # the engine is the run's: leave it as found
+        for stream in streams:
+            stream.abort()
+    assert engine.num_running == engine.num_waiting == 0
 
 
 @pytest.mark.parametrize(("prompt", "sampling", "error"), [

