@@ -91,7 +91,7 @@ agents: $(STAMP)
 		{ echo "npm could not install $(AGENT_CLIS)" >> $(abspath $(AGENTS_DIR))/npm.log; \
 		  echo "make: the agent CLIs are not installed (see $(AGENTS_DIR)/npm.log): their tests will be skipped"; }
 
-# The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: under a minute on 2 cores.
+# The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: about 2 minutes on 2 cores.
 # Lanes: tests/conftest.py.
 test-fast: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q -n 2 -m "not model and not server and not slow" $(ARGS); rc=$$?; \

@@ -150,14 +150,20 @@ def png(colour: tuple[int, int, int]) -> bytes:
 # ---- the tests -----------------------------------------------------------------------------------------------------
 
 
+STREAMED_ASK = "Write a long story about the sea."
+STREAMED_TOKENS = 160
+"""A reply long enough (about a second) that the page is seen partly written more than once: a haiku of 16 tokens
+could arrive in two reads of the stream."""
+
+
 def test_an_answer_streams_in_as_markdown_with_its_numbers(page: Page, server: Server, tmp_path: Path) -> None:
     open_page(page, server, model=None)
     first = page.locator("#model option").first.get_attribute("value")
     assert page.input_value("#model") == first  # the default: the first model listed
     page.select_option("#model", TEXT_MODEL)
-    settings(page, max_tokens="60")
+    settings(page, max_tokens=str(STREAMED_TOKENS))
     record_answer_lengths(page)
-    ask(page, "Write a haiku about the sea.")
+    ask(page, STREAMED_ASK)
     expect(page.locator("#stop")).to_be_visible()
     wait_until_answered(page)
     lengths = page.evaluate("window.__lengths")
@@ -170,12 +176,12 @@ def test_an_answer_streams_in_as_markdown_with_its_numbers(page: Page, server: S
     expect(stats.locator(".tps")).to_have_text(re.compile(r"^\d+\.\d tokens/s$"))
     expect(stats.locator(".ttft")).to_have_text(re.compile(r"^TTFT \d+ ms$"))
     tokens = int((stats.locator(".tokens").text_content() or "").split()[0])
-    assert 1 < tokens <= 60
+    assert 1 < tokens <= STREAMED_TOKENS
 
     with server.client() as client:  # the page sent what the chat holds, at temperature 0: the same reply
         reply = client.chat.completions.create(
-            model=TEXT_MODEL, messages=[{"role": "user", "content": "Write a haiku about the sea."}],
-            temperature=0, max_tokens=60,
+            model=TEXT_MODEL, messages=[{"role": "user", "content": STREAMED_ASK}],
+            temperature=0, max_tokens=STREAMED_TOKENS,
         )
     [chat] = stored_chats(page)
     assert chat["messages"][1]["content"] == reply.choices[0].message.content
