@@ -99,7 +99,8 @@ VLLM_ENGINE_QUEUE = 64
 def vllm_engine() -> Iterator[Any]:
     """One in-process vLLM engine over the embedded SmolLM2 (float32, 8 sequences at once, VLLM_ENGINE_QUEUE
     waiting), started once per run for the modules that test the engine seam on it (tests/engine/vllm/test_engine.py,
-    tests/engine/test_vllm_scores.py). Their tests run on the session's event loop (`pytest.mark.asyncio(loop_scope=
+    tests/engine/test_vllm_scores.py, the text model of tests/engine/vllm/test_vision.py). Their tests run on the
+    session's event loop (`pytest.mark.asyncio(loop_scope=
     "session")`): vLLM's output handler lives on the loop that first used it."""
     from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
     from tests.hf_repos import smollm2_repo
@@ -136,8 +137,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
     servers: dict[str, set[str]] = {}
     for item in items:
-        if _shared(item):
-            servers.setdefault(item.nodeid.split("::")[0], set()).update(_shared(item))
+        if shared := SHARED_SERVERS & set(getattr(item, "fixturenames", ())):
+            servers.setdefault(item.nodeid.split("::")[0], set()).update(shared)
     groups = shared_groups(servers)
     for item in items:
         group = groups.get(item.nodeid.split("::")[0])
@@ -156,24 +157,18 @@ def group_node_id(item: pytest.Item, group: str) -> None:
         item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
-def _shared(item: pytest.Item) -> set[str]:
-    return SHARED_SERVERS & set(getattr(item, "fixturenames", ()))
-
-
 def shared_groups(modules: dict[str, set[str]]) -> dict[str, str]:
     """The group of each module that uses shared servers: modules joined by a server they share, named by their
     servers, so that each server starts once per run, on the worker that runs its group."""
-    servers_of = {module: set(servers) for module, servers in modules.items()}
-    merged = True
-    while merged:
-        merged = False
-        for module, servers in servers_of.items():
-            for other, theirs in servers_of.items():
-                if other != module and servers & theirs and servers != theirs:
-                    servers |= theirs
-                    theirs |= servers
-                    merged = True
-    return {module: "+".join(sorted(servers)) for module, servers in servers_of.items()}
+    groups: list[set[str]] = []  # disjoint sets of servers
+    for servers in modules.values():
+        joined = set(servers)
+        for group in [group for group in groups if group & servers]:
+            joined |= group
+            groups.remove(group)
+        groups.append(joined)
+    return {module: "+".join(sorted(next(group for group in groups if group & servers)))
+            for module, servers in modules.items()}
 
 
 def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:

