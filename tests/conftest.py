@@ -137,14 +137,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
     servers: dict[str, set[str]] = {}
     for item in items:
-        if shared := SHARED_SERVERS & set(getattr(item, "fixturenames", ())):
+        if shared := shared_servers_of(item):
             servers.setdefault(item.nodeid.split("::")[0], set()).update(shared)
     groups = shared_groups(servers)
     for item in items:
         group = groups.get(item.nodeid.split("::")[0])
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-            if config.getvalue("loadgroup"):  # an xdist worker of `--dist loadgroup`
+            if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
                 group_node_id(item, group)
 
 
@@ -155,6 +155,16 @@ def group_node_id(item: pytest.Item, group: str) -> None:
 
     if not item.nodeid.endswith(f"@{group}"):
         item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def shared_servers_of(item: pytest.Item) -> set[str]:
+    """The shared servers a test uses: fixtures it requests, or a fixture parameter naming one (a fixture that gets
+    `request.getfixturevalue(request.param)`, as tests/test_openai_client_e2e.py's server does)."""
+    names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        names |= {value for value in callspec.params.values() if isinstance(value, str)}
+    return SHARED_SERVERS & names
 
 
 def shared_groups(modules: dict[str, set[str]]) -> dict[str, str]:
