@@ -18,8 +18,9 @@ from tests.lanes import SHARED_VLLM, SHARED_VLLM_ENGINE, lanes, modules_used, sk
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from tests import cores, timing
+    from tests import cores, scratch, timing
 
+    scratch.keep_sockets_here()
     timing.register(config)
     cores.pin_worker(config)
 

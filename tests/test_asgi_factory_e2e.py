@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from tests import scratch
 from tests.test_server import MODEL, QUESTION, free_port, wait_healthy
 
 
@@ -26,7 +26,7 @@ class FactoryServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
-        environ.update(LMSERVE_MODELS=tempfile.mkdtemp(prefix="lmserve-store-"), LMSERVE_CTX_SIZE="512",
+        environ.update(LMSERVE_MODELS=scratch.store(), LMSERVE_CTX_SIZE="512",
                        LMSERVE_PARALLEL="2", **env)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "lmserve.server:asgi_app", "--port", str(self.port)],

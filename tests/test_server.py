@@ -8,7 +8,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from lmserve.engine.lifeline import descendants
+from tests import scratch
 
 MODEL = "smollm2:135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -60,7 +60,7 @@ class Server:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         """Start the server with `args`; `env` adds to (or overrides) its environment."""
         environ = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
-        self.models_dir = tempfile.mkdtemp(prefix="lmserve-store-")
+        self.models_dir = scratch.store()
         environ["LMSERVE_MODELS"] = self.models_dir
         environ.update(env or {})
         for attempt in range(3):
@@ -189,7 +189,7 @@ def test_a_taken_port_is_one_line_before_any_banner() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = lmserve("serve", "--port", str(port), env={"LMSERVE_MODELS": tempfile.mkdtemp()})
+        done = lmserve("serve", "--port", str(port), env={"LMSERVE_MODELS": scratch.store()})
     assert (done.returncode, done.stdout, done.stderr) == (
         1, "", f"lmserve: port {port} on 127.0.0.1 is already in use\n")
 
