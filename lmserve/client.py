@@ -99,8 +99,9 @@ class Client:
     # ---- plain JSON routes -------------------------------------------------------------------------------------
 
     def version(self) -> str:
-        """The server's version string."""
-        return str(self._request("GET", "/api/version").get("version", ""))
+        """The server's own version (lmserve's, not the local runner's release its routes follow)."""
+        answer = self._request("GET", "/api/version")
+        return str(answer.get("lmserve_version") or answer.get("version", ""))
 
     def is_running(self) -> bool:
         """True when lmserve answers at the address (False for nothing, or for something else)."""

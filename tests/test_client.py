@@ -69,7 +69,8 @@ def test_host_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_version_and_is_running() -> None:
-    client, recorder = client_for({("GET", "/api/version"): httpx.Response(200, json={"version": "0.1.0"})})
+    client, recorder = client_for({("GET", "/api/version"): httpx.Response(
+        200, json={"version": "0.12.11", "lmserve_version": "0.1.0"})})
     assert client.version() == "0.1.0"
     assert client.is_running()
     assert str(recorder.requests[0].url) == "http://127.0.0.1:9999/api/version"

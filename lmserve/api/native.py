@@ -49,6 +49,11 @@ if TYPE_CHECKING:
     from lmserve.store.pull import PullProgress
 
 NDJSON = "application/x-ndjson"
+LOCAL_RUNNER_VERSION = "0.12.11"
+"""The local runner's release whose /api routes and fields these follow (the first with `logprobs` on chat and
+generate, the newest field lmserve's native routes take). /api/version reports it as `version`, because its
+clients read that field as the runner's release and refuse old ones (VS Code's provider wants 0.6.4 or later)."""
+VERSION_HEADER = "X-Lmserve-Version"
 BLOB_BODY = {
     "description": "The blob's bytes; their SHA-256 must be the digest in the path.",
     "required": True,
@@ -253,8 +258,10 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     policy = media or MediaPolicy()
 
     @router.api_route("/api/version", methods=["GET", "HEAD"])
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> JSONResponse:
+        """The local runner's release these routes follow, lmserve's own beside it (and in a header)."""
+        return JSONResponse({"version": LOCAL_RUNNER_VERSION, "lmserve_version": __version__},
+                            headers={VERSION_HEADER: __version__})
 
     @router.post("/api/generate", response_model=None)
     async def generate(body: wire.GenerateBody, request: Request) -> Response:

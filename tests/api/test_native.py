@@ -107,9 +107,18 @@ async def test_errors_use_the_native_body(
     assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str)
 
 
+async def test_version_is_the_local_runner_release_the_routes_follow_with_lmserves_own_beside_it(
+        client: httpx.AsyncClient) -> None:
+    from lmserve import __version__
+
+    answer = await client.get("/api/version")
+    version = answer.json()["version"]
+    assert tuple(int(part) for part in version.split(".")) >= (0, 6, 4)  # what VS Code's provider requires
+    assert answer.json()["lmserve_version"] == __version__ == answer.headers["x-lmserve-version"]
+
+
 async def test_management_routes(client: httpx.AsyncClient) -> None:
     assert (await client.get("/")).text == "lmserve is running"
-    assert "version" in (await client.get("/api/version")).json()
     tags = (await client.get("/api/tags")).json()["models"]
     assert [t["name"] for t in tags] == ["fake"]
     show = (await client.post("/api/show", json={"model": "fake"})).json()
