@@ -49,6 +49,9 @@ class Option:
     """Whether native `options` and Modelfile PARAMETERs take it."""
     neutral: tuple[Any, ...] = ()
     """Values of a refused option that ask for nothing lmserve does not do anyway, so they are accepted."""
+    ignored: bool = False
+    """A refused option taken (its type checked) and ignored whatever its value, because honouring it would change
+    nothing a user can observe (`help` says why); the local runner's clients send it."""
 
 
 def _sampling(name: str, kind: type, help: str, field: str | None = None, **more: Any) -> Option:
@@ -63,7 +66,12 @@ def _refused(name: str, kind: type, why: str, lifetime: Lifetime = "sampling", *
     return Option(name, kind, lifetime, None, why, **more)
 
 
-_NEVER_SHIFTS = "lmserve never shifts the context (a prompt that does not fit is refused), so there is nothing to keep"
+def _ignored(name: str, kind: type, why: str, lifetime: Lifetime = "sampling") -> Option:
+    return Option(name, kind, lifetime, None, why, ignored=True)
+
+
+_NEVER_SHIFTS = ("ignored: lmserve never shifts the context (a prompt that does not fit is refused, a reply ends "
+                 "where the context does), so no token is ever dropped and there is nothing to keep")
 TABLE: dict[str, Option] = {o.name: o for o in (
     _sampling("temperature", float, "0: greedy (deterministic)", low=0, openai=("temperature",)),
     _sampling("top_k", int, "keep the k likeliest tokens; 0 or less: off", openai=("top_k",)),
@@ -100,13 +108,17 @@ TABLE: dict[str, Option] = {o.name: o for o in (
     _load("use_mmap", bool, "map the weights file instead of reading it"),
     _load("use_mlock", bool, "lock the weights in memory (no swapping)"),
     _load("num_thread", int, "CPU threads; 0: all cores", "num_threads", low=0, high=1024),
-    _refused("num_keep", int, _NEVER_SHIFTS),
+    _ignored("num_keep", int, _NEVER_SHIFTS),
     _refused("tfs_z", float, "tail-free sampling was removed from llama.cpp; use min_p", neutral=(1, 1.0)),
     _refused("penalize_newline", bool, "llama.cpp no longer penalizes newlines apart", neutral=(False,)),
-    _refused("numa", bool, "NUMA placement is not supported", "load", neutral=(False,)),
-    _refused("low_vram", bool, "the low-VRAM mode was removed from llama.cpp", "load", neutral=(False,)),
-    _refused("f16_kv", bool, "the KV cache type is not an option", "load", neutral=(True,)),
-    _refused("logits_all", bool, "lmserve returns no logits", "load", neutral=(False,)),
+    _refused("numa", bool, "NUMA placement is not supported (it would change where memory lives)", "load",
+             neutral=(False,)),
+    _ignored("low_vram", bool, "ignored: llama.cpp removed its low-VRAM mode, so it changes nothing on any engine",
+             "load"),
+    _refused("f16_kv", bool, "the KV cache's type is the server's --cache-type-k/-v, not a request's (false would ask "
+             "for float32 keys and values)", "load", neutral=(True,)),
+    _ignored("logits_all", bool, "ignored: it made llama.cpp keep every position's logits, which no reply of the "
+             "native routes shows (prompt log-probabilities are computed when a request asks for them)", "load"),
     _refused("vocab_only", bool, "a vocabulary-only model cannot generate", "load", neutral=(False,)),
     _refused("n", int, "several choices (n > 1) are for /v1/chat/completions and /v1/completions", openai=("n",),
              native=False, neutral=(1,)),
@@ -301,7 +313,7 @@ def json_schema() -> dict[str, Any]:
             prop["exclusiveMinimum" if option.above_low else "minimum"] = option.low
         if option.high is not None:
             prop["maximum"] = option.high
-        if option.field is None:
+        if option.field is None and not option.ignored:
             prop["description"] = f"refused: {option.help}"
         properties[name] = prop
     return {"type": "object", "properties": properties, "additionalProperties": False}
@@ -330,9 +342,13 @@ def check(option: Option, value: Any, where: str) -> Any:
 
 
 def _accepted(option: Option, value: Any, where: str) -> bool:
-    """True for an option lmserve honours; a refused one is a 400, unless its value is neutral (then False)."""
+    """True for an option lmserve honours; a refused one is a 400, unless its value is neutral or the option is
+    ignored (then False, an ignored one's type checked)."""
     if option.field is not None:
         return True
+    if option.ignored:
+        _typed(option, value, where)
+        return False
     if any(value == n and type(value) is type(n) for n in option.neutral):
         return False
     raise InvalidRequest(f"'{where}' is not supported: {option.help}", param=where)

@@ -19,7 +19,8 @@ LOAD_FIELDS = {f.name for f in fields(LoadOptions)}
 @pytest.mark.parametrize("option", TABLE.values(), ids=lambda o: o.name)
 def test_every_option_sets_a_real_field_of_its_lifetime_or_says_why_not(option: options.Option) -> None:
     if option.field is None:
-        assert option.help  # the reason of the refusal
+        assert option.help  # the reason it is refused, or ignored
+        assert not option.ignored or option.help.startswith("ignored: ")
     else:
         assert option.field in (SAMPLING_FIELDS if option.lifetime == "sampling" else LOAD_FIELDS)
     assert option.native or option.openai  # some route takes it
@@ -90,9 +91,10 @@ def test_openai_fields(body: dict[str, Any], expected: dict[str, Any]) -> None:
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     # (dialect, what is sent, the param named, words of the message)
-    ("native", {"num_keep": 4}, "num_keep", "never shifts the context"),
+    ("native", {"num_keep": "4"}, "num_keep", "must be an integer"),
     ("native", {"tfs_z": 0.9}, "tfs_z", "not supported"),
-    ("native", {"low_vram": True}, "low_vram", "not supported"),
+    ("native", {"numa": True}, "numa", "not supported"),
+    ("native", {"f16_kv": False}, "f16_kv", "float32"),
     ("native", {"temprature": 0.5}, "temprature", "unknown option 'temprature'"),
     ("native", {"logit_bias": {"1": 1}}, "logit_bias", "unknown option"),
     ("native", {"temperature": "hot"}, "temperature", "must be a number"),
@@ -110,11 +112,18 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("openai", {"n": 2}, "n", "several choices (n > 1) are for /v1/chat/completions"),
     ("openai", {"best_of": 3}, "best_of", "one completion"),
     ("openai", {"num_ctx": 4096}, "num_ctx", "load-time option"),
-    ("openai", {"num_keep": 5}, "num_keep", "never shifts"),
+    ("openai", {"low_vram": True}, "low_vram", "load-time option"),
     ("openai", {"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ("openai", {"logit_bias": {"1": 101}}, "logit_bias", "out of range"),
     ("openai", {"typical_p": 0}, "typical_p", "above 0"),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize("sent", [{"num_keep": 24}, {"num_keep": 24.0, "low_vram": True}, {"logits_all": False}])
+def test_options_that_change_nothing_are_taken_and_set_nothing(sent: dict[str, Any]) -> None:
+    assert options.from_native(sent) == {}
+    assert options.from_parameters(sent) == {}
+    assert options.parse_parameter("num_keep", "24") == 24
 
 
 @pytest.mark.parametrize(("dialect", "given", "param", "words"), REFUSED)
@@ -137,7 +146,7 @@ def test_modelfile_parameters_are_typed_by_the_table(name: str, text: str, value
 
 
 @pytest.mark.parametrize(("name", "text", "words"), [
-    ("num_keep", "24", "never shifts"), ("top_p", "0", "above 0"), ("seed", "x", "needs int"),
+    ("tfs_z", "0.5", "tail-free"), ("top_p", "0", "above 0"), ("seed", "x", "needs int"),
     ("logit_bias", "{}", "unknown parameter"), ("foo", "1", "unknown parameter 'foo'"),
 ])  # fmt: skip
 def test_modelfile_refusals_name_the_parameter(name: str, text: str, words: str) -> None:
@@ -223,7 +232,7 @@ def test_the_native_json_schema_lists_every_native_option() -> None:
                                              "exclusiveMinimum": 0, "maximum": 1}
 
 
-@pytest.mark.parametrize("stored", [{"num_keep": 24}, {"frobnicate": 1}, {"top_p": 7.0}])
+@pytest.mark.parametrize("stored", [{"tfs_z": 0.5}, {"frobnicate": 1}, {"top_p": 7.0}])
 def test_a_stored_parameter_lmserve_does_not_take_says_to_create_the_model_again(stored: dict[str, object]) -> None:
     name = next(iter(stored))
     with pytest.raises(InvalidRequest, match=f"Modelfile has PARAMETER {name}.*create the model again") as info:

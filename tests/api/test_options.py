@@ -16,11 +16,11 @@ USER = [{"role": "user", "content": "hi"}]
 
 NATIVE_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     # (route, options, the name the error gives)
-    ("/api/generate", {"num_keep": 4}, "num_keep"),
+    ("/api/generate", {"num_keep": "all"}, "num_keep"),  # ignored, but its type is still checked
     ("/api/generate", {"tfs_z": 0.5}, "tfs_z"),
     ("/api/generate", {"temprature": 0.5}, "temprature"),
     ("/api/generate", {"top_p": 0}, "top_p"),
-    ("/api/chat", {"num_keep": 4}, "num_keep"),
+    ("/api/chat", {"f16_kv": False}, "f16_kv"),
     ("/api/chat", {"mirostat": 5}, "mirostat"),
     ("/api/chat", {"use_mmap": "no"}, "use_mmap"),
     ("/api/embed", {"numa": True}, "numa"),
@@ -40,7 +40,7 @@ OPENAI_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"n": 0}, "n"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"num_ctx": 8192}, "num_ctx"),
-    ("/v1/chat/completions", {"num_keep": 8}, "num_keep"),
+    ("/v1/chat/completions", {"vocab_only": True}, "vocab_only"),
     ("/v1/chat/completions", {"typical_p": 0}, "typical_p"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
@@ -57,9 +57,29 @@ async def test_openai_refusals_name_the_field(client: httpx.AsyncClient, route: 
 
 
 async def test_a_modelfile_with_a_refused_parameter_is_refused_at_create(client: httpx.AsyncClient) -> None:
-    r = await client.post("/api/create", json={"model": "k", "modelfile": "FROM fake\nPARAMETER num_keep 24",
+    r = await client.post("/api/create", json={"model": "k", "modelfile": "FROM fake\nPARAMETER tfs_z 0.5",
                                                "stream": False})
-    assert r.status_code == 400 and "'num_keep'" in r.json()["error"]
+    assert r.status_code == 400 and "'tfs_z'" in r.json()["error"]
+
+
+IGNORED = {"num_keep": 24, "low_vram": True, "logits_all": True}
+"""What the local runner's clients send that changes nothing on lmserve (Open WebUI's chat controls: num_keep 24)."""
+
+
+@pytest.mark.parametrize("route", ["/api/chat", "/api/generate", "/v1/chat/completions"])
+async def test_options_that_change_nothing_are_taken_and_ignored(client: httpx.AsyncClient, route: str) -> None:
+    body: dict[str, Any] = {"model": "fake", "prompt": "x", "messages": USER, "stream": False}
+    plain = await client.post(route, json={**body, "options": {"temperature": 0, "num_predict": 4},
+                                           "temperature": 0, "max_tokens": 4})
+    given = await client.post(route, json={**body, "options": {"temperature": 0, "num_predict": 4, **IGNORED},
+                                           "temperature": 0, "max_tokens": 4, **({"num_keep": 24} if "v1" in route
+                                                                                 else {})})
+    assert plain.status_code == given.status_code == 200, given.text
+    text = ("message", "content") if route == "/api/chat" else ("response",) if "generate" in route else None
+    if text is None:
+        assert given.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    else:
+        assert given.json()[text[0]] == plain.json()[text[0]]
 
 
 @pytest.fixture
@@ -116,7 +136,7 @@ def test_create_parameters_are_json_values_typed_by_the_table() -> None:
     assert create({"num_ctx": 2048.0, "temperature": 1, "stop": "\n", "use_mmap": False}) == {
         "num_ctx": 2048, "temperature": 1.0, "stop": ["\n"], "use_mmap": False}
     for parameters, param in [({"num_ctx": [1, 2]}, "num_ctx"), ({"temperature": "hot"}, "temperature"),
-                              ({"num_keep": 4}, "num_keep"), ({"frobnicate": 1}, "frobnicate")]:
+                              ({"tfs_z": 0.5}, "tfs_z"), ({"frobnicate": 1}, "frobnicate")]:
         with pytest.raises(InvalidRequest) as info:
             create(parameters)
         assert info.value.param == param

@@ -160,7 +160,7 @@ def test_parse_parameter(name: str, value: str, expected: object) -> None:
     ("name", "value", "message"),
     [
         ("mirostatt", "0", "unknown parameter 'mirostatt'"),
-        ("num_keep", "24", "'num_keep' is not supported: lmserve never shifts the context"),
+        ("numa", "true", "'numa' is not supported: NUMA placement"),
         ("tfs_z", "0.9", "'tfs_z' is not supported"),
         ("top_p", "1.5", "'top_p' must be at most 1"),
         ("temperature", "-1", "'temperature' must be at least 0"),
@@ -189,7 +189,7 @@ def test_parse_parameter_refuses_naming_the_parameter(name: str, value: str, mes
         ("FROM ./mmproj-f16.gguf", 1, "FROM is required"),
         ("FROM x\n\nFROB y", 3, "unknown directive 'FROB'"),
         ("FROM x\nPARAMETER mirostat_x 2", 2, "unknown parameter 'mirostat_x'"),
-        ("FROM x\nPARAMETER num_keep 24", 2, "'num_keep' is not supported"),
+        ("FROM x\nPARAMETER penalize_newline true", 2, "'penalize_newline' is not supported"),
         ("FROM x\nPARAMETER top_p 0", 2, "'top_p' must be above 0"),
         ("FROM x\n# c\nPARAMETER top_k fifty", 3, "parameter 'top_k' needs int value, got 'fifty'"),
         ("FROM x\nPARAMETER temperature", 2, "PARAMETER needs a value"),
