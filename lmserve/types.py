@@ -97,6 +97,11 @@ class SamplingParams:
     """Judging, not sampling: report log P(token | prompt) of each of these ids at the first position, from the
     model's own distribution (a log-softmax of the raw logits, before any sampling transform), in the final chunk's
     `scores` (at most MAX_SCORE_TOKENS of them; service/judging.py asks for one token with them)."""
+    context_limit: int | None = None
+    """The most tokens the sequence may hold, prompt and reply: the context the request asked for (`num_ctx`), which
+    an instance loaded with a larger one serves without a reload (service/residency.py `Residency.serving`); the
+    prompt must fit below it and the reply ends there ("length"). None, or the engine's context or more: the
+    engine's context."""
     reuse_limit: int | None = None
     """Reuse at most this many prompt tokens computed before (a slot's memory, a copy, a saved state); the rest is
     computed from there, so it rounds the same however the tokens before it happened to be cached (batched kernels

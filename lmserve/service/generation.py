@@ -30,7 +30,7 @@ from lmserve.service.embeddings import EmbeddingInput
 from lmserve.service.empty import EmptyReply
 from lmserve.service.healing import stopped
 from lmserve.service.observers import Observers
-from lmserve.service.precedence import Precedence
+from lmserve.service.precedence import Precedence, within_context
 from lmserve.service.residency import LoadedModel, Residency, Resident
 from lmserve.service.thinking import ThinkingFirst, ThinkingPlan, plan_thinking
 from lmserve.types import (
@@ -269,7 +269,7 @@ class GenerationService:
                      ) -> tuple[ModelSettings, Resident]:
         """The model's settings (read once per version of it), and its lease under the load options in force."""
         model = self.catalog.settings(name)
-        load = self.precedence.load(model, asked)
+        load = self.residency.serving(model.name, self.precedence.load(model, asked))
         return model, await self.residency.acquire(model.name, load, keep_alive, plan=model.plan(load))
 
     def check_images(self, name: str, count: int, *, param: str = "messages") -> None:
@@ -484,8 +484,9 @@ class GenerationService:
         the engine's prefix sharing); `max_tokens` 0 asks for no engine work (service/empty.py). `forced`: the
         grammar is a forced tool call's. `started_ns`: when the request began, for `Generation.load_ns` (else 0)."""
         special = parser is not None or plan.format is not None
-        self._check_grammar(resident, sampling, special=special, forced=forced)
         engine = resident.model.engine
+        sampling = within_context(engine.info, len(tokens), sampling)
+        self._check_grammar(resident, sampling, special=special, forced=forced)
         streams: list[GenerationStream] = []
         if sampling.max_tokens == 0:  # no tokens asked for: no engine work (service/empty.py)
             streams += [EmptyReply(engine, tokens) for _ in range(n)]

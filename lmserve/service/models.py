@@ -92,7 +92,7 @@ class ModelService:
         """Load a model without generating (with the load-time `options` a request set); returns its canonical
         name."""
         model = self.catalog.settings(name)
-        load = self.precedence.load(model, options or RequestOptions())
+        load = self.residency.serving(model.name, self.precedence.load(model, options or RequestOptions()))
         resident = await self.residency.acquire(model.name, load, keep_alive, plan=model.plan(load))
         self.residency.release(resident)
         return resident.model.name

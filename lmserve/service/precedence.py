@@ -3,9 +3,13 @@ weights recommend → the server's defaults (lmserve/options.py holds the table 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lmserve import options
+from lmserve.engine.protocol import ModelInfo
+from lmserve.errors import ContextOverflow
 from lmserve.service.catalog import ModelSettings
-from lmserve.types import LoadOptions, RequestOptions, SamplingParams
+from lmserve.types import AUTO_CONTEXT, LoadOptions, RequestOptions, SamplingParams
 
 
 class Precedence:
@@ -24,6 +28,23 @@ class Precedence:
     def sampling(self, model: ModelSettings, asked: RequestOptions, base: SamplingParams) -> SamplingParams:
         """`base` (the request's settings no option names: grammar, logprobs …) with the sampling options of the
         request over the model's PARAMETERs, its recommended sampling and the server's defaults for the request's
-        dialect. A fresh record."""
-        return options.sampling(asked.values, model.parameters, model.recommended,
-                                options.server_defaults(asked.defaults, self.n_predict), base=base)
+        dialect, and the context asked for (`num_ctx`) as its `context_limit`. A fresh record."""
+        params = options.sampling(asked.values, model.parameters, model.recommended,
+                                  options.server_defaults(asked.defaults, self.n_predict), base=base)
+        num_ctx = self.load(model, asked).num_ctx
+        return params if num_ctx == AUTO_CONTEXT else replace(params, context_limit=num_ctx)
+
+
+def within_context(info: ModelInfo, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
+    """`sampling` kept within the request's own context (`context_limit`) where that is below the engine's: a prompt
+    that does not fit below it is a ContextOverflow naming it, and the reply's length is capped where it falls (it
+    ends "length", as at the end of the engine's context)."""
+    limit = sampling.context_limit
+    if limit is None or limit >= info.num_ctx:
+        return sampling
+    if num_prompt_tokens >= limit:
+        raise ContextOverflow(num_prompt_tokens, limit, info.num_ctx_train)
+    room = limit - num_prompt_tokens
+    if sampling.max_tokens is not None and sampling.max_tokens <= room:
+        return sampling
+    return replace(sampling, max_tokens=room)

@@ -10,8 +10,10 @@ sampling defaults): models created FROM another that differ only in those share 
 - A name stays resident while requests use it; `keep_alive` (seconds; None = forever; 0 = unload when idle) counts
   from its last use. An instance lives while a resident name binds it or a request still uses it.
 - A request whose load-time options differ from the resident instance's gets a fresh instance with its options;
-  the old one finishes the requests it is running and is then closed. A name whose stored settings changed (it was
-  created again) is bound again, on the same instance when its weights and load options did not change.
+  the old one finishes the requests it is running and is then closed. A context (`num_ctx`) no larger than the
+  loaded one is not a difference: the request runs on the loaded instance within its own limit (`serving`). A name
+  whose stored settings changed (it was created again) is bound again, on the same instance when its weights and
+  load options did not change.
 - Before another instance loads beyond `max_loaded`, the least recently used idle instances (and every name bound
   to them) are unloaded. Busy instances are never unloaded for room: the limit is what loading aims for, not a cap.
 - With a memory gauge (service/memory_budget.py), what an instance will hold (its plan's estimate: weights, KV
@@ -34,7 +36,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from lmserve.engine.factory import MemoryEstimate
@@ -294,6 +296,21 @@ class Residency:
             if resident is not None:
                 self._close_if_unbound(resident.instance)
             return bound
+
+    def serving(self, name: str, options: LoadOptions) -> LoadOptions:
+        """The load options that serve `name` for a request that asked for `options`: those, or the resident
+        instance's when they differ only in a context it already holds. A `num_ctx` that resolves (capped at the
+        trained length, as engines cap it) to at most the loaded context reloads nothing: the request runs within its
+        own limit (`SamplingParams.context_limit`) and the prompt cache stays. Only a larger one loads another."""
+        resident = self._residents.get(name)
+        if resident is None or options.num_ctx == AUTO_CONTEXT or resident.instance.failure is not None:
+            return options
+        loaded = resident.options
+        if replace(options, num_ctx=loaded.num_ctx) != loaded:
+            return options
+        info = resident.instance.engine.info
+        wanted = min(options.num_ctx, info.num_ctx_train) if info.num_ctx_train > 0 else options.num_ctx
+        return loaded if wanted <= info.num_ctx else options
 
     def release(self, resident: Resident) -> None:
         """End one lease; an instance no name binds any more is closed once its last request is done."""

@@ -46,14 +46,15 @@ def model(parameters: dict[str, Any], recommended: dict[str, Any]) -> ModelSetti
 MODELFILE = {"temperature": 0.2, "top_k": 5, "num_ctx": 512, "stop": ["<end>"]}
 RECOMMENDED = {"temperature": 0.6, "min_p": 0.1, "top_k": 20}
 SAMPLING: list[tuple[RequestOptions, dict[str, Any]]] = [
-    # (what the request set, the fields it samples with that are not SamplingParams' own defaults)
-    (RequestOptions(), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9}),
+    # (what the request set, the fields it samples with that are not SamplingParams' own defaults; the Modelfile's
+    # num_ctx is the context the request runs within)
+    (RequestOptions(), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9, "context_limit": 512}),
     (RequestOptions({"temperature": 1.0, "stop": ["x"]}),
-     {"temperature": 1.0, "top_k": 5, "min_p": 0.1, "stop": ["x"], "max_tokens": 9}),
-    (RequestOptions({"num_predict": None}), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"]}),
+     {"temperature": 1.0, "top_k": 5, "min_p": 0.1, "stop": ["x"], "max_tokens": 9, "context_limit": 512}),
+    (RequestOptions({"num_predict": None}), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "context_limit": 512}),
     (RequestOptions(defaults="native"),  # the local runner's defaults under what the model says
      {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9, "top_p": 0.9,
-      "repeat_penalty": 1.1}),
+      "repeat_penalty": 1.1, "context_limit": 512}),
 ]  # fmt: skip
 
 
@@ -172,3 +173,36 @@ async def test_a_deleted_model_is_not_found_by_the_next_request(client: httpx.As
     assert r.status_code == 200, r.text
     r = await client.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False})
     assert r.status_code == 404, r.text
+
+
+async def test_a_smaller_or_equal_num_ctx_reloads_nothing_and_limits_the_request(
+        client: httpx.AsyncClient, engines: list[Engine]) -> None:
+    assert await generated(client, num_predict=2) == 2  # loads at the automatic context (2048 on the fake)
+    for num_ctx in (2048, 1000, 64, 2047):
+        assert await generated(client, num_predict=2, num_ctx=num_ctx) == 2
+    assert len(engines) == 1
+    r = await client.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "raw": True,
+                                                 "options": {"num_ctx": 5, "num_predict": 50}})
+    assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+    assert r.json()["prompt_eval_count"] + r.json()["eval_count"] == 5  # the reply ends where the context does
+    r = await client.post("/api/generate", json={"model": "tiny", "prompt": "hi " * 20, "stream": False,
+                                                 "options": {"num_ctx": 8}})
+    assert r.status_code == 400 and "context is 8 tokens" in r.json()["error"], r.text
+    assert len(engines) == 1
+
+
+def test_within_context_caps_the_reply_and_refuses_a_prompt_that_does_not_fit() -> None:
+    from lmserve.errors import ContextOverflow
+    from lmserve.service.precedence import within_context
+
+    info = BatchingEngine(FakeBackend(num_ctx=100, num_parallel=1))
+    try:
+        unlimited = SamplingParams(context_limit=None, max_tokens=None)
+        assert within_context(info.info, 10, unlimited) is unlimited
+        assert within_context(info.info, 10, SamplingParams(context_limit=100)).max_tokens is None  # the engine's
+        assert within_context(info.info, 10, SamplingParams(context_limit=50)).max_tokens == 40
+        assert within_context(info.info, 10, SamplingParams(context_limit=50, max_tokens=5)).max_tokens == 5
+        with pytest.raises(ContextOverflow):
+            within_context(info.info, 50, SamplingParams(context_limit=50))
+    finally:
+        info.close()

@@ -196,6 +196,30 @@ async def test_a_changed_load_time_option_reloads_an_idle_model(catalog: Catalog
     assert catalog.closed == ["a"]
 
 
+async def test_a_context_no_larger_than_the_loaded_one_is_served_by_it(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("a", LoadOptions(num_ctx=1024), 300))
+    for asked in (1024, 512, 1000, 8):  # what aider sends changes with every prompt
+        options = models.serving("a", LoadOptions(num_ctx=asked))
+        assert options == LoadOptions(num_ctx=1024)
+        models.release(await models.acquire("a", options, 300))
+    assert [options.num_ctx for _, options in catalog.opened] == [1024] and catalog.closed == []
+    assert models.serving("a", LoadOptions(num_ctx=2048)) == LoadOptions(num_ctx=2048)  # more: another instance
+    assert models.serving("a", LoadOptions(num_ctx=512, num_batch=64)).num_ctx == 512  # another option changed
+    assert models.serving("b", LoadOptions(num_ctx=512)).num_ctx == 512  # not loaded
+
+
+async def test_a_context_above_the_trained_one_resolves_to_it_before_it_is_compared(catalog: Catalog) -> None:
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("a", LoadOptions(), 300))  # the automatic context
+    [engine] = catalog.engines
+    engine.info.num_ctx = engine.info.num_ctx_train = 8192
+    for asked in (9000, 9001, 8192):  # the reproduction: each was a reload
+        assert models.serving("a", LoadOptions(num_ctx=asked)) == LoadOptions()
+    engine.info.num_ctx_train = 0  # trained length unknown: the number asked is the context
+    assert models.serving("a", LoadOptions(num_ctx=9000)).num_ctx == 9000
+
+
 async def test_a_busy_model_asked_for_other_options_gets_a_fresh_instance_and_the_old_one_drains(
     catalog: Catalog,
 ) -> None:
