@@ -14,6 +14,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_server import MODEL, Server
 
@@ -100,6 +101,31 @@ def test_max_tokens_beyond_the_context_is_not_refused(server: Server) -> None:
                                 extra_body={"temperature": 0}) as stream:
         reply = stream.get_final_message()
     assert reply.stop_reason in ("end_turn", "max_tokens", "model_context_window_exceeded")
+
+
+def loads(base_url: str, model: str, headers: dict[str, str] | None = None) -> float:
+    """How many times the server loaded `model` (its /metrics counter)."""
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=5).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "lmserve_model_loads_total" and sample.labels.get("model") == model)
+
+
+def check_num_ctx_reloads_nothing(base_url: str, model: str, contexts: tuple[int, ...],
+                                  headers: dict[str, str] | None = None) -> None:
+    """Chats with a new `num_ctx` each (aider sends 1.25 x the prompt + 8192 with every request) and Open WebUI's
+    `num_keep`, through the official ollama client: none within the loaded context loads the model again."""
+    before = loads(base_url, model, headers)
+    assert before >= 1
+    with ollama.Client(host=base_url, headers=headers) as client:
+        for num_ctx in contexts:
+            reply = client.chat(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                options={"num_ctx": num_ctx, "num_keep": 24, "num_predict": 4, "temperature": 0})
+            assert reply.done and reply.eval_count, reply
+    assert loads(base_url, model, headers) == before
+
+
+def test_a_num_ctx_within_the_loaded_context_reloads_nothing(server: Server) -> None:
+    check_num_ctx_reloads_nothing(server.base_url, MODEL, (9000, 9001, TRAINED, 1024))  # capped at the trained
 
 
 def test_the_log_names_both_numbers(server: Server) -> None:

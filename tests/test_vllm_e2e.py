@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
+from tests.test_context_e2e import check_num_ctx_reloads_nothing
 from tests.test_server import QUESTION as QUESTION_DICTS
 from tests.test_server import Server
 from tests.test_structured_e2e import PERSON, PERSON_FORMAT
@@ -242,6 +243,10 @@ def test_embeddings_are_a_400_in_each_dialect(
     response = httpx.post(server.base_url + path, json={"model": model, **body}, timeout=30)
     assert response.status_code == 400
     assert "embeddings" in message_of(response.json())
+
+
+def test_a_num_ctx_within_the_loaded_context_reloads_nothing(server: Server, model: str) -> None:
+    check_num_ctx_reloads_nothing(server.base_url, model, (1024, 1000, 512))  # the shared server runs -c 1024
 
 
 def test_metrics_count_the_requests_and_tokens_of_the_model(client: openai.OpenAI, model: str,

@@ -48,10 +48,12 @@ RECOMMENDED = {"temperature": 0.6, "min_p": 0.1, "top_k": 20}
 SAMPLING: list[tuple[RequestOptions, dict[str, Any]]] = [
     # (what the request set, the fields it samples with that are not SamplingParams' own defaults; the Modelfile's
     # num_ctx is the context the request runs within)
-    (RequestOptions(), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9, "context_limit": 512}),
+    (RequestOptions(),
+     {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9, "context_limit": 512}),
     (RequestOptions({"temperature": 1.0, "stop": ["x"]}),
      {"temperature": 1.0, "top_k": 5, "min_p": 0.1, "stop": ["x"], "max_tokens": 9, "context_limit": 512}),
-    (RequestOptions({"num_predict": None}), {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "context_limit": 512}),
+    (RequestOptions({"num_predict": None}),
+     {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "context_limit": 512}),
     (RequestOptions(defaults="native"),  # the local runner's defaults under what the model says
      {"temperature": 0.2, "top_k": 5, "min_p": 0.1, "stop": ["<end>"], "max_tokens": 9, "top_p": 0.9,
       "repeat_penalty": 1.1, "context_limit": 512}),
