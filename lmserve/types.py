@@ -230,6 +230,9 @@ class CompletionRequest:
     """The settings no option names (grammar, logprobs …); the service sets the options' fields from `options`."""
     context: list[int] = field(default_factory=list)
     """Tokens of an earlier exchange to continue (the native dialect's `context`)."""
+    prompt_tokens: list[int] | None = None
+    """The prompt as token ids of the model's own tokenizer, taken as they are (nothing added): OpenAI's token-id
+    prompts. Then `prompt` is empty; the engine checks each id against its vocabulary."""
     images: list[bytes] = field(default_factory=list)
     """Encoded images (checked by chat/media.py) shown to a vision model before the prompt text."""
     options: RequestOptions = field(default_factory=RequestOptions)

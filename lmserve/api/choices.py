@@ -50,10 +50,28 @@ def summed_usage(usages: list[Body]) -> Body:
     return total
 
 
-def merged(bodies: list[Body]) -> Body:
-    """One-choice reply bodies (same head) as one reply with n choices, indexed in order, usage summed."""
+def prompts_usage(usages: list[Body], n: int) -> Body:
+    """Usage bodies of every choice of several prompts (n choices each, in index order) as one: each prompt's as
+    `summed_usage` counts it, added up."""
+    groups = [summed_usage(usages[start:start + n]) for start in range(0, len(usages), n)]
+    if len(groups) == 1:
+        return groups[0]
+    total = dict(groups[0])
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        total[key] = sum(group[key] for group in groups)
+    for key in ("prompt_tokens_details", "completion_tokens_details"):
+        details = [group.get(key) or {} for group in groups]
+        if details[0]:
+            total[key] = {name: sum(d.get(name) or 0 for d in details) for name in details[0]}
+    return total
+
+
+def merged(bodies: list[Body], n: int | None = None) -> Body:
+    """One-choice reply bodies (same head) as one reply, indexed in order, usage summed: of one prompt's choices,
+    or with `n` of several prompts' n choices each."""
     choices = [{**body["choices"][0], "index": index} for index, body in enumerate(bodies)]
-    return {**bodies[0], "choices": choices, "usage": summed_usage([body["usage"] for body in bodies])}
+    return {**bodies[0], "choices": choices, "usage": prompts_usage([body["usage"] for body in bodies],
+                                                                      n or len(bodies))}
 
 
 async def gather_all(work: list[Awaitable[T]], choices: Choices) -> list[T]:
@@ -66,9 +84,10 @@ async def gather_all(work: list[Awaitable[T]], choices: Choices) -> list[T]:
         raise
 
 
-async def merged_frames(streams: list[AsyncIterator[bytes]], head: Body, include_usage: bool) -> AsyncIterator[bytes]:
-    """Interleave one-choice SSE streams (made with usage on, to read each choice's usage) as one stream of n
-    choices. An error frame of any choice ends the whole stream."""
+async def merged_frames(streams: list[AsyncIterator[bytes]], head: Body, include_usage: bool,
+                        n: int | None = None) -> AsyncIterator[bytes]:
+    """Interleave one-choice SSE streams (made with usage on, to read each choice's usage) as one stream of their
+    choices (of one prompt, or with `n` of several prompts' n each). An error frame of any choice ends it."""
     usages: dict[int, Body] = {}
     frames = interleave([_indexed(index, stream) for index, stream in enumerate(streams)])
     async with contextlib.aclosing(frames):
@@ -87,7 +106,8 @@ async def merged_frames(streams: list[AsyncIterator[bytes]], head: Body, include
                 data.pop("usage", None)
             yield sse_json(data)
     if include_usage:
-        yield sse_json({**head, "choices": [], "usage": summed_usage([usages[i] for i in sorted(usages)])})
+        yield sse_json({**head, "choices": [], "usage": prompts_usage([usages[i] for i in sorted(usages)],
+                                                                      n or len(usages))})
     yield SSE_DONE
 
 

@@ -26,6 +26,7 @@ from lmserve.api import logprobs as logprob_wire
 from lmserve.api import schemas
 from lmserve.api.chat_records import keeper
 from lmserve.api.choices import Choices, gather_all, merged, merged_frames
+from lmserve.api.completions import Prompt, completion_prompts, echo_of, single_prompt
 from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import (
     HOLE,
@@ -195,25 +196,18 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
                           param="messages")
 
 
-def to_completion_request(req: schemas.CompletionRequest) -> EngineCompletionRequest:
-    """The engine-neutral completion; with a `suffix`, fill-in-the-middle (the prompt is the text before the gap)."""
+def to_completion_request(req: schemas.CompletionRequest, prompt: Prompt | None = None) -> EngineCompletionRequest:
+    """The engine-neutral completion of `prompt` (one of the request's prompts; None: its only one); with a `suffix`,
+    fill-in-the-middle (the prompt is the text before the gap)."""
+    prompt = single_prompt(req.prompt) if prompt is None else prompt
     sampling = SamplingParams(logprobs=logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo)))
-    prompt = _single_prompt(req.prompt)
-    infill = Infill(prompt, req.suffix) if req.suffix else None
-    return EngineCompletionRequest(model=req.model, prompt="" if infill else prompt, sampling=sampling,
-                                   options=to_options(req), infill=infill)
-
-
-def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        return ""
-    if not all(isinstance(p, str) for p in prompt):
-        raise InvalidRequest("prompts given as token ids are not supported", param="prompt")
-    if len(prompt) > 1:
-        raise InvalidRequest("only one prompt per request is supported", param="prompt")
-    return str(prompt[0])
+    tokens = prompt if isinstance(prompt, list) else None
+    text = prompt if isinstance(prompt, str) else ""
+    if req.suffix and tokens is not None:
+        raise InvalidRequest("a suffix (fill-in-the-middle) needs the prompt as text, not token ids", param="suffix")
+    infill = Infill(text, req.suffix) if req.suffix else None
+    return EngineCompletionRequest(model=req.model, prompt="" if infill else text, sampling=sampling,
+                                   options=to_options(req), infill=infill, prompt_tokens=tokens)
 
 
 # ---- records → responses --------------------------------------------------------------------------
@@ -394,21 +388,33 @@ async def chat_choices(
 
 
 async def completion_choices(
-    service: Service, record: EngineCompletionRequest, body: schemas.CompletionRequest, request: Request
+    service: Service, prompts: list[Prompt], body: schemas.CompletionRequest, request: Request
 ) -> Response:
-    """A legacy completion of `n` > 1 choices (each echoing the prompt when asked), merged as `chat_choices`."""
-    choices = Choices(await service.generation.complete_choices(record, body.n or 1))
+    """A legacy completion of several prompts or `n` > 1 choices (api/completions.py): every prompt's choices,
+    in prompt order, merged as `chat_choices` (each echoing its prompt when asked)."""
+    n = body.n or 1
+    generations: list[Generation] = []
+    echoes: list[str] = []
+    try:
+        for prompt in prompts:
+            made = await service.generation.complete_choices(to_completion_request(body, prompt), n)
+            generations += made
+            echoes += [echo_of(prompt, generation) if body.echo else "" for generation in made]
+    except BaseException:
+        Choices(generations).abort()
+        raise
+    choices = Choices(generations)
     head = make_head("text_completion", choices.model)
-    echo = _single_prompt(body.prompt) if body.echo else ""
+    logprobs = body.logprobs is not None
     if body.stream:
-        streams = [completion_frames(generation, head, True, echo, logprobs=body.logprobs is not None)
-                   for generation in choices.generations]
-        return GenerationResponse(choices, guarded_errors(merged_frames(streams, head, body.include_usage),
+        streams = [completion_frames(generation, head, True, echo, logprobs=logprobs)
+                   for generation, echo in zip(generations, echoes, strict=True)]
+        return GenerationResponse(choices, guarded_errors(merged_frames(streams, head, body.include_usage, n),
                                                           error_frame))
-    work = gather_all([collect(generation) for generation in choices.generations], choices)
+    work = gather_all([collect(generation) for generation in generations], choices)
     results = await until_disconnect(work, request.receive)
-    return JSONResponse(merged([text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None)
-                                for text, final, usage in results]))
+    return JSONResponse(merged([text_completion(head, echo + text, final, usage, logprobs=logprobs)
+                                for (text, final, usage), echo in zip(results, echoes, strict=True)], n))
 
 
 def error_frame(exc: Exception) -> bytes:
@@ -457,12 +463,12 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
 
     @router.post("/completions", response_model=None)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        engine_request = to_completion_request(body)
-        if body.n is not None and body.n > 1:
-            return await completion_choices(service, engine_request, body, request)
-        generation = await service.generation.complete(engine_request)
+        prompts = completion_prompts(body.prompt)
+        if len(prompts) > 1 or (body.n is not None and body.n > 1):
+            return await completion_choices(service, prompts, body, request)
+        generation = await service.generation.complete(to_completion_request(body, prompts[0]))
         head = make_head("text_completion", generation.model)
-        echo = _single_prompt(body.prompt) if body.echo else ""
+        echo = echo_of(prompts[0], generation) if body.echo else ""
         if body.stream:
             frames = completion_frames(generation, head, body.include_usage, echo, logprobs=body.logprobs is not None)
             return GenerationResponse(generation, guarded_errors(frames, error_frame))

@@ -265,7 +265,8 @@ class ChatCompletionUpdate(BaseModel):
 class CompletionRequest(SamplingFields):
     """Body of POST /v1/completions (legacy)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    """A text, texts, one prompt's token ids or several prompts' (api/completions.py)."""
     suffix: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)

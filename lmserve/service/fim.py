@@ -71,7 +71,13 @@ def completion_prompt(model: LoadedModel, request: CompletionRequest) -> list[in
     """The prompt tokens of a completion: its `context` then its prompt, or with `infill` the insert form (the
     model's `.Suffix` TEMPLATE, else its FIM tokens)."""
     if request.infill is None:
-        return list(request.context) + prompts.tokenize(model, request.prompt)
+        given = request.prompt_tokens
+        if given is None:
+            return list(request.context) + prompts.tokenize(model, request.prompt)
+        num_vocab = model.engine.info.num_vocab
+        if any(not 0 <= token < num_vocab for token in given):
+            raise InvalidRequest(f"prompt token ids must be in [0, {num_vocab}) for this model", param="prompt")
+        return list(request.context) + list(given)
     if request.context:
         raise InvalidRequest("suffix cannot be combined with context", param="context")
     template = suffix_template(model)

@@ -76,9 +76,12 @@ async def test_bad_chat_request_is_400(client: httpx.AsyncClient, case: str, bod
 
 BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("missing prompt", {"model": "fake"}, "prompt"),
-    ("token id prompt", {"model": "fake", "prompt": [1, 2, 3]}, "prompt"),
-    ("several token id prompts", {"model": "fake", "prompt": [[1], [2]]}, "prompt"),
-    ("several prompts", {"model": "fake", "prompt": ["a", "b"]}, "prompt"),
+    ("a token id outside the vocabulary", {"model": "fake", "prompt": [1, 2, 300]}, "prompt"),
+    ("a negative token id", {"model": "fake", "prompt": [[1], [-1]]}, "prompt"),
+    ("booleans as token ids", {"model": "fake", "prompt": [True, 2]}, "prompt"),
+    ("texts and token ids mixed", {"model": "fake", "prompt": ["a", [2]]}, "prompt"),
+    ("an empty token id prompt", {"model": "fake", "prompt": [[1], []]}, "prompt"),
+    ("token ids with a suffix", {"model": "fake", "prompt": [1, 2], "suffix": "b"}, "suffix"),
     ("suffix", {"model": "fake", "prompt": "a", "suffix": "b"}, "suffix"),
     ("empty prompt", {"model": "fake", "prompt": ""}, "prompt"),
     ("n=0", {"model": "fake", "prompt": "a", "n": 0}, "n"),

@@ -181,6 +181,42 @@ async def test_completion_echo(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_prompt_of_token_ids_is_taken_as_it_is(client: httpx.AsyncClient) -> None:
+    ids = list(b"Once upon")
+    body = (await client.post("/v1/completions", json={"model": "fake", "prompt": ids, "max_tokens": 5,
+                                                       "echo": True})).json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["text"] == "Once upon" + expected(len(ids), 5)  # echoed as the model's text
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_several_prompts_are_answered_in_prompt_order_n_choices_each(client: httpx.AsyncClient,
+                                                                           stream: bool) -> None:
+    prompts: list[Any] = ["ab", list(b"abcd"), "abcdef"]  # texts and token ids are two shapes, not mixed: a list each
+    texts, id_lists = [p for p in prompts if isinstance(p, str)], [p for p in prompts if isinstance(p, list)]
+    for given in (texts, id_lists):
+        request = {"model": "fake", "prompt": given, "max_tokens": 3, "n": 2, "seed": 5, "stream": stream,
+                   "stream_options": {"include_usage": True} if stream else None}
+        response = await client.post("/v1/completions", json=request)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks, _ = sse_json(response.text)
+            usage = chunks.pop()["usage"]
+            text: dict[int, str] = {}
+            for chunk in chunks:
+                for choice in chunk["choices"]:
+                    text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+        else:
+            body = response.json()
+            usage, text = body["usage"], {c["index"]: c["text"] for c in body["choices"]}
+        sizes = [len(p) for p in given]
+        assert sorted(text) == list(range(2 * len(given)))  # choice i * n + j: prompt i's j-th
+        assert text == {2 * i + j: expected(size, 3, 5 + j) for i, size in enumerate(sizes) for j in range(2)}
+        assert usage["prompt_tokens"] == sum(sizes) and usage["completion_tokens"] == 3 * 2 * len(given)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("include_usage", [False, True])
 async def test_completion_stream(client: httpx.AsyncClient, include_usage: bool) -> None:
     request = {"model": "fake", "prompt": "abcd", "max_tokens": 6, "stream": True}
