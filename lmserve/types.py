@@ -86,6 +86,10 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no log-probabilities; 0..20: each generated token's log-probability and this many likeliest
     alternatives (`Chunk.logprobs`; the distribution is described in engine/logprobs.py)."""
+    prompt_logprobs: int | None = None
+    """None: none; 0..20: each prompt token's log-probability given the tokens before it (the model's raw
+    distribution) and this many likeliest alternatives, on the first chunk (`Chunk.prompt_logprobs`; see
+    engine/prompt_logprobs.py). The whole prompt is computed again: no cached prefix is reused."""
     draft_max: int | None = None
     """Speculative decoding: at most this many tokens drafted from the context and verified per step (the output
     is the same as without); 0: off; None: the engine's default (`--draft-max`)."""
@@ -317,6 +321,9 @@ class Chunk:
     `reasoning` or the markup of `tool_calls`), in order."""
     scores: list[float] = field(default_factory=list)
     """On the last chunk of a request with `SamplingParams.score_tokens`: their log-probabilities, in order."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On the first chunk of a request with `SamplingParams.prompt_logprobs`: one entry per prompt token after the
+    first, in order."""
 
     @property
     def is_failed(self) -> bool:

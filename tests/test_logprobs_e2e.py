@@ -106,7 +106,6 @@ def test_legacy_completion_logprobs(client: openai.OpenAI) -> None:
     ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "Hi", "logprobs": 1, "echo": True}, "echo"),
 ])
 def test_bad_values_are_a_400(server: Server, path: str, body: dict[str, Any], param: str) -> None:
     response = httpx.post(server.base_url + path, json={"model": MODEL, **body}, timeout=30)
@@ -158,3 +157,37 @@ def test_structured_output_and_forced_tool_calls_have_logprobs(client: openai.Op
     )
     assert called.choices[0].message.tool_calls and called.choices[0].logprobs is not None
     assert called.choices[0].logprobs.content  # the call's markup tokens
+
+
+def check_prompt_logprobs_score_the_greedy_reply(base_url: str, model: str, tolerance: float,
+                                                 headers: dict[str, str] | None = None) -> None:
+    """What lm-evaluation-harness's multiple-choice tasks rely on (its `local-completions` posts JSON; the first
+    token's null log-probability is vLLM's shape, which the `openai` client's strict schema refuses): sent back as a
+    prompt of token ids (with `echo`, `logprobs: 1`, `max_tokens: 1`, several prompts in one request), a greedy
+    reply's tokens get the log-probabilities they had when they were generated, each the likeliest at its place.
+    `tolerance`: what the engine's batch shapes may change in the last digits."""
+    generated = httpx.post(base_url + "/api/generate", headers=headers, timeout=120, json={
+        "model": model, "prompt": "The capital of France is", "raw": True, "stream": False, "logprobs": True,
+        "options": {"temperature": 0, "num_predict": 6, "repeat_penalty": 1.0}}).json()
+    context, reply = generated["context"], generated["logprobs"]
+    prompt_length = len(context) - len(reply)
+    assert len(reply) == 6 and prompt_length > 1, generated
+    lengths = (len(context), prompt_length + 2)
+    scored = httpx.post(base_url + "/v1/completions", headers=headers, timeout=120, json={
+        "model": model, "prompt": [context[:length] for length in lengths], "echo": True, "logprobs": 1,
+        "max_tokens": 1, "temperature": 0}).json()
+    assert [choice["index"] for choice in scored["choices"]] == [0, 1], scored
+    for choice, length in zip(scored["choices"], lengths, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["tokens"]) == length + 1  # the prompt's tokens, one generated
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ours = lp["token_logprobs"][prompt_length:length]
+        assert ours == pytest.approx([entry["logprob"] for entry in reply][:len(ours)], abs=tolerance)
+        for value, top in zip(ours, lp["top_logprobs"][prompt_length:length], strict=True):
+            assert max(top.values()) == pytest.approx(value, abs=tolerance)  # greedy: each was the likeliest
+        assert all(value <= 0 for value in lp["token_logprobs"][1:])
+    assert scored["usage"]["prompt_tokens"] == sum(lengths)
+
+
+def test_prompt_logprobs_score_the_greedy_reply(server: Server) -> None:
+    check_prompt_logprobs_score_the_greedy_reply(server.base_url, MODEL, 2e-3)

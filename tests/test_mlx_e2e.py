@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
 from tests.test_context_e2e import check_num_ctx_reloads_nothing
+from tests.test_logprobs_e2e import check_prompt_logprobs_score_the_greedy_reply
 from tests.test_server import QUESTION as QUESTION_DICTS
 from tests.test_server import Server
 from tests.test_structured_e2e import PERSON, PERSON_FORMAT
@@ -360,6 +361,10 @@ def test_an_image_is_a_400_naming_why(client: openai.OpenAI, model: str) -> None
 
 def test_a_num_ctx_within_the_loaded_context_reloads_nothing(server: KeyedServer, model: str) -> None:
     check_num_ctx_reloads_nothing(server.base_url, model, (1024, 1000, 512), AUTH)  # the server runs -c 1024
+
+
+def test_prompt_logprobs_score_the_greedy_reply(server: KeyedServer, model: str) -> None:
+    check_prompt_logprobs_score_the_greedy_reply(server.base_url, model, 2e-3, AUTH)
 
 
 def test_metrics_count_the_requests_and_tokens_of_the_model(client: openai.OpenAI, model: str,

@@ -43,3 +43,11 @@ def echo_of(prompt: Prompt, generation: Generation) -> str:
         return prompt
     engine = generation.engine
     return engine.detokenize(list(prompt)) if engine is not None else ""
+
+
+def first_piece(generation: Generation) -> str:
+    """The text of the prompt's first token, which an echo with `logprobs` lists without a log-probability."""
+    tokens = generation.stream.prompt_tokens
+    if generation.engine is None or not tokens:
+        return ""
+    return generation.engine.token_bytes(tokens[0]).decode("utf-8", "replace")

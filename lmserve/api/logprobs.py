@@ -6,7 +6,8 @@ entries cover the tokens of that chunk's text, so a streamed reply carries them 
 - OpenAI chat: `logprobs: true` (+ `top_logprobs` 0..20) → `choices[].logprobs = {"content": [{token, logprob,
   bytes, top_logprobs: [{token, logprob, bytes}]}], "refusal": null}`;
 - OpenAI legacy completions: `logprobs: N` (0..5) → `{tokens, token_logprobs, top_logprobs: [{text: logprob}],
-  text_offset}` (each `top_logprobs` entry holds the N likeliest tokens and the chosen one);
+  text_offset}` (each `top_logprobs` entry holds the N likeliest tokens and the chosen one); with `echo`, the
+  prompt's tokens come first, the first with null log-probabilities (engine/prompt_logprobs.py: vLLM's shape);
 - native chat and generate: `logprobs: true` (+ `top_logprobs` 0..20) → `logprobs: [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}]}]` on each chunk (as the local runner's).
 """
@@ -34,15 +35,13 @@ def asked(logprobs: bool | None, top_logprobs: int | None) -> int | None:
     return top_logprobs or 0
 
 
-def legacy_asked(logprobs: int | None, *, echo: bool) -> int | None:
-    """`SamplingParams.logprobs` for a legacy completion's `logprobs` (0..5); with `echo` it would ask for the
-    prompt's log-probabilities too, which lmserve does not compute: a 400."""
+def legacy_asked(logprobs: int | None) -> int | None:
+    """`SamplingParams.logprobs` for a legacy completion's `logprobs` (0..5; with `echo`, its
+    `prompt_logprobs` too)."""
     if logprobs is None:
         return None
     if not 0 <= logprobs <= MAX_LEGACY_LOGPROBS:
         raise InvalidRequest(f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}", param="logprobs")
-    if echo:
-        raise InvalidRequest("logprobs with echo (the prompt's log-probabilities) is not supported", param="echo")
     return logprobs
 
 
@@ -69,6 +68,13 @@ class LegacyLogprobs:
     def __init__(self, start: int = 0) -> None:
         self._offset = start
 
+    def echoed(self, first: str, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """The echoed prompt's part: its first token's text `first` (no log-probability: nothing comes before it,
+        so its `token_logprobs` and `top_logprobs` are null), then each later prompt token's."""
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self._offset]}
+        self._offset += len(first)
+        return joined(head, self(entries))
+
     def __call__(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         offsets: list[int] = []
         for entry in entries:
@@ -81,3 +87,9 @@ class LegacyLogprobs:
                              for entry in entries],
             "text_offset": offsets,
         }
+
+
+def joined(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Legacy `logprobs` bodies one after the other as one (the echoed prompt's, then the reply's)."""
+    return {key: [value for part in parts for value in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

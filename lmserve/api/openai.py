@@ -26,7 +26,7 @@ from lmserve.api import logprobs as logprob_wire
 from lmserve.api import schemas
 from lmserve.api.chat_records import keeper
 from lmserve.api.choices import Choices, gather_all, merged, merged_frames
-from lmserve.api.completions import Prompt, completion_prompts, echo_of, single_prompt
+from lmserve.api.completions import Prompt, completion_prompts, echo_of, first_piece, single_prompt
 from lmserve.api.json_body import JsonBodyRoute
 from lmserve.api.streaming import (
     HOLE,
@@ -200,7 +200,8 @@ def to_completion_request(req: schemas.CompletionRequest, prompt: Prompt | None 
     """The engine-neutral completion of `prompt` (one of the request's prompts; None: its only one); with a `suffix`,
     fill-in-the-middle (the prompt is the text before the gap)."""
     prompt = single_prompt(req.prompt) if prompt is None else prompt
-    sampling = SamplingParams(logprobs=logprob_wire.legacy_asked(req.logprobs, echo=bool(req.echo)))
+    logprobs = logprob_wire.legacy_asked(req.logprobs)
+    sampling = SamplingParams(logprobs=logprobs, prompt_logprobs=logprobs if req.echo else None)
     tokens = prompt if isinstance(prompt, list) else None
     text = prompt if isinstance(prompt, str) else ""
     if req.suffix and tokens is not None:
@@ -256,9 +257,15 @@ def chat_completion(head: Head, text: str, final: Chunk, usage: Usage, *, logpro
     return {**head, "choices": [choice], "usage": usage_body(usage)}
 
 
-def text_completion(head: Head, text: str, final: Chunk, usage: Usage, *, logprobs: bool = False) -> dict[str, Any]:
-    """The whole legacy completion; with `logprobs`, every token's in the legacy shape."""
-    shaped = logprob_wire.LegacyLogprobs()(final.logprobs) if logprobs else None
+def text_completion(head: Head, text: str, final: Chunk, usage: Usage, *, logprobs: bool = False,
+                    first: str | None = None) -> dict[str, Any]:
+    """The whole legacy completion; with `logprobs`, every token's in the legacy shape, after the echoed prompt's
+    (`first`: the text of its first token; see `LegacyLogprobs.echoed`) when it echoes it."""
+    shaped = None
+    if logprobs:
+        legacy = logprob_wire.LegacyLogprobs()
+        shaped = legacy(final.logprobs) if first is None else \
+            logprob_wire.joined(legacy.echoed(first, final.prompt_logprobs or []), legacy(final.logprobs))
     choice = {"index": 0, "text": text, "logprobs": shaped, "finish_reason": final.finish_reason}
     return {**head, "choices": [choice], "usage": usage_body(usage)}
 
@@ -333,13 +340,17 @@ def tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
 async def completion_frames(
     generation: Generation, head: Head, include_usage: bool, echo: str = "", *, logprobs: bool = False
 ) -> AsyncIterator[bytes]:
-    """SSE frames of a legacy completion: text pieces (with `logprobs`, each with its tokens' in the legacy shape),
-    finish, optional usage, [DONE]."""
+    """SSE frames of a legacy completion: the echoed prompt (with `logprobs`, its tokens' once the engine gave them),
+    text pieces (with `logprobs`, each with its tokens' in the legacy shape), finish, optional usage, [DONE]."""
     content = TextFrame(_frame(head, _text(HOLE), include_usage))
-    legacy = logprob_wire.LegacyLogprobs(len(echo))
-    if echo:
+    legacy = logprob_wire.LegacyLogprobs()
+    if echo and not logprobs:
         yield content(echo)
     async for chunk in generation:
+        if chunk.prompt_logprobs is not None and echo and logprobs:
+            shaped = legacy.echoed(first_piece(generation), chunk.prompt_logprobs)
+            yield sse_json(_frame(head, {**_text(echo), "logprobs": shaped}, include_usage))
+            continue
         if logprobs and chunk.logprobs:
             yield sse_json(_frame(head, {**_text(chunk.text), "logprobs": legacy(chunk.logprobs)}, include_usage))
         elif chunk.text:
@@ -413,8 +424,10 @@ async def completion_choices(
                                                           error_frame))
     work = gather_all([collect(generation) for generation in generations], choices)
     results = await until_disconnect(work, request.receive)
-    return JSONResponse(merged([text_completion(head, echo + text, final, usage, logprobs=logprobs)
-                                for (text, final, usage), echo in zip(results, echoes, strict=True)], n))
+    return JSONResponse(merged([text_completion(head, echo + text, final, usage, logprobs=logprobs,
+                                                first=first_piece(generation) if body.echo else None)
+                                for (text, final, usage), echo, generation
+                                in zip(results, echoes, generations, strict=True)], n))
 
 
 def error_frame(exc: Exception) -> bytes:
@@ -473,7 +486,8 @@ def openai_router(service: Service, media: MediaPolicy | None = None,
             frames = completion_frames(generation, head, body.include_usage, echo, logprobs=body.logprobs is not None)
             return GenerationResponse(generation, guarded_errors(frames, error_frame))
         text, final, usage = await until_disconnect(collect(generation), request.receive)
-        return JSONResponse(text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None))
+        return JSONResponse(text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None,
+                                            first=first_piece(generation) if body.echo else None))
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:

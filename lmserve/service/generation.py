@@ -27,7 +27,7 @@ from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service import embeddings, fim, json_budget, prompts
 from lmserve.service.catalog import Catalog, ModelSettings
 from lmserve.service.embeddings import EmbeddingInput
-from lmserve.service.empty import EmptyReply
+from lmserve.service.empty import EmptyReply, PromptOnly
 from lmserve.service.healing import stopped
 from lmserve.service.observers import Observers
 from lmserve.service.precedence import Precedence, within_context
@@ -108,24 +108,26 @@ class Generation:
 
     async def collect(self) -> tuple[str, Chunk]:
         """The whole answer: all its text, and the final chunk carrying every tool call, all the thinking (in
-        `reasoning`) and every token's logprobs; aborts if this stops early."""
+        `reasoning`), every token's logprobs and the prompt's; aborts if this stops early."""
         parts: list[str] = []
         thoughts: list[str] = []
         calls: list[ToolCall] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob] | None = None
         try:
             async for chunk in self:
                 parts.append(chunk.text)
                 thoughts.append(chunk.reasoning)
                 calls += chunk.tool_calls
                 logprobs += chunk.logprobs
+                prompt_logprobs = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_logprobs
                 if chunk.finish_reason is not None:
                     if chunk.is_failed:
                         if self.engine is not None and self.engine.failure is not None:
                             raise stopped(self.model, self.engine.failure)
                         raise EngineFailure(chunk.error or "the generation failed")
                     return "".join(parts), replace(chunk, tool_calls=calls, reasoning="".join(thoughts),
-                                                   logprobs=logprobs)
+                                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         finally:
             self.abort()
         raise EngineFailure("the generation ended without a result")
@@ -488,7 +490,10 @@ class GenerationService:
         sampling = within_context(engine.info, len(tokens), sampling)
         self._check_grammar(resident, sampling, special=special, forced=forced)
         streams: list[GenerationStream] = []
-        if sampling.max_tokens == 0:  # no tokens asked for: no engine work (service/empty.py)
+        if sampling.max_tokens == 0 and sampling.prompt_logprobs is not None:  # the prompt's alone (service/empty.py)
+            one = replace(sampling, max_tokens=1)
+            streams += [PromptOnly(stream) for stream in engine.submit_many(tokens, one, n, special=special)]
+        elif sampling.max_tokens == 0:  # no tokens asked for: no engine work (service/empty.py)
             streams += [EmptyReply(engine, tokens) for _ in range(n)]
         elif plan.format is not None and plan.first:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.api.logprobs import LegacyLogprobs, asked, chat_logprobs, legacy_asked, token_entries
+from lmserve.api.logprobs import LegacyLogprobs, asked, chat_logprobs, joined, legacy_asked, token_entries
 from lmserve.errors import InvalidRequest
 from lmserve.types import TokenLogprob
 
@@ -16,14 +16,14 @@ def entry(text: str, value: float, *top: tuple[str, float]) -> TokenLogprob:
 def test_what_is_asked() -> None:
     assert asked(None, None) is None and asked(False, None) is None and asked(False, 0) is None
     assert asked(True, None) == 0 and asked(True, 20) == 20
-    assert legacy_asked(None, echo=True) is None and legacy_asked(3, echo=False) == 3
+    assert legacy_asked(None) is None and legacy_asked(3) == 3
 
 
 @pytest.mark.parametrize(("call", "param"), [
     (lambda: asked(True, 21), "top_logprobs"),
     (lambda: asked(None, 2), "top_logprobs"),
-    (lambda: legacy_asked(6, echo=False), "logprobs"),
-    (lambda: legacy_asked(1, echo=True), "echo"),
+    (lambda: legacy_asked(6), "logprobs"),
+    (lambda: legacy_asked(-1), "logprobs"),
 ])  # fmt: skip
 def test_bad_values_are_refused(call: object, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
@@ -47,3 +47,11 @@ def test_legacy_shape_counts_offsets_across_chunks() -> None:
     assert first == {"tokens": ["The", " cat"], "token_logprobs": [-0.5, -1.0],
                      "top_logprobs": [{"A": -0.4, "The": -0.5}, {" cat": -1.0}], "text_offset": [3, 6]}
     assert legacy([entry(" sat", -0.2)])["text_offset"] == [10]
+
+
+def test_an_echoed_prompt_comes_first_its_first_token_without_a_logprob() -> None:
+    legacy = LegacyLogprobs()
+    prompt = legacy.echoed("<s>", [entry("The", -0.5, ("A", -0.4))])
+    shaped = joined(prompt, legacy([entry(" cat", -1.0)]))
+    assert shaped == {"tokens": ["<s>", "The", " cat"], "token_logprobs": [None, -0.5, -1.0],
+                      "top_logprobs": [None, {"A": -0.4, "The": -0.5}, {" cat": -1.0}], "text_offset": [0, 3, 6]}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import httpx
 import httpx2
+import numpy as np
 import openai
 import pytest
 from api_wire import sse_json
@@ -214,6 +216,37 @@ async def test_several_prompts_are_answered_in_prompt_order_n_choices_each(clien
         assert sorted(text) == list(range(2 * len(given)))  # choice i * n + j: prompt i's j-th
         assert text == {2 * i + j: expected(size, 3, 5 + j) for i, size in enumerate(sizes) for j in range(2)}
         assert usage["prompt_tokens"] == sum(sizes) and usage["completion_tokens"] == 3 * 2 * len(given)
+
+
+def fake_prompt_logprob(before: int, token: int) -> float:
+    """The fake's log-probability of `token` after `before` (FakeBackend.prompt_row)."""
+    row = -((np.arange(257) + before) % 7).astype(np.float64)
+    return float(row[token] - (row.max() + np.log(np.exp(row - row.max()).sum())))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("prompt", "max_tokens"), [("abcd", 3), (list(b"abcd"), 1), ("abcd", 0)])
+async def test_echo_with_logprobs_gives_the_prompts_tokens_first(client: httpx.AsyncClient, prompt: Any,
+                                                                 max_tokens: int) -> None:
+    """As lm-evaluation-harness scores a choice: `echo`, `logprobs: 1`, and the prompt's log-probabilities read
+    from `token_logprobs` (the first token has none); `max_tokens: 0` gives the prompt's alone (as vLLM does)."""
+    request = {"model": "fake", "prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+    whole = (await client.post("/v1/completions", json=request)).json()
+    [choice] = whole["choices"]
+    shaped = choice["logprobs"]
+    ids = list(b"abcd")
+    assert shaped["tokens"][:4] == ["a", "b", "c", "d"] and shaped["token_logprobs"][0] is None
+    assert shaped["top_logprobs"][0] is None and shaped["text_offset"][:4] == [0, 1, 2, 3]
+    assert shaped["token_logprobs"][1:4] == pytest.approx([fake_prompt_logprob(b, t) for b, t in pairwise(ids)])
+    assert all(top[token] == value for token, value, top in
+               zip(shaped["tokens"][1:4], shaped["token_logprobs"][1:4], shaped["top_logprobs"][1:4], strict=True))
+    assert len(shaped["tokens"]) == 4  # the fake ranks no generated token (real engines: tests/test_logprobs_e2e.py)
+    assert whole["usage"]["completion_tokens"] == max_tokens
+    assert choice["text"] == "abcd" + expected(4, max_tokens)
+    streamed, _ = sse_json((await client.post("/v1/completions", json={**request, "stream": True})).text)
+    merged_tokens = [t for c in streamed for ch in c["choices"] for t in (ch["logprobs"] or {}).get("tokens", [])]
+    assert merged_tokens == shaped["tokens"]
+    assert "".join(ch["text"] for c in streamed for ch in c["choices"]) == choice["text"]
 
 
 @pytest.mark.asyncio

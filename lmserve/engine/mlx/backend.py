@@ -35,6 +35,7 @@ from lmserve.engine.mlx.runtime import import_mlx
 from lmserve.engine.mlx.sampler import Sampler
 from lmserve.engine.mlx.states import copy_caches, cut_caches, read_caches, write_caches
 from lmserve.engine.pieces import piece_bytes
+from lmserve.engine.prompt_logprobs import PromptLogprobs
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.prompt_disk import SavedState
@@ -119,6 +120,9 @@ class MlxBackend:
         """Each slot's last row of logits (what `fork` samples the copies' first tokens from)."""
         self._drafted: dict[int, list[int]] = {}
         self._bos_id = self._hf.bos_token_id
+        self._prompt_scoring: dict[int, PromptLogprobs] = {}
+        """Slots prefilling a prompt whose log-probabilities were asked for (engine/prompt_logprobs.py)."""
+        self._prompt_ranked: dict[int, list[Ranked]] = {}
 
     # ---- tokens ------------------------------------------------------------------------------------------------
 
@@ -158,11 +162,17 @@ class MlxBackend:
                                        constraint=constraint)
         for token in generated or ():
             self._samplers[slot].accept(token)
+        self._prompt_ranked.pop(slot, None)
+        self._prompt_scoring.pop(slot, None)
+        if sampling.prompt_logprobs is not None:
+            self._prompt_scoring[slot] = PromptLogprobs(sampling.prompt_logprobs)
         return num_reused
 
     def release(self, slot: int) -> None:
         self._samplers.pop(slot, None)
         self._last_rows.pop(slot, None)
+        self._prompt_scoring.pop(slot, None)
+        self._prompt_ranked.pop(slot, None)
 
     def clear(self, slot: int) -> None:
         self._own(slot)
@@ -218,6 +228,19 @@ class MlxBackend:
         sampler = self._samplers.get(slot)
         return sampler.last if sampler is not None and sampler.sampling.logprobs is not None else None
 
+    def take_prompt_logprobs(self, slot: int) -> list[Ranked] | None:
+        return self._prompt_ranked.pop(slot, None)
+
+    def _score_prompt(self, slot: int, rows: np.ndarray, tokens: list[int], *, last: bool) -> None:
+        """Rank a scored slot's prompt tokens by the logits after them (`rows`; see PromptLogprobs.add)."""
+        scoring = self._prompt_scoring.get(slot)
+        if scoring is None:
+            return
+        scoring.add(rows, tokens, last=last)
+        if last:
+            self._prompt_ranked[slot] = scoring.take()
+            del self._prompt_scoring[slot]
+
     def take_scores(self, slot: int) -> list[float] | None:
         sampler = self._samplers.get(slot)
         return sampler.scores if sampler is not None else None
@@ -234,8 +257,11 @@ class MlxBackend:
                 out[id(entry)] = self._verify(entry, self._own(entry.slot))
         prompts = [entry for entry in entries if not entry.draft and len(entry.tokens) > 1]
         if prompts:  # all but a sampled prompt's last token: its last decodes with the batch, as in mlx-lm
-            self._prefill([(entry.slot, entry.tokens[:-1] if entry.wants_sample else entry.tokens)
-                           for entry in prompts])
+            rows = self._prefill([(entry.slot, entry.tokens[:-1] if entry.wants_sample else entry.tokens)
+                                  for entry in prompts])
+            for entry in prompts:
+                if entry.slot in rows:
+                    self._score_prompt(entry.slot, rows[entry.slot], entry.tokens, last=entry.wants_sample)
         lasts = {id(entry): BatchEntry(entry.slot, entry.tokens[-1:], entry.pos + len(entry.tokens) - 1, True)
                  for entry in prompts if entry.wants_sample}
         decoding = [lasts.get(id(entry), entry) for entry in entries
@@ -246,10 +272,11 @@ class MlxBackend:
                 out[id(entry)] = sampled.get(id(lasts.get(id(entry), entry)))
         return [out[id(entry)] for entry in entries]
 
-    def _prefill(self, prompts: list[tuple[int, list[int]]]) -> None:
+    def _prefill(self, prompts: list[tuple[int, list[int]]]) -> dict[int, np.ndarray]:
         """Run each slot's tokens into its caches, all slots as one batch: the slots' caches merged (left-padded to
         the longest held), the tokens right-padded to the longest and the padding rolled out after, as mlx-lm's
-        batch generator prefills; each slot then gets its caches back."""
+        batch generator prefills; each slot then gets its caches back. Returns the logits after each token of
+        the slots whose prompt log-probabilities were asked for."""
         mx = self._mx
         own = [self._own(slot) for slot, _ in prompts]
         lengths = [len(tokens) for _, tokens in prompts]
@@ -259,7 +286,10 @@ class MlxBackend:
             for cache in batch:
                 cache.prepare(lengths=lengths, right_padding=padding)
         rows = [[*tokens, *[0] * pad] for (_, tokens), pad in zip(prompts, padding, strict=True)]
-        self._model(mx.array(rows, dtype=mx.int32), cache=batch)
+        logits = self._model(mx.array(rows, dtype=mx.int32), cache=batch)
+        scored = {slot: np.array(logits[row, :length].astype(mx.float32))
+                  for row, ((slot, _), length) in enumerate(zip(prompts, lengths, strict=True))
+                  if slot in self._prompt_scoring}
         if any(padding):
             for cache in batch:
                 cache.finalize()
@@ -267,6 +297,7 @@ class MlxBackend:
         for row, (slot, _) in enumerate(prompts):
             self._caches[slot] = [cache.extract(row) for cache in batch]
         mx.eval([array for slot, _ in prompts for array in _arrays(self._caches[slot] or [])])
+        return scored
 
     def _run_batch(self, entries: list[BatchEntry]) -> list[int | None]:
         """Decode one token for each entry's slot, all slots as one batch."""
@@ -280,6 +311,7 @@ class MlxBackend:
         table = np.array(logits)
         sampled: list[int | None] = []
         for entry, row in zip(entries, rows, strict=True):
+            self._score_prompt(entry.slot, table[row][None], entry.tokens, last=entry.wants_sample)
             if not entry.wants_sample:
                 sampled.append(None)
                 continue

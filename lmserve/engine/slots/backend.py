@@ -106,6 +106,11 @@ class Backend(Protocol):
         its request asked for them (`SamplingParams.logprobs`); None otherwise."""
         ...
 
+    def take_prompt_logprobs(self, slot: int) -> list[Ranked] | None:
+        """With `SamplingParams.prompt_logprobs`, once the last `step` put the prompt's last token in: each prompt
+        token's after the first, ranked under the raw distribution (engine/prompt_logprobs.py); None otherwise."""
+        ...
+
     def take_scores(self, slot: int) -> list[float] | None:
         """log P(t) of each of the slot's `SamplingParams.score_tokens` at the place the last `step` sampled from
         (the raw distribution, engine/logprobs.py `score_tokens`); None when its request named none."""

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
@@ -232,11 +232,14 @@ class BatchingEngine:
             self.backend.check_grammar(sampling.grammar)
         room = num_ctx - len(prompt)
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        scored = sampling.prompt_logprobs is not None  # each choice computes its whole prompt, for its logprobs
+        if scored:
+            sampling = replace(sampling, reuse_limit=0)
         seqs = [Sequence(prompt=list(prompt), sampling=choice_sampling(sampling, i), max_new_tokens=max_new,
                          special=special, images=list(images)) for i in range(n)]
         leader = seqs[0]
         for seq in seqs[1:]:
-            seq.fork_of = leader
+            seq.fork_of = None if scored else leader
         if checkpoints and (self._snapshots or sampling.reuse_limit is not None):  # snapshots, or stretches to
             # compute in one piece (SamplingParams.reuse_limit)
             inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and leader.cut_outside_images(c) == c]
@@ -649,10 +652,18 @@ class BatchingEngine:
             tracker.first_token_ns = now
             if seq.sampling.score_tokens:
                 tracker.scores = self.backend.take_scores(seq.slot) or []
+            if seq.sampling.prompt_logprobs is not None:
+                outbox.append((tracker.stream, self._prompt_logprobs(seq)))
         finish = self._accept(seq, tracker, token, outbox)
         if finish is not None:
             outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
             self._drop(seq)
+
+    def _prompt_logprobs(self, seq: Sequence) -> Chunk:
+        """A chunk carrying the prompt's log-probabilities (the prompt's tokens with their special text)."""
+        ranked = self.backend.take_prompt_logprobs(seq.slot) or []
+        piece = lambda token: self.backend.token_bytes(token, special=True)  # noqa: E731
+        return Chunk(prompt_logprobs=[token_logprob(entry, piece) for entry in ranked])
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from

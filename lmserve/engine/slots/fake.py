@@ -11,7 +11,8 @@ import zlib
 
 import numpy as np
 
-from lmserve.engine.logprobs import score_tokens
+from lmserve.engine.logprobs import Ranked, score_tokens
+from lmserve.engine.prompt_logprobs import PromptLogprobs
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
@@ -65,6 +66,8 @@ class FakeBackend:
         self._slots: dict[int, tuple[int, int]] = {}
         self._counts: dict[int, int] = {}
         self._score_tokens: dict[int, tuple[list[int], int]] = {}
+        self._prompt_scoring: dict[int, PromptLogprobs] = {}
+        self._prompt_ranked: dict[int, list[Ranked]] = {}
         """Slots whose request named score tokens → (those tokens, a hash of the prompt)."""
         self._drafted: dict[int, list[int]] = {}
         self.pool_size = pool_size
@@ -114,7 +117,16 @@ class FakeBackend:
         else:
             self._score_tokens.pop(slot, None)
         self.held[slot] = num_reused
+        self._prompt_ranked.pop(slot, None)
+        if sampling.prompt_logprobs is None:
+            self._prompt_scoring.pop(slot, None)
+        else:
+            self._prompt_scoring[slot] = PromptLogprobs(sampling.prompt_logprobs)
         return num_reused
+
+    def prompt_row(self, token: int) -> np.ndarray:
+        """The fake's logits after `token`: token t gets -((t + token) mod 7), whatever came before."""
+        return -((np.arange(self.info.num_vocab) + token) % 7).astype(np.float32)
 
     def check_grammar(self, grammar: str) -> None:
         """Any grammar with a root rule passes; the fake never constrains what it echoes."""
@@ -136,6 +148,12 @@ class FakeBackend:
             time.sleep(self.step_delay)
         sampled: list[int | None] = []
         for entry in entries:
+            scoring = self._prompt_scoring.get(entry.slot)
+            if scoring is not None and not entry.draft:
+                scoring.add(np.stack([self.prompt_row(t) for t in entry.tokens]), entry.tokens, last=entry.wants_sample)
+                if entry.wants_sample:
+                    self._prompt_ranked[entry.slot] = scoring.take()
+                    del self._prompt_scoring[entry.slot]
             if not entry.wants_sample:
                 sampled.append(None)
                 continue
@@ -152,6 +170,9 @@ class FakeBackend:
 
     def take_drafted(self, slot: int) -> list[int]:
         return self._drafted.pop(slot, [])
+
+    def take_prompt_logprobs(self, slot: int) -> list[Ranked] | None:
+        return self._prompt_ranked.pop(slot, None)
 
     def take_logprobs(self, slot: int) -> None:
         """The fake ranks no tokens: a request that asks for log-probabilities gets none (not a failure)."""

@@ -306,6 +306,8 @@ def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> d
         kwargs["logit_bias"] = dict(sampling.logit_bias)
     if sampling.logprobs is not None:
         kwargs["logprobs"] = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = sampling.prompt_logprobs
     if sampling.score_tokens:
         check_scoring(sampling)
         kwargs["logprob_token_ids"] = list(sampling.score_tokens)
@@ -504,6 +506,18 @@ class LogprobMapper:
             return self._aligner.finish(len(text))
         return self._aligner.drain()
 
+    def prompt(self, prompt: list[int], entries: list[dict[int, Any] | None]) -> list[TokenLogprob]:
+        """vLLM's `prompt_logprobs` (None for the first token, then `{token id: Logprob}` per prompt token) as one
+        `TokenLogprob` per prompt token after the first (engine/prompt_logprobs.py)."""
+        out: list[TokenLogprob] = []
+        for token, entry in zip(prompt[1:], entries[1:], strict=False):
+            if entry is None or token not in entry:
+                continue
+            top = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= self._k and math.isfinite(lp.logprob))
+            out.append(token_logprob((token, float(entry[token].logprob), [(t, v) for _, t, v in top]), self.piece))
+        return out
+
 
 class VllmStream:
     """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
@@ -524,6 +538,10 @@ class VllmStream:
         """The kind this request counts as in the engine's KindGate (engine/vllm/gate.py), while it does."""
         self._logprobs = (LogprobMapper(engine.llm_tokenizer, special=not params.skip_special_tokens,
                                         k=int(params.logprobs)) if params.logprobs is not None else None)
+        asked = getattr(params, "prompt_logprobs", None)
+        self._prompt_logprobs = LogprobMapper(engine.llm_tokenizer, special=True, k=int(asked)) \
+            if asked is not None else None
+        """Maps the prompt's log-probabilities, until the first output carried them."""
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -608,6 +626,11 @@ class VllmStream:
                 first = first or time.perf_counter_ns()
                 if self.failure is not None:
                     break
+                if self._prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    entries = self._prompt_logprobs.prompt(list(out.prompt_token_ids or self._prompt),
+                                                           list(out.prompt_logprobs))
+                    self._prompt_logprobs = None
+                    yield Chunk(prompt_logprobs=entries)
                 if out.finished:
                     end = time.perf_counter_ns()
                     usage = Usage(self._prompt_length, len(self._output), int(out.num_cached_tokens or 0))
