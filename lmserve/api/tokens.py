@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize, in llama-server's shapes and vLLM's, on the same routes.
+"""POST /tokenize and /detokenize, in llama-server's shapes and vLLM's, on the same routes; GET /tokenizer_info
+in vLLM's.
 
 llama-server: `{content, add_special=false, with_pieces=false}` → `{tokens: [id…]}`, or with pieces
 `{tokens: [{id, piece}…]}` (a piece is a string, or its bytes as a list of numbers when they are not valid UTF-8);
@@ -128,6 +129,15 @@ def vllm_tokenize(service: Service, model: LoadedModel, body: TokenizeBody) -> d
     return {"count": len(ids), "max_model_len": model.engine.info.num_ctx, "tokens": ids, "token_strs": strs}
 
 
+def describe_tokenizer(model: LoadedModel) -> dict[str, Any]:
+    """GET /tokenizer_info's answer, in vLLM's field names (a special token as its text; none: null)."""
+    info = model.engine.info
+    return {"tokenizer_class": f"{info.engine}:{model.name}", "bos_token": info.bos_token or None,
+            "eos_token": info.eos_token or None, "pad_token": None, "unk_token": None,
+            "model_max_length": info.num_ctx, "chat_template": model.template_source or info.chat_template,
+            "vocab_size": info.num_vocab}
+
+
 def tokens_router(service: Service) -> APIRouter:
     """POST /tokenize and /detokenize over `service`."""
     router = APIRouter(route_class=JsonBodyRoute)
@@ -141,6 +151,12 @@ def tokens_router(service: Service) -> APIRouter:
         if body.content is not None:
             return await with_model(service, body.model, lambda model: llama_tokenize(model, body))
         return await with_model(service, body.model, lambda model: vllm_tokenize(service, model, body))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> dict[str, Any]:
+        """vLLM's tokenizer description; lm-evaluation-harness reads it to tokenize through /tokenize and
+        /detokenize (its remote tokenizer) instead of fetching the tokenizer from a hub."""
+        return await with_model(service, model, describe_tokenizer)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:

@@ -78,3 +78,16 @@ async def test_bad_requests_are_4xx_naming_the_field(
     response = await client.post(path, json=body)
     assert response.status_code in (400, 404), response.text
     assert assert_openai_error(response.json())["param"] == param
+
+
+@pytest.mark.asyncio
+async def test_tokenizer_info_tells_what_a_remote_tokenizer_needs(client: httpx.AsyncClient) -> None:
+    """lm-evaluation-harness's check for a server-side tokenizer: /tokenizer_info with `eos_token`, then /tokenize
+    with vLLM's `prompt` answering `tokens`."""
+    response = await client.get("/tokenizer_info")
+    assert response.status_code == 200, response.text
+    info = response.json()
+    assert "eos_token" in info and info["model_max_length"] == 2048 and info["vocab_size"] == 257
+    tokens = await post(client, "/tokenize", {"prompt": "test", "add_special_tokens": False})
+    assert tokens["tokens"] == list(b"test")
+    assert (await client.get("/tokenizer_info", params={"model": "nope"})).status_code == 404
