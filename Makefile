@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench browser agents openblas durations
+.PHONY: install serve test test-fast lint bench bench-eval browser agents openblas durations
 
 install: $(STAMP)
 
@@ -108,5 +108,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)
+
+# bench/eval.py: lm-evaluation-harness against lmserve on each engine and its own hf model (bench/README.md).
+bench-eval: $(STAMP)
+	@$(PY) -c "import lm_eval, tenacity" 2>/dev/null || $(PY) -m pip install --quiet -e '.[eval]'
+	$(PY) bench/eval.py $(ARGS)
 
 -include mk/llama-server.mk

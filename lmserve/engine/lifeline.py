@@ -82,10 +82,11 @@ class Lifeline:
         guardian = self._guardian.pid if self._guardian is not None else None
         self.watch([pid for pid in descendants(os.getpid()) if pid != guardian])
 
-    def close(self, wait: float = 1.0) -> None:
+    def close(self, wait: float = 5.0) -> None:
         """At a normal exit, once what it watches has ended: close the pipe and give the guardian `wait` seconds
-        to exit. While a watched process still runs (an engine whose own exit handler has yet to stop it) the pipe
-        is left to close when this process is gone, as after a kill."""
+        to exit (it exits at once when its pipe closes, but on a loaded machine a guardian started just before may
+        still be starting: 1 s was seen to be too short). While a watched process still runs (an engine whose own
+        exit handler has yet to stop it) the pipe is left to close when this process is gone, as after a kill."""
         with self._lock:
             if self._guardian is None or any(start_time(pid) == start for pid, start in self._watched):
                 return
