@@ -124,8 +124,10 @@ def compare(run: Run, reference: Run) -> str:
                  for a, b in zip(scores, reference.choice_scores[q], strict=True)]
         same = sum(max(range(len(s)), key=s.__getitem__) == max(range(len(r)), key=r.__getitem__)
                    for q, s in run.choice_scores.items() for r in [reference.choice_scores[q]])
-        parts.append(f"loglik diff median {statistics.median(diffs):.2e} max {max(diffs):.2e}; "
-                     f"same choice {same}/{len(run.choice_scores)}")
+        worst = max(((abs(a - b), q, i) for q, scores in run.choice_scores.items()
+                     for i, (a, b) in enumerate(zip(scores, reference.choice_scores[q], strict=True))))
+        parts.append(f"loglik diff median {statistics.median(diffs):.2e} max {max(diffs):.2e} "
+                     f"(question {worst[1]}, choice {worst[2]}); same choice {same}/{len(run.choice_scores)}")
     for task, answers in run.answers.items():
         agree = sum(answers[q].strip() == reference.answers[task][q].strip() for q in answers)
         parts.append(f"{task} answers equal to hf's {agree}/{len(answers)}")
