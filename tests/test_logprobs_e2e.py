@@ -191,3 +191,20 @@ def check_prompt_logprobs_score_the_greedy_reply(base_url: str, model: str, tole
 
 def test_prompt_logprobs_score_the_greedy_reply(server: Server) -> None:
     check_prompt_logprobs_score_the_greedy_reply(server.base_url, MODEL, 2e-3)
+
+
+def test_the_openai_clients_completions_take_token_ids_lists_and_echo(server: Server) -> None:
+    """The official client as lm-eval's users call it (its default, lenient validation: the echoed prompt's first
+    token has a null log-probability, which its schema does not allow for)."""
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="placeholder", max_retries=0) as lenient:
+        reply = lenient.completions.create(model=MODEL, prompt=[ids, ids[:3]], echo=True, logprobs=2, max_tokens=2,
+                                           temperature=0, n=2)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2, 3]  # prompt i's choice j: i * n + j
+    for choice, length in zip(reply.choices, (len(ids), len(ids), 3, 3), strict=True):
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert len(lp.tokens) == length + 2 and lp.token_logprobs[0] is None
+        assert choice.text.startswith("".join(lp.tokens[:length]))  # the prompt, echoed as the model's text
+    assert reply.choices[0].logprobs == reply.choices[1].logprobs  # greedy: both choices alike
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(ids) + 3
