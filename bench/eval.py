@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -97,13 +98,15 @@ def evaluate(label: str, model: str, model_args: dict[str, Any], tasks: list[str
 
 @contextlib.contextmanager
 def served(engine: str, repo: Path, gguf: Path, log: Path) -> Iterator[tuple[str, str]]:
-    """An lmserve server on `engine`: (its base URL, the model's name)."""
+    """An lmserve server on `engine`, with a store of its own (no prompt cache from earlier runs): (its base URL,
+    the model's name)."""
     port = free_port()
+    env = {**os.environ, "LMSERVE_MODELS": str(log.parent / f"store-{engine}")}
     model = {"llamacpp": ["-m", str(gguf)], "vllm": [str(repo), "--dtype", "float32"],
-             "mlx": ["--engine", "mlx", "--model", str(repo)]}[engine]
+             "mlx": ["--engine", "mlx", "--model", str(repo), "--mlx-dtype", "float32"]}[engine]
     argv = [sys.executable, "-m", "lmserve", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
             "-c", "2048", "-np", "4"]
-    with running(argv, port, "/health", log, timeout=600) as started:
+    with running(argv, port, "/health", log, timeout=600, env=env) as started:
         names = [m["id"] for m in httpx.get(started.base + "/v1/models", timeout=30).json()["data"]]
         yield started.base, names[0]
 

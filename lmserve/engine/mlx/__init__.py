@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import platform
 import sys
 from pathlib import Path
@@ -83,12 +84,23 @@ def estimate(path: Path, options: LoadOptions, settings: EngineSettings,
 
 
 def prompt_cache_key(path: Path, launch: MlxLaunch, num_ctx: int) -> str:
-    """What an MLX model's saved states depend on: the repository's weights (paths, sizes, times), the dtype and
-    device asked for, the context and the mlx-lm release. States saved under another key are never restored."""
+    """What an MLX model's saved states depend on: the repository's weights (paths, sizes, times) and config.json,
+    what lmserve reads from it over mlx-lm (`rope_from_parameters`), the dtype and device asked for, the context and
+    the mlx-lm release. States saved under another key are never restored (a state computed by a model built
+    otherwise would give other replies: seen when RoPE's base was read wrong)."""
     from importlib.metadata import version
 
+    from lmserve.engine.mlx.backend import rope_from_parameters
+
+    config_file = path / "config.json"
+    config = config_file.read_text(errors="replace") if config_file.is_file() else "{}"
+    try:
+        read = rope_from_parameters(json.loads(config))
+    except (ValueError, AttributeError):
+        read = {}
     parts = [f"{file.resolve()}:{file.stat().st_size}:{file.stat().st_mtime_ns}"
              for file in sorted(path.glob("*.safetensors"))]
+    parts += [config, json.dumps(read, sort_keys=True)]
     parts += [launch.mlx_dtype, launch.mlx_device, str(num_ctx), f"mlx-lm {version('mlx-lm')}"]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
 

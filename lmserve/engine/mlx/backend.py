@@ -71,7 +71,8 @@ class MlxBackend:
 
         path = Path(path)
         try:
-            model, tokenizer, config = load(str(path), return_config=True)
+            model, tokenizer, config = load(str(path), return_config=True,
+                                            model_config=rope_from_parameters(_read_config(path)))
         except Exception as exc:  # mlx-lm raises what its model code raises on a config it cannot build
             why = f"MLX cannot load {path.name}: {type(exc).__name__}: {exc}"
             if vision_missing(_read_config(path)):
@@ -495,6 +496,19 @@ def _num_params(model: Any) -> int:
     from mlx.utils import tree_flatten
 
     return int(sum(value.size for _, value in tree_flatten(model.parameters())))
+
+
+def rope_from_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The top-level `rope_theta` (and `rope_scaling`) mlx-lm's models read, where config.json has them only in
+    `rope_parameters` (as transformers 5 writes it): without them mlx-lm took RoPE's default base of 10,000, and a
+    SmolLM2 saved so (base 100,000) scored its prompts up to 5 nats away from transformers (bench/eval.py)."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in config or "rope_theta" not in rope:
+        return {}
+    out: dict[str, Any] = {"rope_theta": rope["rope_theta"]}
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        out["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    return out
 
 
 def _read_config(path: Path) -> dict[str, Any]:
