@@ -90,7 +90,8 @@ CHAT_CASES: list[tuple[str, Any, str | None]] = [
 
 COMPLETION_CASES: list[tuple[str, Any, str | None]] = [
     ("model", "fake-alias", OK),
-    ("prompt", "Once upon a time", OK), ("prompt", ["Once"], OK), ("prompt", [1, 2], "prompt"),
+    ("prompt", "Once upon a time", OK), ("prompt", ["Once"], OK), ("prompt", [65, 66], OK),
+    ("prompt", [[65], [66, 67]], OK), ("prompt", [1, 2000], "prompt"), ("prompt", [[65], ["x"]], "prompt"),
     ("best_of", 1, OK),
     ("echo", True, OK),
     ("frequency_penalty", 2, OK), ("frequency_penalty", -2.5, "frequency_penalty"),
