@@ -152,9 +152,9 @@ def test_an_engine_core_killed_while_a_model_loads_is_an_error_for_that_request_
     serving = engine_cores(server)
     result: dict[str, httpx.Response] = {}
 
-    def load_another() -> None:  # another context is another engine instance of the same weights
+    def load_another() -> None:  # a larger context than the loaded 1024 is another engine instance of the weights
         result["reply"] = httpx.post(url + "/api/generate", timeout=RESTART_SECONDS, json={
-            "model": model, "prompt": "Hello", "stream": False, "options": {"num_ctx": 768, "num_predict": 4}})
+            "model": model, "prompt": "Hello", "stream": False, "options": {"num_ctx": 1536, "num_predict": 4}})
 
     loader = threading.Thread(target=load_another, daemon=True)
     loader.start()
