@@ -348,33 +348,54 @@ def ensure_server(client: Client, *, spawn: Callable[[str, Path], _Process] | No
     Its output goes to `server_log(env)` (default env: os.environ, which the server inherits).
 
     Something that answers but is not a usable lmserve (it wants an API key, or it is another program) is reported
-    as a ClientError, and no server is started: the port is taken.
+    as a ClientError, and no server is started: the port is taken. Something that accepts the connection but does
+    not answer yet (a server still starting, or busy) is waited for, and none is started.
     """
-    from urllib.parse import urlsplit
+    from lmserve.client import ClientError
 
-    from lmserve.client import ClientError, ServerUnreachable
-
-    if client.check_server():
+    answers = _answers(client)
+    if answers:
         return
-    host = urlsplit(client.base_url).hostname or ""
-    if host not in _LOCAL_HOSTS and not host.startswith("127."):
-        raise ServerUnreachable(client.base_url)
+    process: _Process | None = None
     log = server_log(os.environ if env is None else env)
-    print(f"lmserve is not running at {client.base_url}; starting it in the background (log: {log})",
-          file=sys.stderr)
-    try:
-        process = (spawn or _spawn_server)(client.base_url, log)
-    except OSError as exc:
-        raise ClientError(f"could not start the server (log {log}): {exc.strerror or exc}") from None
+    if answers is False:
+        process = _start(client, log, spawn)
     deadline = clock() + wait_s
     while clock() < deadline:
-        if client.check_server():
+        if _answers(client):
             return
-        code = process.poll()
+        code = process.poll() if process is not None else None
         if code is not None:
             raise ClientError(f"the server exited with code {code} while starting; see {log}")
         sleep(0.25)
     raise ClientError(f"the server did not answer at {client.base_url} within {wait_s:.0f} s; see {log}")
+
+
+def _answers(client: Client) -> bool | None:
+    """True when lmserve answers, False when nothing does, None when something accepted but has not answered yet."""
+    from lmserve.client import ServerBusy
+
+    try:
+        return client.check_server()
+    except ServerBusy:
+        return None
+
+
+def _start(client: Client, log: Path, spawn: Callable[[str, Path], _Process] | None) -> _Process:
+    """Start `lmserve serve` in the background for a local address (a remote one is reported unreachable)."""
+    from urllib.parse import urlsplit
+
+    from lmserve.client import ClientError, ServerUnreachable
+
+    host = urlsplit(client.base_url).hostname or ""
+    if host not in _LOCAL_HOSTS and not host.startswith("127."):
+        raise ServerUnreachable(client.base_url)
+    print(f"lmserve is not running at {client.base_url}; starting it in the background (log: {log})",
+          file=sys.stderr)
+    try:
+        return (spawn or _spawn_server)(client.base_url, log)
+    except OSError as exc:
+        raise ClientError(f"could not start the server (log {log}): {exc.strerror or exc}") from None
 
 
 class _Detached:

@@ -49,6 +49,16 @@ class ServerUnreachable(ClientError):
         self.base_url = base_url
 
 
+class ServerBusy(ClientError):
+    """Something accepted the connection but did not answer in time: most often lmserve itself, still starting or
+    busy on a loaded machine."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(f"the server at {base_url} accepted the connection but did not answer GET /api/version "
+                         f"within {_PROBE_TIMEOUT.read:.0f} s")
+        self.base_url = base_url
+
+
 def parse_host(host: str | None, port: str | None = None) -> str:
     """`http://h:p`, `h:p`, `h`, `:p` or None/"" → a base URL such as `http://127.0.0.1:11434`.
 
@@ -114,12 +124,15 @@ class Client:
         """True when lmserve answers `/api/version`; False when nothing answers at the address.
 
         Raises ClientError when something answers but is not a server this client can use: one that wants an API
-        key (401), or anything that does not answer `/api/version` as lmserve does (what answered is named).
+        key (401), or anything that does not answer `/api/version` as lmserve does (what answered is named);
+        ServerBusy when something accepts the connection but does not answer in time.
         """
         try:
             response = self._http.get("/api/version", timeout=_PROBE_TIMEOUT)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             return False
+        except httpx.ReadTimeout:
+            raise ServerBusy(self.base_url) from None
         except httpx.TransportError as exc:
             raise ClientError(f"something that is not lmserve answers at {self.base_url} ({exc!r}); "
                               f"set {HOST_ENV} to lmserve's address") from None

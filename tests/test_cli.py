@@ -27,7 +27,7 @@ from lmserve.cli import (
     rewrite_modelfile_paths,
     short_id,
 )
-from lmserve.client import ClientError, ServerUnreachable
+from lmserve.client import ClientError, ServerBusy, ServerUnreachable
 from lmserve.repl import (
     Repl,
     extract_images,
@@ -645,6 +645,35 @@ def test_ensure_server_failures() -> None:
     client.base_url = "http://10.1.2.3:11434"
     with pytest.raises(ServerUnreachable):
         ensure_server(client, spawn=lambda url, log: pytest.fail("spawned"))  # type: ignore[arg-type]
+
+
+def test_ensure_server_waits_for_a_server_that_accepts_but_has_not_answered_yet() -> None:
+    """A ReadTimeout of /api/version is a server still starting or busy: waited for, never a second one started."""
+    client = FakeClient()
+    client.answering = ServerBusy(client.base_url)
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        client.answering = None if len(sleeps) >= 2 else client.answering
+
+    ensure_server(client, spawn=lambda url, log: pytest.fail("spawned"), sleep=sleep)  # type: ignore[arg-type]
+    assert len(sleeps) == 2
+    starting = FakeClient()
+    starting.running = False  # nothing answers: one is started, then it is busy loading before it answers
+    spawned: list[str] = []
+
+    def spawn(url: str, log: Path) -> FakeProcess:
+        spawned.append(url)
+        starting.answering = ServerBusy(url)
+        return FakeProcess()
+
+    def wait(seconds: float) -> None:
+        sleeps.append(seconds)
+        starting.answering, starting.running = (None, True) if len(sleeps) >= 5 else (starting.answering, False)
+
+    ensure_server(starting, spawn=spawn, sleep=wait)  # type: ignore[arg-type]
+    assert spawned == [starting.base_url] and len(sleeps) == 5
 
 
 def test_main_reports_a_server_that_does_not_start(monkeypatch: pytest.MonkeyPatch,

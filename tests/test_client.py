@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.client import Client, ClientError, ServerUnreachable, parse_host
+from lmserve.client import Client, ClientError, ServerBusy, ServerUnreachable, parse_host
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -278,3 +278,13 @@ def test_check_server_is_true_for_lmserve_and_false_for_nothing() -> None:
     answering = Client(env={}, transport=httpx.MockTransport(lambda r: httpx.Response(200, json={"version": "0.1"})))
     assert answering.check_server()
     assert not Client(env={}, transport=httpx.MockTransport(refuse)).check_server()
+
+
+def test_check_server_says_busy_when_something_accepts_but_does_not_answer_in_time() -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = Client(env={}, transport=httpx.MockTransport(slow))
+    with pytest.raises(ServerBusy, match="accepted the connection but did not answer GET /api/version within 10 s"):
+        client.check_server()
+    assert not client.is_running()

@@ -6,7 +6,10 @@
   the blocks before it (equal names: equal text up to there); the router remembers which replica was last sent
   each block (the newest MAX_BLOCKS). A prompt whose blocks no replica was sent, and calls without a prompt (model
   listing, stored records, pulls), go to the least loaded replica; so does a prompt whose replica has more than
-  `imbalance` requests in flight beyond the least loaded one (Ray keeps the counts).
+  `imbalance` requests in flight beyond the least loaded one. Requests in flight are the larger of Ray's count
+  (which forgets a replica not sent anything for 10 s and then reads 0) and the router's own count of the requests
+  it routed that have not completed; equal loads are broken in turn, so a burst of new conversations is spread
+  evenly rather than by chance.
 - least-loaded: Ray's default, the power of two choices on requests in flight.
 - round-robin (`RoundRobinRouter`): each replica in turn, whatever it holds (the baseline of bench/replicas.py).
 
@@ -17,7 +20,6 @@ queue lengths resolve to the first candidate), and its public import path needs 
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from typing import Any
 
@@ -52,15 +54,17 @@ class PrefixRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 4, **kwargs: Any) -> None:
         self._imbalance = imbalance
         self._sent: OrderedDict[int, ReplicaID] = OrderedDict()
+        self._routed: dict[str, ReplicaID] = {}
+        self._turn = 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        load = {r.replica_id: self._in_flight(r.replica_id) for r in candidate_replicas}
-        by_load = sorted(candidate_replicas, key=lambda r: (load[r.replica_id], random.random()))
+        by_load = self._by_load(candidate_replicas)
         holder = self._holder(prompt_of(pending_request), {r.replica_id: r for r in candidate_replicas})
-        if holder is None or load[holder.replica_id] > load[by_load[0].replica_id] + self._imbalance:
+        if holder is None or self._load(holder.replica_id) > self._load(by_load[0].replica_id) + self._imbalance:
+            self._turn += 1
             return [by_load]
         return [[holder], [r for r in by_load if r is not holder]]
 
@@ -70,6 +74,18 @@ class PrefixRouter(RequestRouter):
             self._sent.move_to_end(name)
         while len(self._sent) > MAX_BLOCKS:
             self._sent.popitem(last=False)
+        metadata = getattr(pending_request, "metadata", None)
+        if metadata is not None:
+            self._routed[metadata.internal_request_id] = replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._routed.pop(internal_request_id, None)
+
+    def _by_load(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates, least loaded first; equal loads in an order that turns with each call."""
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
+        rank = {r.replica_id: (i - self._turn) % len(ordered) for i, r in enumerate(ordered)}
+        return sorted(ordered, key=lambda r: (self._load(r.replica_id), rank[r.replica_id]))
 
     def _holder(self, text: str, candidates: dict[ReplicaID, RunningReplica]) -> RunningReplica | None:
         """The candidate that was sent the longest start of `text`, if any was."""
@@ -80,9 +96,11 @@ class PrefixRouter(RequestRouter):
                 holder = candidates[replica_id]
         return holder
 
-    def _in_flight(self, replica_id: ReplicaID) -> int:
+    def _load(self, replica_id: ReplicaID) -> int:
+        """Requests in flight on a replica: Ray's count, or the router's own where Ray's is missing or lower."""
         count = self.replica_queue_len_cache.get(replica_id)
-        return int(count) if count is not None else 0
+        own = sum(1 for routed in self._routed.values() if routed == replica_id)
+        return max(int(count) if count is not None else 0, own)
 
 
 class RoundRobinRouter(RequestRouter):

@@ -21,8 +21,14 @@ class FakeReplica:
 
 
 @dataclass
+class Metadata:
+    internal_request_id: str
+
+
+@dataclass
 class FakeRequest:
     args: list[Any]
+    metadata: Metadata | None = None
 
 
 class Loads(dict[ReplicaID, int]):
@@ -33,8 +39,9 @@ def replicas(*names: str) -> list[FakeReplica]:
     return [FakeReplica(ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)) for name in names]
 
 
-def request(prompt: str) -> FakeRequest:
-    return FakeRequest([HttpCall("POST", "/v1/chat/completions", b"", (), b"{}", prompt)])
+def request(prompt: str, request_id: str | None = None) -> FakeRequest:
+    return FakeRequest([HttpCall("POST", "/v1/chat/completions", b"", (), b"{}", prompt)],
+                       Metadata(request_id) if request_id else None)
 
 
 def prefix_router(loads: Loads, imbalance: int = 2) -> PrefixRouter:
@@ -99,6 +106,26 @@ def test_an_overloaded_holder_is_passed_over() -> None:
     assert choose(router, [a, b], SYSTEM + "again")[0] == [b, a]
     loads[a.replica_id] = 3
     assert choose(router, [a, b], SYSTEM + "again")[0] == [a]
+
+
+def test_a_burst_of_new_conversations_on_equal_loads_is_spread_in_turn() -> None:
+    a, b = replicas("a", "b")
+    router = prefix_router(Loads())
+    firsts = [choose(router, [b, a], f"{SYSTEM} conversation {n}")[0][0].replica_id.unique_id for n in range(8)]
+    assert sorted(firsts) == ["a"] * 4 + ["b"] * 4
+
+
+def test_requests_routed_and_not_completed_count_where_ray_has_forgotten_them() -> None:
+    a, b = replicas("a", "b")
+    loads = Loads()  # Ray's cache entries go stale after 10 s without a send: it reads nothing
+    router = prefix_router(loads, imbalance=2)
+    for n in range(3):
+        router.on_request_routed(request(f"{SYSTEM} conversation {n}", f"id-{n}"), a.replica_id, None)
+    assert choose(router, [a, b], "a new prompt")[0][0] == b
+    assert choose(router, [a, b], f"{SYSTEM} conversation 0, again")[0] == [b, a]  # 3 > 0 + 2: passed over
+    router.on_request_completed(a.replica_id, "id-1")
+    router.on_request_completed(a.replica_id, "never-routed")  # a rejected request completes too
+    assert choose(router, [a, b], f"{SYSTEM} conversation 0, again")[0] == [a]
 
 
 def test_a_replica_gone_from_the_candidates_holds_nothing() -> None:
