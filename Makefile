@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install serve test test-fast lint bench bench-eval browser agents openblas durations
+.PHONY: install serve test test-fast lint bench bench-eval browser agents clients openblas durations
 
 install: $(STAMP)
 
@@ -51,7 +51,7 @@ test test-fast: export PYTHONDONTWRITEBYTECODE =
 # (one start per run); units go out longest first by tests/durations.json (tests/scheduling.py). The run ends with
 # its wall time and slowest modules, every test's time in build/test-times/last-run.json; `make durations` keeps
 # that as the new snapshot when the report says the times drifted.
-test: $(STAMP) browser openblas $(FAL_STAMP) converter agents
+test: $(STAMP) browser openblas $(FAL_STAMP) converter agents clients
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 durations: $(STAMP)
@@ -95,6 +95,20 @@ agents: $(STAMP)
 		npm install --no-audit --no-fund --loglevel=error $(AGENT_CLIS) > npm.log 2>&1 && touch $(notdir $(AGENT_STAMP)); } || \
 		{ echo "npm could not install $(AGENT_CLIS)" >> $(abspath $(AGENTS_DIR))/npm.log; \
 		  echo "make: the agent CLIs are not installed (see $(AGENTS_DIR)/npm.log): their tests will be skipped"; }
+
+# The client applications of tests/test_client_traffic_e2e.py, each in a virtual environment of its own under
+# .venv/clients (their pins clash with lmserve's and with each other's): `llm` with the llm-ollama plugin, and aider.
+# The releases last checked; where the registry is unreachable their tests are skipped, saying why (the log's last
+# line).
+CLIENTS_DIR  := $(VENV)/clients
+CLIENT_PINS  ?= llm=llm==0.36+llm-ollama==0.19.1 aider=aider-chat==0.86.2
+clients: $(STAMP)
+	@for pin in $(CLIENT_PINS); do name=$${pin%%=*}; pkgs=$$(echo "$${pin#*=}" | tr + ' '); \
+		dir=$(CLIENTS_DIR)/$$name; stamp=$$dir/.stamp-$$(echo "$$pkgs" | tr ' =' '_-'); test -f $$stamp && continue; \
+		mkdir -p $$dir && { $(PYTHON) -m venv $$dir && $$dir/bin/python -m pip install --quiet $$pkgs \
+			> $$dir/pip.log 2>&1 && touch $$stamp; } || \
+		{ echo "pip could not install $$pkgs" >> $$dir/pip.log; \
+		  echo "make: $$pkgs not installed (see $$dir/pip.log): its tests will be skipped"; }; done
 
 # The in-process tests only (fake backend, parsers, translators, ASGI) on two workers: about 2 minutes on 2 cores.
 # Lanes: tests/conftest.py.

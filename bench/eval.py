@@ -8,14 +8,15 @@ ids through lmserve's tokenizer — GET /tokenizer_info, POST /tokenize — seve
 `logprobs: 1` and `max_tokens: 1`), and `lmserve_short`, 25 short answers generated greedily and matched exactly
 (`local-completions`, and `local-chat-completions` with the chat template against `hf` with it). The weights: the
 embedded SmolLM2-135M-Instruct as the safetensors repository the tests convert from its GGUF (tests/hf_repos.py);
-vLLM (float32) and MLX serve that repository, llama.cpp the GGUF itself (Q4_1, of which the repository holds the
-dequantized values), so llama.cpp computes with quantized products and may differ in the last digits.
+vLLM (float32) and MLX serve that repository; llama.cpp serves the GGUF itself (`llamacpp`: Q4_1, of which the
+repository holds the dequantized values, so it computes with quantized products, as its users run it) and the
+repository converted back to a float32 GGUF by llama.cpp's own converter (`llamacpp-f32`: the same weights as `hf`).
 
 Goals: vLLM the same choice as `hf` on every item and log-likelihoods within 1e-3; llama.cpp and MLX within 0.03
 of `hf`'s accuracy. Prints each run's accuracy, its difference to `hf`, and per item the log-likelihood differences
 (median and max over every choice of every question) and how many answers agree.
 
-    .venv/bin/python bench/eval.py [--engines llamacpp,vllm,mlx] [--limit N] [--batch-size 8]
+    .venv/bin/python bench/eval.py [--engines llamacpp,llamacpp-f32,vllm,mlx] [--limit N] [--batch-size 8]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from bench.throughput import default_model, free_port, running  # noqa: E402
 
 TASKS = ROOT / "bench" / "eval_tasks"
 CHOICES, SHORT = "lmserve_choices", "lmserve_short"
-ENGINES = ("llamacpp", "vllm", "mlx")
+ENGINES = ("llamacpp", "llamacpp-f32", "vllm", "mlx")
 GOALS = {"vllm": "same choice on every item, log-likelihoods within 1e-3", "llamacpp": "accuracy within 0.03",
          "mlx": "accuracy within 0.03"}
 
@@ -102,13 +103,21 @@ def served(engine: str, repo: Path, gguf: Path, log: Path) -> Iterator[tuple[str
     the model's name)."""
     port = free_port()
     env = {**os.environ, "LMSERVE_MODELS": str(log.parent / f"store-{engine}")}
-    model = {"llamacpp": ["-m", str(gguf)], "vllm": [str(repo), "--dtype", "float32"],
-             "mlx": ["--engine", "mlx", "--model", str(repo), "--mlx-dtype", "float32"]}[engine]
+    model = {"llamacpp": lambda: ["-m", str(gguf)], "llamacpp-f32": lambda: ["-m", str(float_gguf(repo))],
+             "vllm": lambda: [str(repo), "--dtype", "float32"],
+             "mlx": lambda: ["--engine", "mlx", "--model", str(repo), "--mlx-dtype", "float32"]}[engine]()
     argv = [sys.executable, "-m", "lmserve", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
             "-c", "2048", "-np", "4"]
     with running(argv, port, "/health", log, timeout=600, env=env) as started:
         names = [m["id"] for m in httpx.get(started.base + "/v1/models", timeout=30).json()["data"]]
         yield started.base, names[0]
+
+
+def float_gguf(repo: Path) -> Path:
+    """The repository as a float32 GGUF (llama.cpp's converter; cached beside the repository)."""
+    from tests.hf_repos import lfm2_gguf
+
+    return lfm2_gguf(repo)
 
 
 def engine_runs(engine: str, repo: Path, gguf: Path, folder: Path, args: argparse.Namespace) -> list[Run]:

@@ -98,6 +98,8 @@ TABLE: dict[str, Option] = {o.name: o for o in (
     _sampling("draft_max", int, "speculative decoding: most tokens drafted (from the context or the draft model) per "
               "step, the output unchanged; 0: off (default: the server's --draft-max)", low=0, high=64,
               openai=("draft_max",)),
+    _sampling("draft_num_predict", int, "the local runner's name of draft_max (its clients, llm-ollama's among them, "
+              "send it)", "draft_max", low=0, high=64),
     _sampling("priority", int, "scheduling priority: lower runs first and may take a slot from higher (vLLM's "
               "convention); 0 by default, batch lines run at the lowest, 1000", low=PRIORITY_RANGE[0],
               high=PRIORITY_RANGE[1], openai=("priority",)),
@@ -166,6 +168,8 @@ def from_native(options: Mapping[str, Any] | None) -> Layer:
         if value is None:
             continue
         option = PARAMETERS.get(name)
+        if option is None and name in TABLE:
+            raise InvalidRequest(f"option '{name}' is taken on the OpenAI routes (/v1) only", param=name)
         if option is None:
             raise InvalidRequest(f"unknown option '{name}'; known: {', '.join(_honoured())}", param=name)
         if _accepted(option, value, name):

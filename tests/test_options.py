@@ -96,7 +96,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("native", {"numa": True}, "numa", "not supported"),
     ("native", {"f16_kv": False}, "f16_kv", "float32"),
     ("native", {"temprature": 0.5}, "temprature", "unknown option 'temprature'"),
-    ("native", {"logit_bias": {"1": 1}}, "logit_bias", "unknown option"),
+    ("native", {"logit_bias": {"1": 1}}, "logit_bias", "on the OpenAI routes (/v1) only"),  # Open WebUI: ""
     ("native", {"temperature": "hot"}, "temperature", "must be a number"),
     ("native", {"temperature": -0.1}, "temperature", "at least 0"),
     ("native", {"top_p": 0}, "top_p", "above 0"),
@@ -117,6 +117,13 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("openai", {"logit_bias": {"1": 101}}, "logit_bias", "out of range"),
     ("openai", {"typical_p": 0}, "typical_p", "above 0"),
 ]  # fmt: skip
+
+
+def test_draft_num_predict_is_the_local_runners_name_of_draft_max() -> None:
+    assert options.sampling(options.from_native({"draft_num_predict": 3})).draft_max == 3
+    assert options.sampling(options.from_parameters({"draft_num_predict": 0})).draft_max == 0
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        options.from_native({"draft_num_predict": 65})
 
 
 @pytest.mark.parametrize("sent", [{"num_keep": 24}, {"num_keep": 24.0, "low_vram": True}, {"logits_all": False}])

@@ -35,6 +35,7 @@ from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.store.store import check_digest
 from lmserve.types import (
+    EFFORTS,
     ChatRequest,
     Chunk,
     CompletionRequest,
@@ -110,16 +111,25 @@ def to_think(think: bool | str | None) -> bool | str | None:
     return level
 
 
-def split_reasoning_budget(options: wire.Options | None) -> tuple[wire.Options | None, int | None]:
-    """The request's `options` without `reasoning_budget` (most thinking tokens, lmserve's own), and that budget."""
+def split_reasoning(options: wire.Options | None, think: bool | str | None
+                    ) -> tuple[wire.Options | None, int | None, bool | str | None]:
+    """The request's `options` without the two reasoning options the local runner's clients put there, and what
+    they ask: `reasoning_budget` (most thinking tokens, lmserve's own) and `reasoning_effort` (Open WebUI's
+    "Reasoning Effort", an OpenAI effort name read as `think` where the request's own `think` is absent)."""
     if not options:
-        return options, None
-    rest = {name: value for name, value in options.items() if name != "reasoning_budget"}
+        return options, None, think
+    rest = {name: value for name, value in options.items() if name not in ("reasoning_budget", "reasoning_effort")}
     budget = options.get("reasoning_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
         raise InvalidRequest("option 'reasoning_budget' must be a whole number of tokens, 0 or more",
                              param="reasoning_budget")
-    return rest, budget
+    effort = options.get("reasoning_effort")
+    if effort is not None and not (isinstance(effort, str) and effort.strip().lower() in EFFORTS):
+        raise InvalidRequest(f"option 'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+                             param="reasoning_effort")
+    if think is None and isinstance(effort, str):
+        think = EFFORTS[effort.strip().lower()]
+    return rest, budget, think
 
 
 def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
@@ -267,9 +277,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     async def generate(body: wire.GenerateBody, request: Request) -> Response:
         started = time.perf_counter_ns()
         keep_alive = parse_keep_alive(body.keep_alive)
-        body.options, budget = split_reasoning_budget(body.options)
+        body.options, budget, think = split_reasoning(body.options, to_think(body.think))
         options = to_options(body.options)
-        think = to_think(body.think)
         if body.suffix and (body.images or body.context):
             raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
         images: list[bytes] = []
@@ -311,9 +320,8 @@ def native_router(service: Service, media: MediaPolicy | None = None) -> APIRout
     async def chat(body: wire.ChatBody, request: Request) -> Response:
         started = time.perf_counter_ns()
         keep_alive = parse_keep_alive(body.keep_alive)
-        body.options, budget = split_reasoning_budget(body.options)
+        body.options, budget, think = split_reasoning(body.options, to_think(body.think))
         options = to_options(body.options)
-        think = to_think(body.think)
         if not body.messages:
             message = {"role": "assistant", "content": ""}
             return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))

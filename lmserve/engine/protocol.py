@@ -66,6 +66,9 @@ class ModelInfo:
     can_rank: bool = False
     """A dedicated reranker (a relevance head: llama.cpp's rank pooling, vLLM's score task): `rank` scores
     (query, document) pairs. Any chat model reranks too, judged (service/judging.py)."""
+    inert_load_options: frozenset[str] = frozenset()
+    """LoadOptions fields that change nothing on this instance (GPU placement where the engine has no GPU to
+    offload to): a request whose load options differ from the loaded ones only in these is served by it."""
     num_kv_cells: int = 0
     """Cells (one token each) in the KV cache of all slots together: `num_ctx` * `num_parallel`, or `num_ctx` when
     the slots share one pool (--kv-unified); 0: not known (engines whose cache is not cells)."""

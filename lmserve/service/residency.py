@@ -301,14 +301,16 @@ class Residency:
         """The load options that serve `name` for a request that asked for `options`: those, or the resident
         instance's when they differ only in a context it already holds. A `num_ctx` that resolves (capped at the
         trained length, as engines cap it) to at most the loaded context reloads nothing: the request runs within its
-        own limit (`SamplingParams.context_limit`) and the prompt cache stays. Only a larger one loads another."""
+        own limit (`SamplingParams.context_limit`) and the prompt cache stays. Only a larger one loads another.
+        Options the instance cannot act on (`ModelInfo.inert_load_options`: `num_gpu` on a CPU-only build, which
+        Open WebUI users set) reload nothing either."""
         resident = self._residents.get(name)
         if resident is None or options.num_ctx == AUTO_CONTEXT or resident.instance.failure is not None:
             return options
-        loaded = resident.options
-        if replace(options, num_ctx=loaded.num_ctx) != loaded:
+        loaded, info = resident.options, resident.instance.engine.info
+        inert = {name: getattr(loaded, name) for name in info.inert_load_options}
+        if replace(options, num_ctx=loaded.num_ctx, **inert) != loaded:
             return options
-        info = resident.instance.engine.info
         wanted = min(options.num_ctx, info.num_ctx_train) if info.num_ctx_train > 0 else options.num_ctx
         return loaded if wanted <= info.num_ctx else options
 

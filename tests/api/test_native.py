@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.native import parse_keep_alive, to_messages, to_modelfile, to_options
+from lmserve.api.native import parse_keep_alive, split_reasoning, to_messages, to_modelfile, to_options
 from lmserve.api.native_schemas import ChatMessage, CreateBody
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
@@ -216,3 +216,24 @@ def test_create_fields_go_over_the_modelfile_text_and_add_to_its_lists() -> None
     assert modelfile.messages == [("user", "hi"), ("assistant", "yo")]
     assert modelfile.license == ["b"]
     assert to_modelfile(CreateBody.model_validate({"model": "m", "from": "base"})).license == []
+
+
+@pytest.mark.parametrize(("options", "think", "expected"), [
+    ({"reasoning_effort": "medium", "num_ctx": 8}, None, ({"num_ctx": 8}, None, "medium")),  # Open WebUI's param
+    ({"reasoning_effort": "none"}, None, ({}, None, False)),
+    ({"reasoning_effort": "High", "reasoning_budget": 5}, None, ({}, 5, "high")),
+    ({"reasoning_effort": "low"}, True, ({}, None, True)),  # the request's own think wins
+    ({"temperature": 0}, None, ({"temperature": 0}, None, None)),
+    (None, "low", (None, None, "low")),
+])
+def test_the_reasoning_options_are_taken_out_of_options(options: dict[str, Any] | None, think: bool | str | None,
+                                                       expected: tuple[Any, ...]) -> None:
+    assert split_reasoning(options, think) == expected
+
+
+@pytest.mark.parametrize("options", [{"reasoning_effort": "extreme"}, {"reasoning_effort": 2},
+                                     {"reasoning_budget": -1}, {"reasoning_budget": True}])
+def test_bad_reasoning_options_are_a_400_naming_them(options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        split_reasoning(options, None)
+    assert caught.value.param == next(iter(options))

@@ -220,6 +220,18 @@ async def test_a_context_above_the_trained_one_resolves_to_it_before_it_is_compa
     assert models.serving("a", LoadOptions(num_ctx=9000)).num_ctx == 9000
 
 
+async def test_options_the_instance_cannot_act_on_reload_nothing(catalog: Catalog) -> None:
+    """Open WebUI users set num_gpu; on a llama.cpp built without GPU offload it places nothing anywhere."""
+    models = residency(catalog, Clock())
+    models.release(await models.acquire("a", LoadOptions(num_ctx=1024), 300))
+    [engine] = catalog.engines
+    assert models.serving("a", LoadOptions(num_ctx=1024, num_gpu_layers=99)).num_gpu_layers == 99  # a GPU build
+    engine.info.inert_load_options = frozenset({"num_gpu_layers", "main_gpu"})
+    for asked in (LoadOptions(num_ctx=1024, num_gpu_layers=99), LoadOptions(num_ctx=512, main_gpu=1)):
+        assert models.serving("a", asked) == LoadOptions(num_ctx=1024)
+    assert models.serving("a", LoadOptions(num_ctx=1024, num_batch=64)).num_batch == 64  # still a reload
+
+
 async def test_a_busy_model_asked_for_other_options_gets_a_fresh_instance_and_the_old_one_drains(
     catalog: Catalog,
 ) -> None:

@@ -147,6 +147,10 @@ def load_mode(options: LoadOptions) -> int:
     return lc.LLAMA_LOAD_MODE_MMAP if options.use_mmap else lc.LLAMA_LOAD_MODE_NONE
 
 
+GPU_PLACEMENT = frozenset({"num_gpu_layers", "main_gpu"})
+"""The load options that place layers on a GPU: inert on a llama.cpp built without GPU offload."""
+
+
 class LlamaCppBackend:
     """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
 
@@ -280,6 +284,7 @@ class LlamaCppBackend:
             num_kv_cells=lc.llama_n_ctx(ctx),
             can_rank=is_reranker,
             can_embed=not is_reranker,
+            inert_load_options=frozenset() if lc.llama_supports_gpu_offload() else GPU_PLACEMENT,
         )
 
     # ---- vocabulary ---------------------------------------------------------------------------
