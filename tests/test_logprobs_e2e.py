@@ -187,6 +187,24 @@ def check_prompt_logprobs_score_the_greedy_reply(base_url: str, model: str, tole
             assert max(top.values()) == pytest.approx(value, abs=tolerance)  # greedy: each was the likeliest
         assert all(value <= 0 for value in lp["token_logprobs"][1:])
     assert scored["usage"]["prompt_tokens"] == sum(lengths)
+    check_an_ended_reply_keeps_its_token(base_url, model, context[:prompt_length], headers)
+
+
+EOS = 2
+"""SmolLM2's end of a turn, `<|im_end|>` (its GGUF and its repository share the vocabulary)."""
+
+
+def check_an_ended_reply_keeps_its_token(base_url: str, model: str, prompt: list[int],
+                                         headers: dict[str, str] | None) -> None:
+    """A scored continuation after which the model would end its turn: lm-eval reads the entries between the context
+    and the last one, so the end-of-turn token, which has no text, keeps its entry (as vLLM's own server does)."""
+    ended = httpx.post(base_url + "/v1/completions", headers=headers, timeout=120, json={
+        "model": model, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+        "logit_bias": {str(EOS): 100}}).json()
+    [choice] = ended["choices"]
+    assert choice["finish_reason"] == "stop", ended
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + 1, ended
+    assert choice["logprobs"]["token_logprobs"][-1] <= 0, ended
 
 
 def test_prompt_logprobs_score_the_greedy_reply(server: Server) -> None:

@@ -30,6 +30,8 @@ from lmserve.replicas.calls import HttpCall
 BLOCK_CHARS = 64
 MAX_BLOCKS = 500_000
 """Blocks remembered, the least recently sent forgotten first (about 32 MB of prompt text's worth)."""
+ENDED_KEPT = 4096
+"""Ended requests not (yet) known as routed that the router remembers: rejected ones, and any that ends first."""
 
 
 def prompt_of(request: PendingRequest | None) -> str:
@@ -55,6 +57,7 @@ class PrefixRouter(RequestRouter):
         self._imbalance = imbalance
         self._sent: OrderedDict[int, ReplicaID] = OrderedDict()
         self._routed: dict[str, ReplicaID] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._turn = 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -75,11 +78,20 @@ class PrefixRouter(RequestRouter):
         while len(self._sent) > MAX_BLOCKS:
             self._sent.popitem(last=False)
         metadata = getattr(pending_request, "metadata", None)
-        if metadata is not None:
+        if metadata is None:
+            return
+        if metadata.internal_request_id in self._ended:
+            del self._ended[metadata.internal_request_id]
+        else:
             self._routed[metadata.internal_request_id] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._routed.pop(internal_request_id, None)
+        """A request ended (or was rejected, never routed): it counts no more. One that ends before Ray says it was
+        routed is remembered (the newest ENDED_KEPT), so that it is never counted."""
+        if self._routed.pop(internal_request_id, None) is None:
+            self._ended[internal_request_id] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
 
     def _by_load(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         """The candidates, least loaded first; equal loads in an order that turns with each call."""

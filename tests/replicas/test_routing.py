@@ -126,6 +126,9 @@ def test_requests_routed_and_not_completed_count_where_ray_has_forgotten_them() 
     router.on_request_completed(a.replica_id, "id-1")
     router.on_request_completed(a.replica_id, "never-routed")  # a rejected request completes too
     assert choose(router, [a, b], f"{SYSTEM} conversation 0, again")[0] == [a]
+    router.on_request_completed(a.replica_id, "id-quick")  # ended before Ray said it was routed: never counted
+    router.on_request_routed(request(f"{SYSTEM} conversation 9", "id-quick"), a.replica_id, None)
+    assert choose(router, [a, b], f"{SYSTEM} conversation 0, again")[0] == [a]
 
 
 def test_a_replica_gone_from_the_candidates_holds_nothing() -> None:

@@ -722,8 +722,12 @@ class BatchingEngine:
     def _accept(
         self, seq: Sequence, tracker: _Tracker, token: int, outbox: list[tuple[RequestStream, Chunk]]
     ) -> FinishReason | None:
-        """Take one sampled token: emit its text and say whether the sequence is finished."""
+        """Take one sampled token: emit its text and say whether the sequence is finished. An end-of-generation
+        token has no text; a scored prompt (echo with logprobs) still gets its logprob, as vLLM gives it:
+        lm-evaluation-harness reads the reply's token as the last entry, the prompt's before it."""
         if self.backend.is_eog(token) and not seq.sampling.ignore_eos:
+            if seq.sampling.prompt_logprobs is not None and (end := self._logprobs(seq, tracker, 0, 0, False)):
+                outbox.append((tracker.stream, Chunk(text="", logprobs=end)))  # a scored prompt's one reply token
             return "stop"
         seq.output.append(token)
         piece = self.backend.token_bytes(token, special=seq.special)

@@ -469,10 +469,12 @@ def check_grammar(grammar: str) -> None:
 class LogprobMapper:
     """One request's logprobs from vLLM's deltas (one `{token id: Logprob}` per new token) as `TokenLogprob`s that
     travel with their text (engine/logprobs.py). A token's bytes come from the tokenizer's token text
-    (engine/pieces.py); the token that ended the reply (end of turn) is left out, as on llama.cpp."""
+    (engine/pieces.py); the token that ended the reply (end of turn) is left out, as on llama.cpp, but for a scored
+    prompt (`keep_end`: echo with logprobs), whose one reply token lm-evaluation-harness reads as the last entry."""
 
-    def __init__(self, tokenizer: Any, *, special: bool, k: int) -> None:
+    def __init__(self, tokenizer: Any, *, special: bool, k: int, keep_end: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._keep_end = keep_end
         self._hidden = frozenset() if special else frozenset(int(t) for t in tokenizer.all_special_ids)
         self._k = k
         self._pieces: dict[int, bytes] = {}
@@ -492,7 +494,7 @@ class LogprobMapper:
         """The logprobs of this delta's tokens whose text is out (`text`: the delta's); at the end, all that remain
         but a stop string's tokens."""
         entries = list(logprobs or [])
-        if finished and finish_reason == "stop" and not isinstance(stop_reason, str):
+        if finished and finish_reason == "stop" and not isinstance(stop_reason, str) and not self._keep_end:
             token_ids = token_ids[:-1]  # the end-of-turn token (vLLM leaves its text out)
         for token, entry in zip(token_ids, entries, strict=False):
             top = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
@@ -536,9 +538,10 @@ class VllmStream:
         self._aborted = False
         self._gated: str | None = None
         """The kind this request counts as in the engine's KindGate (engine/vllm/gate.py), while it does."""
-        self._logprobs = (LogprobMapper(engine.llm_tokenizer, special=not params.skip_special_tokens,
-                                        k=int(params.logprobs)) if params.logprobs is not None else None)
         asked = getattr(params, "prompt_logprobs", None)
+        self._logprobs = (LogprobMapper(engine.llm_tokenizer, special=not params.skip_special_tokens,
+                                        k=int(params.logprobs), keep_end=asked is not None)
+                          if params.logprobs is not None else None)
         self._prompt_logprobs = LogprobMapper(engine.llm_tokenizer, special=True, k=int(asked)) \
             if asked is not None else None
         """Maps the prompt's log-probabilities, until the first output carried them."""
