@@ -83,11 +83,11 @@ openblas:
 		    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null; }; } || \
 		echo "make: OpenBLAS is not installed (apt-get install libopenblas0-pthread): the MLX engine will be slow"
 
-# The coding agents' CLIs for tests/test_agents_e2e.py, from the npm registry into .venv/agents: the releases last
-# checked (bump them here to test newer ones). Where npm or its registry is missing, those tests are skipped and
-# say why (the last line of .venv/agents/npm.log).
+# The coding agents' CLIs for tests/test_agents_e2e.py (and opencode's for tests/test_client_traffic_e2e.py), from
+# the npm registry into .venv/agents: the releases last checked (bump them here to test newer ones). Where npm or
+# its registry is missing, those tests are skipped and say why (the last line of .venv/agents/npm.log).
 AGENTS_DIR  := $(VENV)/agents
-AGENT_CLIS  ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENT_CLIS  ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
 AGENT_STAMP := $(AGENTS_DIR)/.stamp-$(subst /,_,$(subst @,_,$(subst $(eval) ,+,$(AGENT_CLIS))))
 agents: $(STAMP)
 	@test -f $(AGENT_STAMP) || { mkdir -p $(AGENTS_DIR) && cd $(AGENTS_DIR) && \

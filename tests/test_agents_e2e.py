@@ -1,8 +1,9 @@
-"""The coding agents, as a new user runs them: Claude Code (`claude -p`, the Anthropic Messages API) and Codex
-(`codex exec`, the OpenAI Responses API), their real npm releases with their default settings, against a real
-lmserve server on the llama.cpp engine.
+"""The coding agents, as a new user runs them: Claude Code (`claude -p`, the Anthropic Messages API), Codex
+(`codex exec`, the OpenAI Responses API) and opencode (`opencode run`, chat completions; through a recording proxy,
+tests/traffic.py), their real npm releases with their default settings, against a real lmserve server on the
+llama.cpp engine.
 
-Their prompts (Claude Code ~20k tokens, Codex ~6k) need a long trained context, so the model is the tiny
+Their prompts (Claude Code ~20k tokens, Codex ~6k, opencode ~7.6k) need a long trained context, so the model is the tiny
 programmed one of tests/tiny_agent_model.py: with SmolLM2's tokenizer and template and a 64k-token context, it
 answers a fixed text ("talk") or a fixed tool call ("tool": the call, then, once the call is in the context, the
 end of the turn). What is tested is what a user sees: every request of the turn succeeds, the agent runs the tool
@@ -29,11 +30,13 @@ from lmserve.store.embedded import embedded_model_path
 from tests.cores import all_cores
 from tests.test_server import Server
 from tests.tiny_agent_model import write_agent_model
+from tests.traffic import Recorded, RecordingProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = ROOT / ".venv" / "agents"
 CLAUDE = AGENTS / "node_modules" / ".bin" / "claude"
 CODEX = AGENTS / "node_modules" / ".bin" / "codex"
+OPENCODE = AGENTS / "node_modules" / ".bin" / "opencode"
 TIMEOUT = 300
 NOTES = "The answer is forty-two."
 MARKER = " alligator"
@@ -201,6 +204,51 @@ def test_three_agents_at_once_on_two_slots_each_call_a_tool_or_talk(server: Serv
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["is_error"] is False and result["result"] == TALK, result
+
+
+# ---- opencode, through a recording proxy ---------------------------------------------------------------------
+
+
+def opencode(base_url: str, home: Path, work: Path, message: str) -> None:
+    """One `opencode run` turn with lmserve as a provider of its opencode.json (no models.dev catalogue: these
+    machines have no internet, where opencode would wait for it)."""
+    config = {"provider": {"lmserve": {"npm": "@ai-sdk/openai-compatible", "name": "lmserve",
+                                       "options": {"baseURL": base_url + "/v1"},
+                                       "models": {"tiny-talk": {"name": "tiny"}}}}}
+    (work / "opencode.json").write_text(json.dumps(config))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "OPENCODE_DISABLE_MODELS_FETCH": "1",
+           "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+    done = subprocess.run([str(OPENCODE), "run", "-m", "lmserve/tiny-talk", message], env=env, cwd=work,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0 and TALK in done.stdout, done.stdout + done.stderr
+
+
+def streamed_usage(record: Recorded) -> dict[str, Any]:
+    """The usage of a streamed chat completion (its last chunk with one: `stream_options.include_usage`)."""
+    chunks = [json.loads(line[5:]) for line in record.answer.decode().splitlines()
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    return dict(next(chunk["usage"] for chunk in reversed(chunks) if chunk.get("usage")))
+
+
+def test_opencode_turns_are_answered_and_reuse_its_system_prompt(server: Server, tmp_path: Path,
+                                                                  workdir: Path) -> None:
+    """opencode 1.18 (an `@ai-sdk/openai-compatible` provider) sends its ten tools with `tool_choice: auto`,
+    `max_tokens: 32000`, usage in the stream and session headers; each run titles its session in a request of its
+    own. Every request is answered, and the second run's ~7.6k-token prompt comes from the prompt cache."""
+    installed(OPENCODE)
+    proxy = RecordingProxy(server.base_url)
+    try:
+        opencode(proxy.base_url, tmp_path, workdir, "hi")
+        opencode(proxy.base_url, tmp_path, workdir, "hello")
+    finally:
+        proxy.close()
+    records = proxy.take()
+    assert records and all(r.status == 200 for r in records), [r.describe() for r in records]
+    turns = [r for r in records if r.path == "/v1/chat/completions" and r.body.get("tools")]
+    assert len(turns) == 2 and turns[0].body["tool_choice"] == "auto", [r.describe() for r in records]
+    assert turns[0].headers.get("x-session-id"), turns[0].headers
+    usage = streamed_usage(turns[1])
+    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens"] / 2, usage
 
 
 # ---- a model whose trained context cannot hold the agent's prompt -----------------------------------------------

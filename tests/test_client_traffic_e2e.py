@@ -2,9 +2,10 @@
 settings, through a recording proxy (tests/traffic.py) in front of one lmserve server (llama.cpp, the embedded
 model, loaded at its trained context):
 
-- `llm` 0.36 with the llm-ollama 0.19 plugin (OLLAMA_HOST), and aider 0.86 (litellm's `ollama_chat`,
+- `llm` 0.36 with the llm-ollama 0.19 plugin (OLLAMA_HOST) and aider 0.86 (litellm's `ollama_chat`,
   OLLAMA_API_BASE): their real releases, run as processes. `make clients` installs them into .venv/clients; where
-  it could not (no registry), their tests are skipped, saying why.
+  it could not (no registry), their tests are skipped, saying why. (opencode, whose ~7.6k-token prompt wants the
+  long context of the agents' programmed model, is in tests/test_agents_e2e.py, through the same proxy.)
 - Open WebUI 0.12.4: its requests as that release builds them (backend/open_webui/routers/ollama.py and
   utils/payload.py: `convert_payload_openai_to_ollama` and `apply_params_to_form_data` put a model's advanced
   params into `options` as they are), replayed through the proxy; the application itself (a web server with its
