@@ -281,8 +281,10 @@ def layer_of(params: SamplingParams) -> Layer:
     """The fields of `params` that differ from SamplingParams' defaults, as a layer (a fixed model's defaults)."""
     default = SamplingParams()
     layer: Layer = {}
+    fields: set[str] = set()
     for option in TABLE.values():
-        if option.lifetime == "sampling" and option.field is not None:
+        if option.lifetime == "sampling" and option.field is not None and option.field not in fields:
+            fields.add(option.field)
             value = getattr(params, option.field)
             if value != getattr(default, option.field):
                 layer[option.name] = _copy(value)

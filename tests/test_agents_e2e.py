@@ -211,7 +211,7 @@ def test_three_agents_at_once_on_two_slots_each_call_a_tool_or_talk(server: Serv
 
 def opencode(base_url: str, home: Path, work: Path, message: str) -> None:
     """One `opencode run` turn with lmserve as a provider of its opencode.json (no models.dev catalogue: these
-    machines have no internet, where opencode would wait for it)."""
+    machines have no internet)."""
     config = {"provider": {"lmserve": {"npm": "@ai-sdk/openai-compatible", "name": "lmserve",
                                        "options": {"baseURL": base_url + "/v1"},
                                        "models": {"tiny-talk": {"name": "tiny"}}}}}
