@@ -45,7 +45,7 @@ TASKS = ROOT / "bench" / "eval_tasks"
 CHOICES, SHORT = "lmserve_choices", "lmserve_short"
 ENGINES = ("llamacpp", "llamacpp-f32", "vllm", "mlx")
 GOALS = {"vllm": "same choice on every item, log-likelihoods within 1e-3", "llamacpp": "accuracy within 0.03",
-         "mlx": "accuracy within 0.03"}
+         "llamacpp-f32": "accuracy within 0.03", "mlx": "accuracy within 0.03"}
 
 
 @dataclass
