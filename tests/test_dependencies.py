@@ -86,8 +86,12 @@ THIRD_PARTY = sorted(
 THIRD_PARTY_TOP = sorted({m.split(".")[0] for m in THIRD_PARTY})
 
 
+PROVIDERS = importlib.metadata.packages_distributions()
+"""{top-level module: [distributions installing it]}: read once (each reading walks every installed distribution)."""
+
+
 def _distributions(top_level: str) -> set[str]:
-    return {_normalize(d) for d in importlib.metadata.packages_distributions().get(top_level, [])}
+    return {_normalize(d) for d in PROVIDERS.get(top_level, [])}
 
 
 @pytest.mark.parametrize("top_level", THIRD_PARTY_TOP)

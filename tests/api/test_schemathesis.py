@@ -5,6 +5,7 @@ fuzzed in-process against a fresh app over the fake engine: valid and invalid bo
 headers. The only check is `not_a_server_error`: a 4xx for a bad request is the point, a 500 is a bug.
 
 Each operation gets a fresh app, so a failure belongs to the operation fuzzed, not to what ran before it.
+Each operation's hypothesis test is built when it runs, not when the module is collected (test_no_server_errors).
 Output stays short: the fake ends every sequence after a few tokens, its context is small, and a body's
 `max_tokens`, `max_completion_tokens` and `options.num_predict` are clamped before the request is sent.
 Generated model names are often replaced by the served model's, so that generation is reached at all.
@@ -13,6 +14,7 @@ Generated model names are often replaced by the served model's, so that generati
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.meta import TestPhase
+from schemathesis.pytest.lazy import get_all_tests
 from schemathesis.python import asgi as schemathesis_asgi
 
 from lmserve.api.app import create_app
@@ -59,19 +62,27 @@ FORM_BODIES = {("post", "/v1/files")}
 # The document comes from an app over no models: routes and bodies do not depend on what is served.
 DOCUMENT = create_app(static_service([]), ServerConfig()).openapi()
 schema = schemathesis.openapi.from_dict(DOCUMENT)
+OPERATIONS = [(method.upper(), path) for path, ops in DOCUMENT["paths"].items() for method in ops]
+"""Every operation of the document, as (METHOD, path)."""
+
+
+@contextmanager
+def served_app(models_dir: Path) -> Iterator[FastAPI]:
+    """A real Service over the fake engine, the default config (stored responses in `models_dir`)."""
+    engine = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=4, eog_after=4))
+    model = LoadedModel(name=MODEL, engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))
+    try:
+        yield create_app(static_service([model]), ServerConfig(models_dir=str(models_dir)))
+    finally:
+        schemathesis_asgi.shutdown_lifespans()  # its ASGI transport keeps each app's lifespan running until exit
+        engine.close()
 
 
 @pytest.fixture
 def fuzzed_app(tmp_path: Path) -> Iterator[FastAPI]:
-    """A fresh app (per operation): a real Service over the fake engine, the default config (stored responses in a
-    temporary directory)."""
-    engine = BatchingEngine(FakeBackend(num_ctx=512, num_parallel=4, eog_after=4))
-    model = LoadedModel(name=MODEL, engine=engine, template=ChatTemplate(None), aliases=("fake-alias",))
-    try:
-        yield create_app(static_service([model]), ServerConfig(models_dir=str(tmp_path)))
-    finally:
-        schemathesis_asgi.shutdown_lifespans()  # its ASGI transport keeps each app's lifespan running until exit
-        engine.close()
+    """A fresh app (per test): see served_app."""
+    with served_app(tmp_path) as app:
+        yield app
 
 
 # ---- generation: reach the served model, ask for little output ------------------------------------------
@@ -197,18 +208,28 @@ def test_openapi_body_schemas_resolve() -> None:
 # ---- the fuzzing ----------------------------------------------------------------------------------------
 
 
-@schema.parametrize()
-@settings(
-    max_examples=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
-def test_no_server_errors(case: schemathesis.Case, fuzzed_app: FastAPI) -> None:
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+def fuzz_case(case: schemathesis.Case, app: FastAPI) -> None:
     serve_valid_coverage_cases(case)
     cap_output(case.body)
-    case.call_and_validate(app=fuzzed_app, checks=[not_a_server_error])
+    case.call_and_validate(app=app, checks=[not_a_server_error])
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_no_server_errors(method: str, path: str, fuzzed_app: FastAPI) -> None:
+    """schemathesis's phases (examples, coverage, fuzzing) for one operation. Its hypothesis test is built here, when
+    the test runs: building it (the coverage phase's cases above all; ~40 s for all operations) would otherwise be
+    paid by every pytest process that collects this module, those that deselect it or leave it to another worker
+    included."""
+    one = schema.include(method=method, path=path)
+    built = list(get_all_tests(schema=one, test_func=fuzz_case, settings=SETTINGS, given_kwargs=None))
+    assert len(built) == 1, built
+    operation, run = built[0].ok()
+    assert operation.label == f"{method} {path}"
+    run(app=fuzzed_app)
 
 
 # ---- found while fuzzing: a keep_alive that was accepted, then broke /api/ps ---------------------------------
