@@ -15,7 +15,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,6 +59,13 @@ CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
+def mount(app: FastAPI, router: APIRouter) -> None:
+    """Add a router's routes to the app as they are. FastAPI's include_router builds each route again (its body model
+    and dependencies: half the time of create_app); with no prefix, tags or dependencies to add, they would be the
+    same routes. lmserve's routers hold plain routes only (no mounts, lifespans or router-wide dependencies)."""
+    app.router.routes.extend(router.routes)
+
+
 def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = (),
                served: str | None = None, resume_batches: bool = True) -> FastAPI:
     """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded; `served`
@@ -83,27 +90,27 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     completions = completions_store(config)
-    app.include_router(openai_router(service, media, completions, served=served))
-    app.include_router(gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
-    app.include_router(stored_completions_router(completions))
-    app.include_router(native_router(service, media))
-    app.include_router(anthropic_router(service, media))
+    mount(app, openai_router(service, media, completions, served=served))
+    mount(app, gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
+    mount(app, stored_completions_router(completions))
+    mount(app, native_router(service, media))
+    mount(app, anthropic_router(service, media))
     conversations = conversations_store(config)
-    app.include_router(responses_router(service, responses_store(config), media, conversations))
-    app.include_router(conversations_router(conversations))
+    mount(app, responses_router(service, responses_store(config), media, conversations))
+    mount(app, conversations_router(conversations))
     app.state.files = files_store(config)  # shared with the batch routes
-    app.include_router(files_router(app.state.files))
+    mount(app, files_router(app.state.files))
     batches = BatchService(batch_store(config), app.state.files, concurrency=config.batch_concurrency)
-    app.include_router(batches_router(batches))
+    mount(app, batches_router(batches))
     app.state.batches = batches  # stopped first when the server shuts down (server.py), before the grace runs out
-    app.include_router(tokens_router(service))
-    app.include_router(infill_router(service))
-    app.include_router(decisions_router(service, media))
-    app.include_router(rerank_router(service))
-    app.include_router(web_router())  # GET /: the chat page for a browser, plain text for other clients
+    mount(app, tokens_router(service))
+    mount(app, infill_router(service))
+    mount(app, decisions_router(service, media))
+    mount(app, rerank_router(service))
+    mount(app, web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: one operationId per method
 
-    app.include_router(health_router(service))
+    mount(app, health_router(service))
     metrics = Metrics(service)
     metrics.attach(service)
     app.state.metrics = metrics
