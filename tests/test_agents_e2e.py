@@ -28,6 +28,7 @@ import pytest
 
 from lmserve.store.embedded import embedded_model_path
 from tests.cores import all_cores
+from tests.programs import run_program
 from tests.test_server import Server
 from tests.tiny_agent_model import write_agent_model
 from tests.traffic import Recorded, RecordingProxy
@@ -70,8 +71,7 @@ def generation_start(server: Server) -> int:
 
 def cli(server: Server, *args: str) -> None:
     env = {**os.environ, "LMSERVE_HOST": f"127.0.0.1:{server.port}"}
-    done = subprocess.run([sys.executable, "-m", "lmserve", *args], env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    done = run_program([sys.executable, "-m", "lmserve", *args], env=env, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -126,8 +126,7 @@ def claude(server: Server, model: str, prompt: str, home: Path, cwd: Path,
            *extra: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.base_url,
            "ANTHROPIC_API_KEY": "placeholder", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_TELEMETRY": "1"}
-    return subprocess.run([str(CLAUDE), "-p", prompt, "--model", model, *extra], env=env, cwd=cwd,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    return run_program([CLAUDE, "-p", prompt, "--model", model, *extra], env=env, cwd=cwd, timeout=TIMEOUT)
 
 
 def check_claude_tool_turn(done: subprocess.CompletedProcess[str]) -> None:
@@ -154,8 +153,7 @@ def codex(server: Server, model: str, prompt: str, home: Path, cwd: Path) -> sub
         f'model = "{model}"\nmodel_provider = "lmserve"\n\n[model_providers.lmserve]\nname = "lmserve"\n'
         f'base_url = "{server.base_url}/v1"\nwire_api = "responses"\n')
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(config)}
-    return subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "--json", prompt], env=env, cwd=cwd,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    return run_program([CODEX, "exec", "--skip-git-repo-check", "--json", prompt], env=env, cwd=cwd, timeout=TIMEOUT)
 
 
 def codex_events(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
@@ -218,8 +216,7 @@ def opencode(base_url: str, home: Path, work: Path, message: str) -> None:
     (work / "opencode.json").write_text(json.dumps(config))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "OPENCODE_DISABLE_MODELS_FETCH": "1",
            "OPENCODE_DISABLE_AUTOUPDATE": "1"}
-    done = subprocess.run([str(OPENCODE), "run", "-m", "lmserve/tiny-talk", message], env=env, cwd=work,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    done = run_program([OPENCODE, "run", "-m", "lmserve/tiny-talk", message], env=env, cwd=work, timeout=TIMEOUT)
     assert done.returncode == 0 and TALK in done.stdout, done.stdout + done.stderr
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.programs import run_program
 from tests.test_context_e2e import loads
 from tests.test_server import Server
 from tests.traffic import Recorded, RecordingProxy
@@ -66,8 +66,7 @@ def proxy(server: Server) -> Iterator[RecordingProxy]:
 
 
 def run(argv: list[str | Path], env: dict[str, str], cwd: Path) -> str:
-    done = subprocess.run([str(a) for a in argv], env={"PATH": os.environ["PATH"], **env}, cwd=cwd,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT, check=False)
+    done = run_program(argv, env={"PATH": os.environ["PATH"], **env}, cwd=cwd, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
