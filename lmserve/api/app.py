@@ -59,7 +59,7 @@ CLIENT_CLOSED_REQUEST = 499
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
-def mount(app: FastAPI, router: APIRouter) -> None:
+def add_routes(app: FastAPI, router: APIRouter) -> None:
     """Add a router's routes to the app as they are. FastAPI's include_router builds each route again (its body model
     and dependencies: half the time of create_app); with no prefix, tags or dependencies to add, they would be the
     same routes. lmserve's routers hold plain routes only (no mounts, lifespans or router-wide dependencies)."""
@@ -90,27 +90,27 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
     completions = completions_store(config)
-    mount(app, openai_router(service, media, completions, served=served))
-    mount(app, gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
-    mount(app, stored_completions_router(completions))
-    mount(app, native_router(service, media))
-    mount(app, anthropic_router(service, media))
+    add_routes(app, openai_router(service, media, completions, served=served))
+    add_routes(app, gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
+    add_routes(app, stored_completions_router(completions))
+    add_routes(app, native_router(service, media))
+    add_routes(app, anthropic_router(service, media))
     conversations = conversations_store(config)
-    mount(app, responses_router(service, responses_store(config), media, conversations))
-    mount(app, conversations_router(conversations))
+    add_routes(app, responses_router(service, responses_store(config), media, conversations))
+    add_routes(app, conversations_router(conversations))
     app.state.files = files_store(config)  # shared with the batch routes
-    mount(app, files_router(app.state.files))
+    add_routes(app, files_router(app.state.files))
     batches = BatchService(batch_store(config), app.state.files, concurrency=config.batch_concurrency)
-    mount(app, batches_router(batches))
+    add_routes(app, batches_router(batches))
     app.state.batches = batches  # stopped first when the server shuts down (server.py), before the grace runs out
-    mount(app, tokens_router(service))
-    mount(app, infill_router(service))
-    mount(app, decisions_router(service, media))
-    mount(app, rerank_router(service))
-    mount(app, web_router())  # GET /: the chat page for a browser, plain text for other clients
+    add_routes(app, tokens_router(service))
+    add_routes(app, infill_router(service))
+    add_routes(app, decisions_router(service, media))
+    add_routes(app, rerank_router(service))
+    add_routes(app, web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: one operationId per method
 
-    mount(app, health_router(service))
+    add_routes(app, health_router(service))
     metrics = Metrics(service)
     metrics.attach(service)
     app.state.metrics = metrics
