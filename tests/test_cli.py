@@ -14,21 +14,12 @@ from typing import Any
 import pytest
 
 from lmserve import cli
-from lmserve.cli import (
-    build_parser,
-    dispatch,
-    ensure_server,
-    format_table,
-    human_duration,
-    human_size,
-    human_time,
-    parse_time,
-    processor,
-    rewrite_modelfile_paths,
-    short_id,
-)
-from lmserve.client import ClientError, ServerBusy, ServerUnreachable
-from lmserve.repl import (
+from lmserve.cli import autostart, build_parser
+from lmserve.cli.autostart import ensure_server
+from lmserve.cli.client_command import dispatch
+from lmserve.cli.formatting import format_table, human_duration, human_size, human_time, parse_time, processor, short_id
+from lmserve.cli.models import rewrite_modelfile_paths
+from lmserve.cli.repl import (
     Repl,
     extract_images,
     find_image_paths,
@@ -37,6 +28,7 @@ from lmserve.repl import (
     read_multiline,
     render_show,
 )
+from lmserve.client import ClientError, ServerBusy, ServerUnreachable
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 DIGEST = "sha256:" + "0123456789ab" + "f" * 52
@@ -680,7 +672,7 @@ def test_main_reports_a_server_that_does_not_start(monkeypatch: pytest.MonkeyPat
                                                    capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     monkeypatch.setenv("LMSERVE_HOST", "127.0.0.1:9")  # nothing listens on the discard port
     monkeypatch.setenv("LMSERVE_MODELS", str(tmp_path))
-    monkeypatch.setattr(cli, "_spawn_server", lambda url, log: FakeProcess(3))
+    monkeypatch.setattr(autostart, "_spawn_server", lambda url, log: FakeProcess(3))
     assert cli.main(["list"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == f"Error: the server exited with code 3 while starting; see {tmp_path / 'server.log'}"
@@ -697,7 +689,7 @@ def test_main_reports_a_server_that_does_not_start(monkeypatch: pytest.MonkeyPat
 )
 def test_a_started_server_logs_into_its_model_store(env: dict[str, str], log: Path) -> None:
     """The server the CLI starts inherits LMSERVE_MODELS: its log is server.log in that store."""
-    assert cli.server_log(env) == log
+    assert autostart.server_log(env) == log
     logs: list[Path] = []
 
     def spawn(url: str, path: Path) -> FakeProcess:
@@ -772,7 +764,7 @@ def test_the_cli_finds_the_server_at_lmserve_port(env: dict[str, str], url: str,
         spawned.append(url)
         return FakeProcess(3)
 
-    monkeypatch.setattr(cli, "_spawn_server", spawn)
+    monkeypatch.setattr(autostart, "_spawn_server", spawn)
     assert cli.main(["ps"]) == 1
     assert spawned == [url]
 

@@ -18,18 +18,19 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from lmserve.cli.command import Command, Subparsers
 from lmserve.config import ConfigError, ServerConfig, add_arguments, environment_help, resolve
 
 BATCH_FLAGS = ("input", "output", "url")
 """The batch command's own arguments; the rest are `serve`'s (the model and how it loads)."""
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    batch = commands.add_parser(
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    batch = subparsers.add_parser(
         "batch", help="run a file of requests (OpenAI's batch format) offline or against a server",
         description="Run every line of IN (one request per line: custom_id, method, url, body, as OpenAI's Batch "
         "API takes them) and append each result to OUT as it finishes. Offline unless --url is given: the model "
@@ -41,13 +42,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="where results go, appended one line each ('-': stdout, not resumable)")
     batch.add_argument("--url", help="send the lines to the server at this address instead of loading the model here")
     add_arguments(batch)
+    return batch
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run `lmserve batch`; the exit status."""
-    from lmserve.api.batch_lines import check_lines
+    from lmserve.endpoints.batch_lines import check_lines
 
-    flags = {key: value for key, value in vars(args).items() if key not in (*BATCH_FLAGS, "command")}
+    flags = {key: value for key, value in vars(args).items() if key not in (*BATCH_FLAGS, "command", "run_command")}
     try:
         config = resolve(flags)
     except ConfigError as exc:
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(checked: Any, config: ServerConfig, output: str, url: str | None, concurrency: int) -> int:
-    from lmserve.api.batch_lines import BatchLine, run_lines
+    from lmserve.endpoints.batch_lines import BatchLine, run_lines
     from lmserve.store.batches import ResultLog
 
     sink: ResultLog | _Stdout = _Stdout(sys.stdout) if output == "-" else ResultLog(Path(output).expanduser())
@@ -116,7 +118,7 @@ async def _sender(config: ServerConfig, url: str | None) -> tuple[Any, Callable[
     """The Send of the lines, its closer, and the model of lines that name none: over HTTP to `url` (the model
     `--model` names, or the default), else the app of `config` in process (its model loaded first, the service
     closed by the closer)."""
-    from lmserve.api.batch_lines import asgi_send, http_send
+    from lmserve.endpoints.batch_lines import asgi_send, http_send
 
     if url is not None:
         return *http_send(url if "://" in url else f"http://{url}", config.api_key), config.model
@@ -162,3 +164,6 @@ class _Stdout:
 
     def close(self) -> None:
         self.stream.flush()
+
+
+COMMAND = Command("batch", add_parser, run)
