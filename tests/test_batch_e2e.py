@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from tests.docs_pages import DOCS
 from tests.test_server import MODEL, Server
 
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hello.", "Name a fruit."]
@@ -215,16 +216,16 @@ def test_lmserve_batch_against_a_running_server(server: Server, tmp_path: Path) 
     assert all(results[f"r{i}"]["response"]["status_code"] == 200 for i in range(5))
 
 
-def readme_block(marker: str) -> str:
-    """The fenced block right after `<!-- batch example: MARKER -->` in the README."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def docs_block(marker: str) -> str:
+    """The fenced block right after `<!-- batch example: MARKER -->` in docs/batches.md."""
+    text = (DOCS / "batches.md").read_text()
     after = text.split(f"<!-- batch example: {marker} -->", 1)[1]
     return after.split("```", 2)[1].split("\n", 1)[1]
 
 
-def test_the_readmes_batch_example_runs_as_written(tmp_path: Path) -> None:
-    (tmp_path / "requests.jsonl").write_text(readme_block("requests.jsonl"))
-    [command] = [line.split("#")[0].split() for line in readme_block("command").splitlines()
+def test_the_docs_batch_example_runs_as_written(tmp_path: Path) -> None:
+    (tmp_path / "requests.jsonl").write_text(docs_block("requests.jsonl"))
+    [command] = [line.split("#")[0].split() for line in docs_block("command").splitlines()
                  if line.startswith("lmserve batch")]
     assert command[:2] == ["lmserve", "batch"]
     environment = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cohere
@@ -14,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.docs_pages import section
 from tests.test_server import MODEL, Server
 
 CAPITALS: Any = [{"type": "choice", "name": "capital", "instructions": "Answer the question.",
@@ -171,15 +171,14 @@ def test_cohere_classify_with_examples(server: Server, http: httpx.Client) -> No
         assert item.prediction in item.labels and item.confidence == item.labels[item.prediction].confidence
 
 
-def test_readme_examples_run_as_written(server: Server) -> None:
-    """The README section's Python examples, pointed at this server (they print; they must not fail)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Judgments with exact probabilities", 1)[1].split("\n## ", 1)[0]
-    blocks = [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+def test_docs_examples_run_as_written(server: Server) -> None:
+    """The Python examples of docs/judgments.md, pointed at this server (they print; they must not fail)."""
+    page = section("judgments.md", "Judgments with exact probabilities")
+    blocks = [block.split("```", 1)[0] for block in page.split("```python\n")[1:]]
     assert len(blocks) == 2
     for block in blocks:
         names: dict[str, Any] = {}
-        exec(compile(block.replace("http://localhost:11434", server.base_url), "README.md", "exec"), names)
+        exec(compile(block.replace("http://localhost:11434", server.base_url), "docs/judgments.md", "exec"), names)
         for name in ("client", "co"):  # close what the example opened
             if name == "client" and name in names:
                 names[name].close()

@@ -1,5 +1,5 @@
 """The offline engine (`from lmserve import LLM`) on llama.cpp: the embedded SmolLM2 for text, the tiny random LFM2-VL
-(tests/tiny_lfm2_vl.py) for images, and README's example run as it is written.
+(tests/tiny_lfm2_vl.py) for images, and docs/batches.md's example run as it is written.
 
 One LLM per model for the module. The text model has 2 slots and a queue of 1, so a batch of 8 conversations also
 checks that the offline engine keeps within the engine's queue bound.
@@ -28,11 +28,11 @@ import pytest
 from PIL import Image
 
 from lmserve import LLM, ChatOutput, CompletionOutput
+from tests.docs_pages import section
 from tests.tiny_lfm2_vl import write_tiny_lfm2_vl
 
 pytestmark = pytest.mark.model  # llama.cpp runs behind LLM, which the lanes' module scan cannot see
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 QUESTIONS = ["What is 10 times 3?", "Name three animals.", "What is the capital of France?", "Say hello.",
              "Write a haiku about the sea.", "What is 2 + 2?", "Name a colour.", "What is water made of?"]
@@ -201,12 +201,11 @@ def test_importing_lmserve_loads_no_web_framework_or_engine() -> None:
     assert done.stdout.strip() == "[]"
 
 
-def test_the_readme_example_runs_as_written(store: Path) -> None:
-    section = README.read_text().split("## Python: offline inference", 1)[1]
-    [code] = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.DOTALL)
+def test_the_docs_example_runs_as_written(store: Path) -> None:
+    [code] = re.findall(r"```python\n(.*?)```", section("batches.md", "Python: offline inference"), re.DOTALL)
     out = io.StringIO()
     with redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+        exec(compile(code, "docs/batches.md", "exec"), {"__name__": "docs"})
     lines = out.getvalue().splitlines()
     assert lines[0] == "10 times 3 is 30. stop 10", lines
     assert json.loads(lines[-3])["age"] >= 0
