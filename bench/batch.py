@@ -219,7 +219,7 @@ def lmserve_batch_vllm(args: argparse.Namespace, src: Path, out: Path) -> list[s
 
 
 def vllm_run_batch(args: argparse.Namespace, src: Path, out: Path) -> list[str]:
-    """vLLM's offline batch runner with lmserve's vLLM engine settings (engine/vllm/engine.py `engine_args`)."""
+    """vLLM's offline batch runner with lmserve's vLLM engine settings (engine/vllm/args.py `engine_args`)."""
     return [args.python, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out), "--model",
             str(args.repo), "--served-model-name", SERVED_NAME, "--dtype", args.dtype, "--max-model-len",
             str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--enforce-eager",

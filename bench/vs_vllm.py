@@ -47,7 +47,9 @@ from bench.throughput import (  # noqa: E402
     running,
     verdict,
 )
-from lmserve.engine.vllm.engine import VllmOptions, available_memory, kv_cache_bytes  # noqa: E402
+from lmserve.engine.memory_estimate import meminfo_available as available_memory  # noqa: E402
+from lmserve.engine.vllm.args import VllmOptions  # noqa: E402
+from lmserve.engine.vllm.memory import kv_cache_bytes  # noqa: E402
 
 PEERS = ("vLLM", "lmserve")
 SERVED_NAME = "bench"
@@ -125,7 +127,7 @@ def machine_info(gpu: bool) -> str:
 
 
 def cpu_kv_bytes(args: argparse.Namespace) -> int:
-    """The KV cache lmserve's vLLM engine gives this model on the CPU build (engine/vllm/engine.py `kv_cache_bytes`)."""
+    """The KV cache lmserve's vLLM engine gives this model on the CPU build (engine/vllm/memory.py `kv_cache_bytes`)."""
     config = json.loads((args.model / "config.json").read_text())
     options = VllmOptions(num_ctx=args.max_model_len, num_parallel=args.max_num_seqs, dtype=args.dtype)
     return kv_cache_bytes(config, options, available_memory())

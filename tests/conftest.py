@@ -89,7 +89,8 @@ def vllm_engine() -> Iterator[Any]:
     tests/engine/test_vllm_scores.py, the text model of tests/engine/vllm/test_vision.py). Their tests run on the
     session's event loop (`pytest.mark.asyncio(loop_scope=
     "session")`): vLLM's output handler lives on the loop that first used it."""
-    from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
+    from lmserve.engine.vllm.args import VllmOptions
+    from lmserve.engine.vllm.engine import VllmEngine
     from tests.hf_repos import smollm2_repo
 
     engine = VllmEngine(smollm2_repo(), VllmOptions(num_ctx=1024, num_parallel=8, max_queue=VLLM_ENGINE_QUEUE,

@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from lmserve.engine.vllm.engine import VllmOptions, context_choice
+from lmserve.engine.vllm.args import VllmOptions
+from lmserve.engine.vllm.memory import context_choice
 from lmserve.types import AUTO_CONTEXT
 from tests.hf_repos import smollm2_repo
 from tests.test_server import Server

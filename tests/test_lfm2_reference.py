@@ -23,7 +23,7 @@ may pick either.
 
 Before issue 17, vLLM's CPU build failed this from the second prompt token on (its rotary kernel misreads LFM2's
 3-D query and key; lmserve turned it off for hybrids only, so the all-attention member still fails with the old
-rule; now for the whole family, engine/vllm/engine.py `CPU_ROPE_KERNEL_WRONG`), and the hybrid repository itself was
+rule; now for the whole family, engine/vllm/args.py `CPU_ROPE_KERNEL_WRONG`), and the hybrid repository itself was
 inconsistent (config.json described an FFN half as wide as its weights; lmserve now refuses such a repository,
 engine/vllm/weights_check.py). llama.cpp cannot run the all-attention member at all (`LLAMA_CPP_ABORTS`), nor can
 mlx-lm, which cannot load LFM2-VL's transformers repository either (`MLX_REFUSES`).
@@ -47,7 +47,9 @@ from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.mlx.backend import MlxBackend
 from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.slots.batching import BatchingEngine
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, vision_support_missing
+from lmserve.engine.vllm.args import VllmOptions
+from lmserve.engine.vllm.engine import VllmEngine
+from lmserve.engine.vllm.vision import vision_support_missing
 from lmserve.errors import InvalidRequest
 from lmserve.store.gguf_check import check_gguf
 from lmserve.types import Chunk, LoadOptions, SamplingParams

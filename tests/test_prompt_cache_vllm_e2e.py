@@ -16,7 +16,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmserve.engine.vllm.engine import CACHE_TIER
+from lmserve.engine.vllm.stats import CACHE_TIER
 
 BLOCK = 128
 """vLLM's KV block on its CPU build, the most it leaves uncached at a prompt's end (a GPU's 16-token blocks leave

@@ -9,7 +9,7 @@ Residency (service/residency.py) holds every load against one memory budget with
   (auto: engine/context_size.py), a recurrent or hybrid model's state per slot, compute buffers (a base and a share
   per batch token), and a draft model, a projector and adapters. Sliding-window layers count whole, as the context
   choice counts them (an upper bound).
-- vLLM (a repository), roughly: its safetensors, the KV cache the CPU build is given (engine/vllm/engine.py
+- vLLM (a repository), roughly: its safetensors, the KV cache the CPU build is given (engine/vllm/memory.py
   `kv_cache_bytes`, or VLLM_CPU_KVCACHE_SPACE) and its engine process's runtime. On a GPU the load takes GPU memory,
   which vLLM budgets itself (--gpu-memory-utilization): such an estimate is `on_gpu` and not held against RAM; so is
   a llama.cpp load with layers on a GPU.

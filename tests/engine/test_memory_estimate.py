@@ -22,7 +22,7 @@ from lmserve.engine.llamacpp.estimate import (
 from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, kv_bytes_per_token
 from lmserve.engine.llamacpp.options import KV_CACHE_TYPES, LlamaCppLaunch
 from lmserve.engine.memory_estimate import COMPUTE_BASE_BYTES, MemoryEstimate, _cgroup_room, available_memory
-from lmserve.engine.vllm.estimate import VLLM_RUNTIME_BYTES
+from lmserve.engine.vllm.memory import VLLM_RUNTIME_BYTES
 from lmserve.store.gguf_check import gguf_metadata
 from lmserve.types import AUTO_CONTEXT, LoadOptions
 from tests.tiny_gguf import write_tiny_llama
@@ -164,7 +164,7 @@ def repository(tmp_path: Path) -> Path:
 )
 def test_a_repository_is_estimated_roughly(repository: Path, is_cpu: bool, space: str | None, kv: int, on_gpu: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lmserve.engine.vllm.engine.is_cpu_build", lambda: is_cpu)
+    monkeypatch.setattr("lmserve.engine.vllm.args.is_cpu_build", lambda: is_cpu)
     if space is None:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     else:

@@ -14,7 +14,7 @@ from lmserve.engine.factory import EngineSettings, engine_of, open_engine
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.spec import EngineSpec
-from lmserve.engine.vllm import engine as vllm_engine
+from lmserve.engine.vllm import args as vllm_args
 from lmserve.engine.vllm.options import VllmLaunch
 from lmserve.errors import InvalidRequest
 from lmserve.types import LoadOptions
@@ -98,7 +98,7 @@ def test_every_engine_declares_its_options_and_capabilities() -> None:
 
 
 def test_kv_offloading_on_vllms_cpu_build_is_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "is_cpu_build", lambda: True)  # as on this machine, without importing vLLM
+    monkeypatch.setattr(vllm_args, "is_cpu_build", lambda: True)  # as on this machine, without importing vLLM
     (tmp_path / "config.json").write_text("{}")
     settings = EngineSettings(launch=(VllmLaunch(kv_offloading_size=2.0),))
     with pytest.raises(InvalidRequest, match="--kv-offloading-size moves vLLM's KV cache from GPU memory to CPU RAM"):

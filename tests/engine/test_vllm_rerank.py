@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions, engine_args
+from lmserve.engine.vllm.args import VllmOptions, engine_args
+from lmserve.engine.vllm.engine import VllmEngine
 from lmserve.engine.vllm.rerank import is_reranker, num_labels, pair_tokens, second_segment
 from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import SamplingParams

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterable
 
 import pytest
 
-from lmserve.engine.vllm.engine import VllmEngine, check_scoring
+from lmserve.engine.vllm.engine import VllmEngine
 from lmserve.engine.vllm.gate import SCORES, TOP_LOGPROBS, KindGate
+from lmserve.engine.vllm.sampling import check_scoring
 from lmserve.errors import InvalidRequest
 from lmserve.types import MAX_SCORE_TOKENS, Chunk, SamplingParams
 

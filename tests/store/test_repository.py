@@ -12,7 +12,7 @@ import pytest
 from lmserve import options as opts
 from lmserve.engine.factory import engine_of
 from lmserve.engine.protocol import Engine
-from lmserve.engine.vllm.engine import vision_support_missing
+from lmserve.engine.vllm.vision import vision_support_missing
 from lmserve.errors import InvalidRequest
 from lmserve.service.catalog import StoreCatalog
 from lmserve.store import repository

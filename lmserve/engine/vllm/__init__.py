@@ -14,7 +14,7 @@ from lmserve.types import LoadOptions
 if TYPE_CHECKING:
     from lmserve.engine.memory_estimate import HeaderReader, MemoryEstimate
     from lmserve.engine.protocol import Engine
-    from lmserve.engine.vllm.engine import VllmOptions
+    from lmserve.engine.vllm.args import VllmOptions
 
 
 def claims(path: Path) -> bool:
@@ -30,14 +30,14 @@ def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> En
 
 def serve_headless(path: Path, options: LoadOptions, settings: EngineSettings) -> None:
     """Run this node's share of a multi-node model (no HTTP) until SIGTERM/SIGINT or node rank 0 is gone."""
-    from lmserve.engine.vllm.engine import serve_headless as run
+    from lmserve.engine.vllm.headless import serve_headless as run
 
     run(path, vllm_options(path, options, settings))
 
 
 def estimate(path: Path, options: LoadOptions, settings: EngineSettings,
              read_header: HeaderReader) -> MemoryEstimate | None:
-    from lmserve.engine.vllm.estimate import estimate_repository
+    from lmserve.engine.vllm.memory import estimate_repository
 
     return estimate_repository(path, options)
 
@@ -52,7 +52,7 @@ def missing() -> str | None:
 
 
 def vision_missing(config: dict[str, object]) -> str | None:
-    from lmserve.engine.vllm.engine import vision_support_missing
+    from lmserve.engine.vllm.vision import vision_support_missing
 
     return vision_support_missing(config)
 
@@ -61,7 +61,7 @@ def vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> 
     """What the server's launch options and this model's load options ask of vLLM; InvalidRequest for what this
     machine's vLLM cannot do."""
     try:
-        from lmserve.engine.vllm.engine import VllmOptions, check_kv_offloading, is_cpu_build
+        from lmserve.engine.vllm.args import VllmOptions, check_kv_offloading, is_cpu_build
     except ImportError as exc:
         raise InvalidRequest(f"{path.name} is a safetensors repository, which the vLLM engine serves, and vLLM is "
                              f"not installed ({exc}); install it: pip install 'lmserve[vllm]' (GPU) or "

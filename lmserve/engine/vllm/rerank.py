@@ -17,6 +17,7 @@ conversion overrides and prompt template, and lmserve reranks with it by judging
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,3 +83,13 @@ def pair_tokens(tokenizer: Any, query: str, document: str, *, limit: int, trunca
 def second_segment(types: list[int]) -> int:
     """Where the token types turn from 0 to 1 (their length when they never do), as vLLM compresses them."""
     return next((i for i, kind in enumerate(types) if kind == 1), len(types))
+
+
+def score_template(model_config: Any) -> Callable[[str, str], str | None] | None:
+    """The model's own score template (vLLM's `get_score_template(query, document)`), or None where the tokenizer
+    pairs the texts."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+    from vllm.model_executor.models.interfaces import supports_score_template
+
+    model: Any = get_model_cls(model_config)
+    return model.get_score_template if supports_score_template(model) else None

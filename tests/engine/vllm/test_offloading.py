@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.engine.vllm.engine import VllmOptions, engine_args
+from lmserve.engine.vllm.args import VllmOptions, engine_args
 from tests.hf_repos import smollm2_repo
 
 

@@ -6,15 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.engine.vllm.engine import (
-    VllmOptions,
-    check_kv_offloading,
-    cpu_binding,
-    engine_args,
-    kv_bytes_per_token,
-    kv_cache_bytes,
-    to_vllm_sampling,
-)
+from lmserve.engine.vllm.args import VllmOptions, check_kv_offloading, engine_args
+from lmserve.engine.vllm.memory import kv_bytes_per_token, kv_cache_bytes
+from lmserve.engine.vllm.sampling import to_vllm_sampling
+from lmserve.engine.vllm.workers import cpu_binding
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams
 

@@ -20,12 +20,13 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from lmserve.api.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import PromptImage
-from lmserve.engine.vllm.engine import VllmEngine, VllmOptions
+from lmserve.engine.vllm.args import VllmOptions
+from lmserve.engine.vllm.engine import VllmEngine
 from lmserve.errors import InvalidRequest
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import Bitmap, Chunk, SamplingParams
