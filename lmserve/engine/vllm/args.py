@@ -86,16 +86,7 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["runner"] = "pooling"
         del args["logprobs_mode"]
         del args["enable_prefix_caching"]  # vLLM's choice: an encoder-only model has no KV cache to keep
-    compilation: dict[str, Any] = {}
-    if options.is_cpu and cpu_rope_kernel_wrong(config):
-        compilation["custom_ops"] = ["-rotary_embedding"]  # vLLM's PyTorch RoPE instead (CPU_ROPE_KERNEL_WRONG)
-    if options.is_cpu and options.pipeline_parallel_size > 1 and not options.torch_compile:
-        # vLLM's CPU build sets up the buffers a later pipeline stage reads only in its warm-up, which eager mode
-        # skips: trace the graph once (no inductor) instead.
-        args["enforce_eager"] = False
-        compilation.update(mode=2, backend="eager")
-    if compilation:
-        args["compilation_config"] = compilation
+    args.update(_compilation_args(options, config))
     if options.executor != "auto":
         args["distributed_executor_backend"] = options.executor
     if options.nnodes > 1:
@@ -111,15 +102,38 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
     elif kv_bytes is not None:
         args["kv_cache_memory_bytes"] = kv_bytes
+    args.update(_prefill_args(options, config))
+    return args
+
+
+def _compilation_args(options: VllmOptions, config: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of vLLM's compilation the CPU build needs for this model, if any."""
+    args: dict[str, Any] = {}
+    compilation: dict[str, Any] = {}
+    if options.is_cpu and cpu_rope_kernel_wrong(config):
+        compilation["custom_ops"] = ["-rotary_embedding"]  # vLLM's PyTorch RoPE instead (CPU_ROPE_KERNEL_WRONG)
+    if options.is_cpu and options.pipeline_parallel_size > 1 and not options.torch_compile:
+        # vLLM's CPU build sets up the buffers a later pipeline stage reads only in its warm-up, which eager mode
+        # skips: trace the graph once (no inductor) instead.
+        args["enforce_eager"] = False
+        compilation.update(mode=2, backend="eager")
+    if compilation:
+        args["compilation_config"] = compilation
+    return args
+
+
+def _prefill_args(options: VllmOptions, config: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of chunked prefill (`prefill_chunk`; none for vLLM's default)."""
     if options.prefill_chunk == -1:
-        args["enable_chunked_prefill"] = False
+        args: dict[str, Any] = {"enable_chunked_prefill": False}
         if is_hybrid(config):  # vLLM keeps a hybrid model's prefix states only while it chunks prefills
             args["enable_prefix_caching"] = False
         args["max_num_batched_tokens"] = max(options.num_ctx, 2048)
-    elif options.prefill_chunk is not None:
-        args["enable_chunked_prefill"] = True
-        args["max_num_batched_tokens"] = max(options.prefill_chunk, options.num_parallel)
-    return args
+        return args
+    if options.prefill_chunk is not None:
+        return {"enable_chunked_prefill": True,
+                "max_num_batched_tokens": max(options.prefill_chunk, options.num_parallel)}
+    return {}
 
 
 def check_kv_offloading(options: VllmOptions, *, lmcache_installed: bool | None = None) -> None:

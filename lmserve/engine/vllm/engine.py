@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.context_size import ContextChoice
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.lifeline import LIFELINE
 from lmserve.engine.memory_estimate import meminfo_available as available_memory
@@ -54,31 +55,13 @@ class VllmEngine:
     """A repository loaded into vLLM. Blocking to construct (the engine core starts: seconds)."""
 
     def __init__(self, path: Path, options: VllmOptions) -> None:
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         config = json.loads((path / "config.json").read_text())
         missing = vision_support_missing(config)
         if missing is not None:
             raise InvalidRequest(f"vLLM cannot serve this vision-language model here: {missing}", param="model")
         check_weights(path, config)
         self._stats = EngineStats()
-        try:
-            choice = context_choice(path, options, config)
-        except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
-            raise InvalidRequest(f"vLLM cannot serve it this way: {config_error(exc)}") from exc
-        options = replace(options, num_ctx=choice.num_ctx)
-        sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
-        kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
-        with environment(worker_environment(options)), LIFELINE.watching():  # none left behind, loaded or not
-            try:
-                arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
-                self.llm = AsyncLLM.from_engine_args(arguments, stat_loggers=[stat_logger(self._stats)])
-            except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
-                raise InvalidRequest(f"vLLM cannot serve it this way: {config_error(exc)}") from exc
-            except Exception as exc:  # its engine core died or failed while loading (the log has vLLM's reasons)
-                raise EngineFailure(f"vLLM's engine failed while loading (the server's log has vLLM's account): "
-                                    f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+        self.llm, choice = start_vllm(path, options, config, self._stats)
         self._failure: str | None = None
         self._tokenizer = self.llm.get_tokenizer()
         self.llm_tokenizer: Any = self._tokenizer
@@ -89,32 +72,12 @@ class VllmEngine:
         self.gate = KindGate()
         """Keeps scoring and top-logprobs requests out of each other's steps (engine/vllm/gate.py)."""
         model_config = self.llm.model_config
-        tokenizer = self._tokenizer
-        reranker = is_reranker(config)
-        self.info = ModelInfo(
-            path=str(path),
-            architecture=str(config.get("model_type", "")),
-            num_ctx=int(model_config.max_model_len),
-            num_parallel=options.num_parallel,
-            num_vocab=int(model_config.get_vocab_size()),
-            num_ctx_train=choice.trained,
-            chat_template=getattr(tokenizer, "chat_template", None),
-            bos_token=str(getattr(tokenizer, "bos_token", None) or ""),
-            eos_token=str(getattr(tokenizer, "eos_token", None) or ""),
-            size_bytes=sum(p.stat().st_size for p in path.glob("*.safetensors")),
-            description=f"vLLM {options.dtype} {config.get('torch_dtype') or config.get('dtype') or ''}".strip(),
-            engine="vllm",
-            can_embed=False,
-            can_constrain=not reranker,
-            image_marker=None if reranker else image_marker(model_config),
-            fim=None if reranker else find_by_text(tokenizer.get_vocab()),
-            can_rank=reranker,
-        )
-        self._score_template = score_template(model_config) if reranker else None
+        self.info = model_info(path, options, config, model_config, self._tokenizer, trained=choice.trained)
+        self._score_template = score_template(model_config) if self.info.can_rank else None
         cache_config = self.llm.vllm_config.cache_config
         self._stats.kv_block_size = int(cache_config.block_size or 0)
         self._stats.kv_num_blocks = int(cache_config.num_gpu_blocks or 0)
-        self._bos_id = getattr(tokenizer, "bos_token_id", None)
+        self._bos_id = getattr(self._tokenizer, "bos_token_id", None)
         marker = self.info.image_marker
         self._marker_ids = self.tokenize(marker, add_special=False) if marker else []
 
@@ -154,22 +117,8 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        if self.info.can_rank:
-            raise InvalidRequest("model is a reranker: it scores documents against a query (rerank) and generates "
-                                 "no text", param="model")
-        num_ctx = self.info.num_ctx
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= num_ctx:
-            raise ContextOverflow(len(prompt), num_ctx, self.info.num_ctx_train)
-        if any(not 0 <= token < self.info.num_vocab for token in prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.info.num_vocab}) for this model",
-                                 param="prompt")
-        if any(not 0 <= token < self.info.num_vocab for token in sampling.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
-                                 param="logit_bias")
-        check_score_tokens(sampling, self.info.num_vocab)
-        kwargs = to_vllm_sampling(sampling, special=special, room=num_ctx - len(prompt))
+        self._check_request(prompt, sampling)
+        kwargs = to_vllm_sampling(sampling, special=special, room=self.info.num_ctx - len(prompt))
         if sampling.grammar is not None:
             if sampling.ignore_eos:
                 raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
@@ -190,6 +139,23 @@ class VllmEngine:
                             priority=sampling.priority)
         self._streams[stream.request_id] = stream
         return stream
+
+    def _check_request(self, prompt: list[int], sampling: SamplingParams) -> None:
+        """InvalidRequest (ContextOverflow) for a prompt or sampling this model cannot take."""
+        if self.info.can_rank:
+            raise InvalidRequest("model is a reranker: it scores documents against a query (rerank) and generates "
+                                 "no text", param="model")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt) >= self.info.num_ctx:
+            raise ContextOverflow(len(prompt), self.info.num_ctx, self.info.num_ctx_train)
+        if any(not 0 <= token < self.info.num_vocab for token in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.info.num_vocab}) for this model",
+                                 param="prompt")
+        if any(not 0 <= token < self.info.num_vocab for token in sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
+                                 param="logit_bias")
+        check_score_tokens(sampling, self.info.num_vocab)
 
     def submit_many(
         self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,
@@ -339,3 +305,54 @@ class VllmEngine:
 
     def forget(self, stream: VllmStream) -> None:
         self._streams.pop(stream.request_id, None)
+
+
+def start_vllm(path: Path, options: VllmOptions, config: dict[str, Any],
+               stats: EngineStats) -> tuple[Any, ContextChoice]:
+    """vLLM's AsyncLLM serving the repository at `path` (config.json is `config`), and the context chosen for it;
+    `stats` is kept current by vLLM's scheduler. Blocking (the engine core starts). InvalidRequest for what vLLM's
+    configuration refuses, EngineFailure when its engine fails while loading."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    try:
+        choice = context_choice(path, options, config)
+    except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
+        raise InvalidRequest(f"vLLM cannot serve it this way: {config_error(exc)}") from exc
+    options = replace(options, num_ctx=choice.num_ctx)
+    sized_by_user = "VLLM_CPU_KVCACHE_SPACE" in os.environ
+    kv_bytes = kv_cache_bytes(config, options, available_memory()) if options.is_cpu and not sized_by_user else None
+    with environment(worker_environment(options)), LIFELINE.watching():  # none left behind, loaded or not
+        try:
+            arguments = AsyncEngineArgs(**engine_args(path, options, kv_bytes=kv_bytes, config=config))
+            return AsyncLLM.from_engine_args(arguments, stat_loggers=[stat_logger(stats)]), choice
+        except ValueError as exc:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
+            raise InvalidRequest(f"vLLM cannot serve it this way: {config_error(exc)}") from exc
+        except Exception as exc:  # its engine core died or failed while loading (the log has vLLM's reasons)
+            raise EngineFailure(f"vLLM's engine failed while loading (the server's log has vLLM's account): "
+                                f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+
+
+def model_info(path: Path, options: VllmOptions, config: dict[str, Any], model_config: Any, tokenizer: Any, *,
+               trained: int) -> ModelInfo:
+    """What the engine seam says of the repository at `path` as vLLM loaded it (`model_config`, `tokenizer`)."""
+    reranker = is_reranker(config)
+    return ModelInfo(
+        path=str(path),
+        architecture=str(config.get("model_type", "")),
+        num_ctx=int(model_config.max_model_len),
+        num_parallel=options.num_parallel,
+        num_vocab=int(model_config.get_vocab_size()),
+        num_ctx_train=trained,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        bos_token=str(getattr(tokenizer, "bos_token", None) or ""),
+        eos_token=str(getattr(tokenizer, "eos_token", None) or ""),
+        size_bytes=sum(p.stat().st_size for p in path.glob("*.safetensors")),
+        description=f"vLLM {options.dtype} {config.get('torch_dtype') or config.get('dtype') or ''}".strip(),
+        engine="vllm",
+        can_embed=False,
+        can_constrain=not reranker,
+        image_marker=None if reranker else image_marker(model_config),
+        fim=None if reranker else find_by_text(tokenizer.get_vocab()),
+        can_rank=reranker,
+    )
