@@ -7,7 +7,7 @@ at once and stays loaded until `close()`.
 
 `chat`, `generate` and `embed` submit all their inputs together, so the engine's continuous batching runs them side
 by side (at most `parallel` + `max_queue` in flight). Requests are translated by the OpenAI dialect's own
-translators (lmserve/api/openai.py): messages, tools, `response_format` and the sampling options (lmserve/options.py,
+translators (lmserve/dialects/openai/routes.py): messages, tools, `response_format` and the sampling options (lmserve/options.py,
 by their OpenAI names) mean what they mean on /v1/chat/completions, and what the service refuses raises lmserve's
 errors (lmserve/errors.py). The service runs on an event loop in a thread of the object; the methods block.
 """
@@ -29,9 +29,9 @@ from typing import Any, TypeVar, cast, overload
 from pydantic import TypeAdapter
 
 from lmserve import options as opts
-from lmserve.api import schemas
-from lmserve.api.logprobs import asked
-from lmserve.api.openai import (
+from lmserve.dialects.openai import schemas
+from lmserve.dialects.shared.logprobs import asked
+from lmserve.dialects.openai.routes import (
     collect,
     has_images,
     load_images,

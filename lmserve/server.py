@@ -131,7 +131,7 @@ def build_app(config: ServerConfig, *, preload: bool = False, resume_batches: bo
     and of `asgi_app`. With `preload`, the app's own lifespan loads the model at startup (kept loaded) and closes
     the service at shutdown, for ASGI servers other than `serve`'s (which loads it before it serves) and for
     `lmserve batch` (which runs no batch of the store: `resume_batches` False)."""
-    from lmserve.api.app import create_app
+    from lmserve.http.app import create_app
 
     service, name = build_service(config)
     if not preload:

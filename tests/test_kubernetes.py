@@ -23,7 +23,7 @@ import referencing
 import yaml
 from kubernetes_validate.utils import schema_contents
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.cli import build_parser
 from lmserve.config import ServerConfig, resolve
 from lmserve.engine.vllm.options import VllmLaunch
@@ -46,7 +46,7 @@ CRDS = {
 CORE = {"PersistentVolumeClaim", "Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"}
 
 LMSERVE_GAUGES = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
-"""The gauges llm-d's picker reads, which lmserve exports under vLLM's names (lmserve/api/metrics.py; the same
+"""The gauges llm-d's picker reads, which lmserve exports under vLLM's names (lmserve/http/metrics.py; the same
 names are read from a served /metrics by tests/api/test_metrics.py and tests/test_gateway_e2e.py)."""
 
 

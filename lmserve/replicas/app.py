@@ -22,13 +22,13 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from lmserve.api.anthropic import error_event
-from lmserve.api.app import error_response
-from lmserve.api.health import HEALTH_PATH
-from lmserve.api.native import error_line
-from lmserve.api.openai import error_frame
-from lmserve.api.responses_output import Framer
-from lmserve.api.wire_errors import is_anthropic_path, is_native_path
+from lmserve.dialects.anthropic.routes import error_event
+from lmserve.http.app import error_response
+from lmserve.http.health import HEALTH_PATH
+from lmserve.dialects.native.routes import error_line
+from lmserve.dialects.openai.routes import error_frame
+from lmserve.dialects.responses.output import Framer
+from lmserve.dialects.shared.errors import is_anthropic_path, is_native_path
 from lmserve.config import OPTIONS, ConfigError, ServerConfig, resolve
 from lmserve.errors import EngineStopped, LmserveError, Overloaded
 from lmserve.replicas.calls import Head, HttpCall, Whole, answer, prompt_text

@@ -10,7 +10,7 @@ import pytest_asyncio
 from api_wire import API_KEY
 from fastapi import FastAPI
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

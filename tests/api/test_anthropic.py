@@ -27,9 +27,9 @@ from schemathesis.checks import not_a_server_error
 from test_schemathesis import fuzzed_app  # noqa: F401  (the fixture: a fresh app over the fake engine)
 
 from lmserve import options as opts
-from lmserve.api import anthropic_schemas as wire
-from lmserve.api.anthropic import Blocks, message_events, to_chat_request
-from lmserve.api.app import create_app
+from lmserve.dialects.anthropic import schemas as wire
+from lmserve.dialects.anthropic.routes import Blocks, message_events, to_chat_request
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

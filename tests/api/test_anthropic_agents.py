@@ -2,7 +2,7 @@
 over the fake engine: every field and block is honoured or, where Anthropic calls it advisory, accepted; refusals
 use Anthropic's wording, which Claude Code's fallbacks match.
 
-Context editing (`context_management`, lmserve/api/anthropic_context.py) is checked through count_tokens (what
+Context editing (`context_management`, lmserve/dialects/anthropic/context.py) is checked through count_tokens (what
 the rendered prompt holds) and the response's `applied_edits`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lmserve.api.batch_lines import BatchLine, check_lines, run_lines
+from lmserve.endpoints.batch_lines import BatchLine, check_lines, run_lines
 from lmserve.types import BATCH_PRIORITY
 
 CHAT = "/v1/chat/completions"

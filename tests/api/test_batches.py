@@ -16,8 +16,8 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from lmserve.api import batches as batches_module
-from lmserve.api.app import create_app
+from lmserve.endpoints import batches as batches_module
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
@@ -266,7 +266,7 @@ async def test_responses_and_completions_lines_run_as_their_routes_answer(engine
 async def test_lines_not_run_when_the_window_passes_go_to_the_error_file_and_the_batch_expires(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("lmserve.api.batches.window_seconds", lambda window: 1)
+    monkeypatch.setattr("lmserve.endpoints.batches.window_seconds", lambda window: 1)
     expire = batches_module._expire
 
     def expire_once_a_line_is_done(run: Any) -> None:

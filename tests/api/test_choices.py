@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.app import create_app
-from lmserve.api.choices import interleave, summed_usage
+from lmserve.http.app import create_app
+from lmserve.dialects.openai.choices import interleave, summed_usage
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

@@ -14,7 +14,7 @@ import pytest
 from api_wire import assert_openai_error
 from fastapi import FastAPI
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

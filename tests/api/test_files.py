@@ -15,7 +15,7 @@ import pytest_asyncio
 from api_wire import API_KEY, assert_openai_error
 from fastapi import FastAPI
 
-from lmserve.api.app import FORM_ALLOWANCE, create_app
+from lmserve.http.app import FORM_ALLOWANCE, create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig, env_name
 from lmserve.engine.slots.batching import BatchingEngine

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from api_wire import API_KEY, assert_openai_error, sse_events
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import Engine

@@ -15,7 +15,7 @@ import pytest_asyncio
 from api_wire import assert_openai_error
 from PIL import Image
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

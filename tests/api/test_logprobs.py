@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.api.logprobs import LegacyLogprobs, asked, chat_logprobs, joined, legacy_asked, token_entries
+from lmserve.dialects.shared.logprobs import LegacyLogprobs, asked, chat_logprobs, joined, legacy_asked, token_entries
 from lmserve.errors import InvalidRequest
 from lmserve.types import TokenLogprob
 

@@ -7,7 +7,7 @@ import pytest
 from api_wire import API_KEY
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmserve.api.metrics import Metrics
+from lmserve.http.metrics import Metrics
 from lmserve.service import Service
 from lmserve.types import Chunk, Timings, Usage
 
@@ -126,7 +126,7 @@ async def test_engine_time_splits_into_decode_and_overhead(client: httpx.AsyncCl
 
 
 async def test_building_the_app_keeps_the_observers_already_registered(service: Service) -> None:
-    from lmserve.api.app import create_app
+    from lmserve.http.app import create_app
     from lmserve.config import ServerConfig
 
     seen: list[str] = []

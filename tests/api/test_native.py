@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.api.native import parse_keep_alive, split_reasoning, to_messages, to_modelfile, to_options
-from lmserve.api.native_schemas import ChatMessage, CreateBody
+from lmserve.dialects.native.routes import parse_keep_alive, split_reasoning, to_messages, to_modelfile, to_options
+from lmserve.dialects.native.schemas import ChatMessage, CreateBody
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
@@ -153,7 +153,7 @@ def test_options_are_checked_and_typed_over_the_native_defaults() -> None:
 async def test_a_full_queue_is_503_with_retry_after() -> None:
     import asyncio
 
-    from lmserve.api.app import create_app
+    from lmserve.http.app import create_app
     from lmserve.chat.template import ChatTemplate
     from lmserve.config import ServerConfig
     from lmserve.engine.slots.batching import BatchingEngine

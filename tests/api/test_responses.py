@@ -18,9 +18,9 @@ from openai.types.responses import Response as OpenAIResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from lmserve.api.app import create_app
-from lmserve.api.responses import Framer, OutputBuilder, parse_items, stream_events, to_messages, to_sampling
-from lmserve.api.responses_schemas import ResponseRequest
+from lmserve.http.app import create_app
+from lmserve.dialects.responses.routes import Framer, OutputBuilder, parse_items, stream_events, to_messages, to_sampling
+from lmserve.dialects.responses.schemas import ResponseRequest
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

@@ -1,4 +1,4 @@
-"""The tools of a Responses request (lmserve/api/responses_tools.py), in-process over the fake engine and through the
+"""The tools of a Responses request (lmserve/dialects/responses/tools.py), in-process over the fake engine and through the
 official `openai` client in strict mode where it can send the request: tool types lmserve does not run are left out
 and named in a header, namespace tools are expanded and their calls come back with the namespace, and tool choices
 that force what lmserve does not run are 400s naming it."""
@@ -18,9 +18,9 @@ from api_wire import assert_openai_error
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from lmserve.api import responses_schemas as wire
-from lmserve.api.app import create_app
-from lmserve.api.responses_tools import IGNORED_TOOLS_HEADER, chat_tools, ignored_header, offered_tools
+from lmserve.dialects.responses import schemas as wire
+from lmserve.http.app import create_app
+from lmserve.dialects.responses.tools import IGNORED_TOOLS_HEADER, chat_tools, ignored_header, offered_tools
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
@@ -100,7 +100,7 @@ async def test_a_tool_lmserve_does_not_run_is_left_out_and_named(http: httpx.Asy
                                                                  tool: dict[str, Any],
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     body = {"model": "fake", "input": "Hi", "tools": [EXEC_COMMAND, tool]}
-    with caplog.at_level(logging.WARNING, logger="lmserve.api.responses"):
+    with caplog.at_level(logging.WARNING, logger="lmserve.dialects.responses.routes"):
         reply = await http.post("/v1/responses", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.headers[IGNORED_TOOLS_HEADER] == tool["type"]

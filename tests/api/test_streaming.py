@@ -14,8 +14,8 @@ from api_wire import assert_openai_error, sse_events
 from fastapi import FastAPI
 from starlette.types import Message, Scope
 
-from lmserve.api.app import create_app
-from lmserve.api.streaming import HOLE, TextFrame, dumps, until_disconnect
+from lmserve.http.app import create_app
+from lmserve.dialects.shared.streaming import HOLE, TextFrame, dumps, until_disconnect
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.backend import BatchEntry

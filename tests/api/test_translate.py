@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from lmserve import options as opts
-from lmserve.api import schemas
-from lmserve.api.openai import to_chat_request, to_completion_request, to_options
-from lmserve.api.wire_errors import invalid_from_validation, location
+from lmserve.dialects.openai import schemas
+from lmserve.dialects.openai.routes import to_chat_request, to_completion_request, to_options
+from lmserve.dialects.shared.errors import invalid_from_validation, location
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams, ToolCall
 

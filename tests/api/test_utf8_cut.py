@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from api_wire import sse_json
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.llamacpp.backend import LlamaCppBackend

@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from lmserve.api.web import INDEX, PLAIN_ROOT, WEB_PREFIX, content_type, wants_html, web_files
+from lmserve.http.web import INDEX, PLAIN_ROOT, WEB_PREFIX, content_type, wants_html, web_files
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,image/webp,*/*;q=0.8"
 

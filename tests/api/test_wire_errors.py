@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from api_wire import assert_openai_error
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine

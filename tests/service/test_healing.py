@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import httpx
 import pytest
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.config import ServerConfig
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.slots.batching import BatchingEngine

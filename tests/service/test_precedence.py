@@ -11,7 +11,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from lmserve.api.app import create_app
+from lmserve.http.app import create_app
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import Engine
 from lmserve.engine.slots.batching import BatchingEngine

@@ -1,0 +1,1 @@
+"""The local runner's native dialect: /api/chat, /api/generate, /api/embed, the model store's routes."""
