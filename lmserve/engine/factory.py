@@ -12,11 +12,12 @@ from lmserve.engine.memory_estimate import HeaderReader
 from lmserve.engine.memory_estimate import MemoryEstimate as MemoryEstimate  # re-exported: the service's view
 from lmserve.engine.memory_estimate import available_memory as available_memory
 from lmserve.engine.protocol import Engine
-from lmserve.engine.registry import AUTO, engine_for
+from lmserve.engine.registry import AUTO, engine_for, engine_named
+from lmserve.engine.sampling_support import refuse_unhonoured
 from lmserve.engine.slots.prompt_cache import PromptCache as PromptCache  # re-exported: the service closes it
 from lmserve.engine.spec import EngineSettings as EngineSettings
 from lmserve.engine.spec import EngineSpec as EngineSpec
-from lmserve.types import LoadOptions
+from lmserve.types import LoadOptions, SamplingParams
 
 
 def engine_of(path: Path, settings: EngineSettings | None = None) -> EngineSpec:
@@ -43,6 +44,12 @@ def vision_missing(path: Path, config: dict[str, Any]) -> str | None:
     config.json), or None."""
     spec = engine_of(path)
     return spec.vision_missing(config) if spec.vision_missing is not None else None
+
+
+def check_sampling(engine: str, sampling: SamplingParams) -> None:
+    """InvalidRequest (param: the option) when `sampling` asks for an option the engine named `engine`
+    (`ModelInfo.engine`) does not honour (engine/sampling_support.py)."""
+    refuse_unhonoured(sampling, engine_named(engine))
 
 
 def quantize_weights(source: Path, destination: Path, level: str, *, label: str | None = None) -> None:

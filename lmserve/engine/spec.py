@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lmserve.engine.sampling_support import SAMPLING_OPTIONS
 from lmserve.types import LoadOptions
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class EngineSpec:
     lmserve/supervisor.py, starts it again); False: in processes of its own (vLLM's engine core)."""
     takes: frozenset[str] = frozenset()
     """What a Modelfile may add to a model it serves: "adapters", "projector", "quantize"."""
+    sampling: frozenset[str] = SAMPLING_OPTIONS
+    """The per-request sampling options it honours, by the options table's names; a request that sets another to
+    anything but its neutral value is refused, naming it (engine/sampling_support.py)."""
     vision_missing: Callable[[dict[str, Any]], str | None] | None = None
     """What this machine lacks to serve the images of a repository whose config.json this is (None: nothing)."""
     serve_headless: Callable[[Path, LoadOptions, EngineSettings], None] | None = None

@@ -22,6 +22,7 @@ from lmserve.chat.reasoning import (
 )
 from lmserve.chat.tools import FALLBACK_PARSER, StreamingToolParser, ToolCallParser, detect_parser, get_parser
 from lmserve.chat.tools.forcing import forced_call_grammar
+from lmserve.engine.factory import check_sampling
 from lmserve.engine.protocol import Engine, GenerationStream, PromptImage, choice_sampling, unit_vector
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.service import embeddings, fim, json_budget, prompts
@@ -487,6 +488,7 @@ class GenerationService:
         grammar is a forced tool call's. `started_ns`: when the request began, for `Generation.load_ns` (else 0)."""
         special = parser is not None or plan.format is not None
         engine = resident.model.engine
+        check_sampling(engine.info.engine, sampling)  # what the engine does not honour is refused (its SPEC)
         sampling = within_context(engine.info, len(tokens), sampling)
         self._check_grammar(resident, sampling, special=special, forced=forced)
         streams: list[GenerationStream] = []

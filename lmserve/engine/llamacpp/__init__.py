@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.sampling_support import SAMPLING_OPTIONS
 from lmserve.engine.spec import EngineSettings, EngineSpec
 from lmserve.types import LoadOptions
 
@@ -67,4 +68,5 @@ def prompt_cache_key(path: Path, options: LoadOptions, launch: LlamaCppLaunch, n
 SPEC = EngineSpec(
     name="llamacpp", label="llama.cpp", serves="GGUF files", launch=LlamaCppLaunch, claims=claims, open=open_model,
     estimate=estimate, in_process=True, takes=frozenset({"adapters", "projector", "quantize"}),
+    sampling=SAMPLING_OPTIONS,
 )

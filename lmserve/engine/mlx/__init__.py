@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmserve.engine.mlx.options import MlxLaunch
+from lmserve.engine.sampling_support import SAMPLING_OPTIONS
 from lmserve.engine.spec import EngineSettings, EngineSpec
 from lmserve.types import LoadOptions
 
@@ -108,5 +109,5 @@ def prompt_cache_key(path: Path, launch: MlxLaunch, num_ctx: int) -> str:
 SPEC = EngineSpec(
     name="mlx", label="MLX", serves="safetensors repositories (a directory with config.json; MLX's quantized ones too)",
     launch=MlxLaunch, claims=claims, open=open_model, estimate=estimate, missing=missing, in_process=True,
-    vision_missing=vision_missing,
+    vision_missing=vision_missing, sampling=SAMPLING_OPTIONS,
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmserve.engine.sampling_support import SAMPLING_OPTIONS
 from lmserve.engine.spec import EngineSettings, EngineSpec
 from lmserve.engine.vllm.options import VllmLaunch, kv_events_config
 from lmserve.errors import InvalidRequest
@@ -91,5 +92,9 @@ def vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> 
 SPEC = EngineSpec(
     name="vllm", label="vLLM", serves="safetensors repositories (a directory with config.json)", launch=VllmLaunch,
     claims=claims, open=open_model, estimate=estimate, missing=missing, vision_missing=vision_missing,
-    serve_headless=serve_headless,
+    serve_headless=serve_headless, sampling=SAMPLING_OPTIONS - {"mirostat", "mirostat_tau", "mirostat_eta", "typical_p",
+                                                                "draft_max"},
 )
+"""vLLM has no Mirostat and no locally typical sampling, and drafts only as configured when it loads (no per-request
+draft_max). Its repetition penalty covers the whole text, so `repeat_last_n` has no counterpart (taken, as it always
+has been, and not refused: every native request sends one)."""

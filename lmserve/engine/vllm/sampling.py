@@ -13,17 +13,10 @@ from lmserve.types import SamplingParams
 def to_vllm_sampling(sampling: SamplingParams, *, special: bool, room: int) -> dict[str, Any]:
     """vLLM `SamplingParams` keywords for lmserve's `sampling` (the options table already resolved the layers).
 
-    vLLM has no Mirostat and no locally typical sampling: asking for them is a 400. `repeat_penalty` is vLLM's
+    vLLM has no Mirostat, no locally typical sampling and no per-request draft_max: the service refused them before
+    (its SPEC's `sampling`, engine/sampling_support.py), and they are not passed on. `repeat_penalty` is vLLM's
     `repetition_penalty` (over the whole text; `repeat_last_n` has no counterpart). Top-k 0 means off (-1 to vLLM).
     """
-    if sampling.mirostat:
-        raise InvalidRequest("the vLLM engine has no Mirostat sampling; leave mirostat at 0", param="mirostat")
-    if sampling.typical_p < 1.0:
-        raise InvalidRequest("the vLLM engine has no locally typical sampling; leave typical_p at 1",
-                             param="typical_p")
-    if sampling.draft_max:
-        raise InvalidRequest("per-request speculative decoding (draft_max) is the llama.cpp engine's; vLLM drafts "
-                             "only as configured when it loads: leave draft_max at 0", param="draft_max")
     kwargs: dict[str, Any] = {
         "temperature": max(sampling.temperature, 0.0),
         "top_p": min(max(sampling.top_p, 1e-6), 1.0) if sampling.top_p > 0 else 1.0,

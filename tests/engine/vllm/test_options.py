@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from lmserve.engine import vllm
+from lmserve.engine.sampling_support import refuse_unhonoured
 from lmserve.engine.vllm.args import VllmOptions, check_kv_offloading, engine_args
 from lmserve.engine.vllm.memory import kv_bytes_per_token, kv_cache_bytes
 from lmserve.engine.vllm.sampling import to_vllm_sampling
@@ -113,7 +115,7 @@ def test_sampling_maps_once_with_top_k_zero_as_disabled() -> None:
 ])
 def test_samplers_vllm_lacks_are_a_400(sampling: SamplingParams, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        to_vllm_sampling(sampling, special=False, room=10)
+        refuse_unhonoured(sampling, vllm.SPEC)  # its SPEC's `sampling` (engine/sampling_support.py)
     assert info.value.param == param
 
 
