@@ -1,204 +1,38 @@
-"""Residency: which loaded engine instance serves each model name, and for how long.
-
-Names and instances are separate. An engine instance is one copy of weights in memory, keyed by what changes the
-weights or the way they are loaded (`WeightsKey`: the weights file, adapters, projector and every load-time
-option). A resident name binds an instance with the name's own prompt settings (template, system, messages,
-sampling defaults): models created FROM another that differ only in those share one instance.
-
-- Loading never blocks the other models: no lock is held while weights load; concurrent requests for the same
-  weights wait for the one load in progress.
-- A name stays resident while requests use it; `keep_alive` (seconds; None = forever; 0 = unload when idle) counts
-  from its last use. An instance lives while a resident name binds it or a request still uses it.
-- A request whose load-time options differ from the resident instance's gets a fresh instance with its options;
-  the old one finishes the requests it is running and is then closed. A context (`num_ctx`) no larger than the
-  loaded one is not a difference: the request runs on the loaded instance within its own limit (`serving`). A name
-  whose stored settings changed (it was created again) is bound again, on the same instance when its weights and
-  load options did not change.
-- Before another instance loads beyond `max_loaded`, the least recently used idle instances (and every name bound
-  to them) are unloaded. Busy instances are never unloaded for room: the limit is what loading aims for, not a cap.
-- With a memory gauge (service/memory_budget.py), what an instance will hold (its plan's estimate: weights, KV
-  for its context and slots, buffers) must fit in memory before it loads: the prompt cache is asked to give back
-  the shortfall first (`reclaim`), then the least recently used idle instances are unloaded until it fits. A model
-  that cannot fit even with every other model unloaded is InsufficientMemory (400, naming both numbers); one that
-  would fit once busy models are done is Overloaded (503). `max_loaded` stays a cap on the count beside it.
-- An engine that fails (engine/protocol.py `Engine.failure`: its engine process died, its thread failed) has ended
-  its requests with an error; it is closed once they are gone, and its names stay bound to it, failed, until a new
-  instance replaces it: restarted at once in the background (`heal`), or by the next request for one of them if
-  that comes first; other instances are untouched. When restarts keep failing, service/healing.py says when to try
-  again; meanwhile requests get EngineStopped (503).
-- A load that takes longer than `load_timeout` fails its requests (the engine, should it open later, is closed).
-"""
+"""`Residency`: the models in memory, resident names bound to engine instances, loaded without a lock, leased,
+expired, evicted for room and restarted when their engine fails (the package docstring says how)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import replace
 
 from lmserve.engine.factory import MemoryEstimate
-from lmserve.engine.protocol import Engine, ModelInfo
-from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, gib
-from lmserve.parsing import format_duration
+from lmserve.engine.protocol import Engine
+from lmserve.errors import EngineFailure, LmserveError, gib
 from lmserve.service.healing import Healing
 from lmserve.service.memory_budget import MemoryGauge, estimate_of, room_for
 from lmserve.service.observers import Observers
-from lmserve.types import AUTO_CONTEXT, LoadOptions, Message, SamplingParams
+from lmserve.service.residency.opening import log_load, open_engine
+from lmserve.service.residency.records import (
+    Instance,
+    LoadPlan,
+    ModelHealth,
+    Planner,
+    Resident,
+    WeightsKey,
+    keep_alive_seconds,
+)
+from lmserve.types import AUTO_CONTEXT, LoadOptions
 
 log = logging.getLogger(__name__)
-
-MAX_KEEP_ALIVE = 100 * 365 * 24 * 3600.0
-"""A longer keep_alive means forever (and keeps expiry dates representable)."""
-
-
-class Prompter(Protocol):
-    """Renders a conversation into the model's prompt text (a Jinja chat template or a Modelfile Go one)."""
-
-    def render(
-        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-        think: bool | str | None = None,
-    ) -> str:
-        """The prompt text; `think` (None: the model's default) switches thinking on or off, or sets its effort."""
-        ...
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A model ready to serve: its engine (maybe shared with other names), how it renders prompts, its defaults."""
-
-    name: str
-    engine: Engine
-    template: Prompter
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    """A fixed model's sampling defaults (StaticCatalog); a stored model's come from its Modelfile (the catalog)."""
-    system: str | None = None
-    messages: list[Message] = field(default_factory=list)
-    template_source: str | None = None
-    """The template text the prompter renders (Modelfile TEMPLATE or the model's), for tool-format detection."""
-    created: int = field(default_factory=lambda: int(time.time()))
-    aliases: tuple[str, ...] = ()
-    owned_by: str = "lmserve"
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsKey:
-    """What makes one engine instance: the weights and every load-time option (adapters and projector included)."""
-
-    weights: str
-    options: LoadOptions
-
-
-@dataclass(slots=True)
-class LoadPlan:
-    """How to serve a name: the instance it needs, how to open one (blocking), and how to bind one to the name."""
-
-    key: WeightsKey
-    open: Callable[[], Engine]
-    bind: Callable[[Engine], LoadedModel]
-    binding: str = ""
-    """What the bound settings were made from (e.g. the manifest's digest): a change means binding again."""
-    estimate: Callable[[], MemoryEstimate | None] | None = None
-    """What an instance will hold in memory (blocking: reads headers, not weights); None: not known."""
-
-
-Planner = Callable[[str, LoadOptions], LoadPlan]
-"""(canonical name, load options) → its LoadPlan; raises ModelNotFound or InvalidRequest."""
-
-
-@dataclass(slots=True, eq=False)
-class Instance:
-    """One engine in memory and the requests using it (across every name bound to it)."""
-
-    key: WeightsKey
-    engine: Engine
-    last_used: float
-    users: int = 0
-    memory: MemoryEstimate | None = None
-    """What it holds in memory, as estimated before it loaded (None: not estimated)."""
-    failure: str | None = None
-    """Why its engine failed (then it serves nothing more and is closed once its requests are gone)."""
-    is_closed: bool = False
-
-    @property
-    def is_idle(self) -> bool:
-        return self.users == 0 and self.engine.num_running == 0 and self.engine.num_waiting == 0
-
-    @property
-    def ram_bytes(self) -> int:
-        """The RAM it holds by its estimate (0: on a GPU, or not estimated)."""
-        return self.memory.total if self.memory is not None and not self.memory.on_gpu else 0
-
-
-@dataclass(slots=True, eq=False)
-class Resident:
-    """One resident model name: its bound model, its instance and its lease."""
-
-    model: LoadedModel
-    instance: Instance
-    binding: str
-    keep_alive: float | None
-    last_used: float
-    users: int = 0
-    loaded_at: float = field(default_factory=time.time)
-
-    @property
-    def options(self) -> LoadOptions:
-        return self.instance.key.options
-
-    @property
-    def memory(self) -> MemoryEstimate | None:
-        """What its instance holds in memory, as estimated before it loaded (None: not estimated)."""
-        return self.instance.memory
-
-    @property
-    def expires_at(self) -> float | None:
-        return None if self.keep_alive is None else self.last_used + self.keep_alive
-
-    @property
-    def is_idle(self) -> bool:
-        return self.users == 0
-
-
-ModelState = Literal["ok", "loading", "restarting", "failed"]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelHealth:
-    """Whether a resident (or loading) model can answer now, and why not."""
-
-    name: str
-    state: ModelState
-    reason: str = ""
-
-
-def log_load(name: str, options: LoadOptions, info: ModelInfo) -> None:
-    """The load's log line: the context in force (as the engine reports it) and why; before it, a warning when more
-    was asked for than the model was trained for (the engine capped it)."""
-    asked, trained = options.num_ctx, info.num_ctx_train
-    if asked != AUTO_CONTEXT and 0 < trained < asked:
-        log.warning("%s: a context of %d tokens per sequence was asked for (-c/--ctx-size, LMSERVE_CTX_SIZE or "
-                    "num_ctx), but the model was trained for %d: its context is %d tokens per sequence",
-                    name, asked, trained, info.num_ctx)
-    slots = f"{info.num_parallel} slot" + ("s" if info.num_parallel != 1 else "")
-    why = ("auto" if asked == AUTO_CONTEXT else "asked") + (f", trained for {trained}" if trained > 0 else "")
-    log.info("loaded %s: context %d tokens per sequence x %s (%s)", name, info.num_ctx, slots, why)
 
 
 def _retrieve(future: asyncio.Future[Instance]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def keep_alive_seconds(keep_alive: float) -> float | None:
-    """Negative, infinite or beyond a century → forever (None); else seconds. NaN is refused."""
-    if math.isnan(keep_alive):
-        raise InvalidRequest("keep_alive must be a number of seconds or a duration, not NaN", param="keep_alive")
-    if keep_alive < 0 or keep_alive > MAX_KEEP_ALIVE:
-        return None
-    return keep_alive
 
 
 class Residency:
@@ -456,7 +290,7 @@ class Residency:
             self._make_room(name, estimate)
             if estimate is not None:
                 self._loading_memory[plan.key] = estimate
-            engine = await self._opened(plan, name)
+            engine = await open_engine(plan, name, self._load_timeout, self._close_engine)
         except Exception as exc:
             if self._healing.is_recovering(plan.key):  # a restart: its failure counts
                 cause = exc.message if isinstance(exc, LmserveError) else f"{type(exc).__name__}: {exc}"
@@ -473,32 +307,6 @@ class Residency:
         log_load(name, plan.key.options, engine.info)
         self.observers.loaded(name)
         return instance
-
-    async def _opened(self, plan: LoadPlan, name: str) -> Engine:
-        """`plan.open()` run in a thread, within the load timeout; an error that is not lmserve's is EngineFailure.
-
-        An engine that opens after its load timed out is closed then."""
-        opening = asyncio.ensure_future(asyncio.to_thread(plan.open))
-        try:
-            return await asyncio.wait_for(asyncio.shield(opening), self._load_timeout)
-        except TimeoutError:
-            opening.add_done_callback(self._close_late)
-            log.error("%s did not load within %s (LMSERVE_LOAD_TIMEOUT)", name, format_duration(self._load_timeout))
-            raise EngineFailure(f"model '{name}' did not load within {format_duration(self._load_timeout)} "
-                                "(LMSERVE_LOAD_TIMEOUT): its engine hangs or is too slow to start; see the server "
-                                "log") from None
-        except LmserveError:
-            raise
-        except Exception as exc:
-            log.exception("loading %s failed", name)
-            raise EngineFailure(f"loading model '{name}' failed: {type(exc).__name__}: {exc}") from exc
-
-    def _close_late(self, opening: asyncio.Future[Engine]) -> None:
-        """Close an engine whose load finished after it timed out."""
-        if opening.cancelled() or opening.exception() is not None:
-            return
-        log.info("a load that timed out has finished: closing its engine")
-        self._close_engine(opening.result())
 
     def _has_failed(self, instance: Instance) -> bool:
         """Whether `instance`'s engine has failed; the first time it is seen, the instance is taken out of service
