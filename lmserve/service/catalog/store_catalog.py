@@ -1,30 +1,31 @@
-"""Catalogs: where model names come from, what they are, and how each is loaded (a LoadPlan for residency).
-
-`StoreCatalog` is the model store: a stored model's weights (a GGUF blob, or a safetensors repository's directory,
-`Store.model_path`) are opened by `open_engine` (engine/factory.py picks the engine), bound with the Modelfile's
-TEMPLATE (Go) or else the model's own chat template, and its PARAMETERs as sampling defaults. Names created FROM
-the same weights with the same load-time options plan the same WeightsKey, so they share one engine instance.
-`StaticCatalog` serves models already loaded (tests, fixed deployments).
-"""
+"""`StoreCatalog`: the model store as a catalog. A stored model is planned for residency from its manifest,
+Modelfile and weights; `create` writes a model from a Modelfile (FROM a name, a GGUF, a repository directory)."""
 
 from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
 
 from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
-from lmserve.chat.reasoning import detect_reasoning
 from lmserve.chat.template import ChatTemplate
 from lmserve.engine.factory import EngineSettings, engine_of, estimate_memory, vision_missing
 from lmserve.engine.protocol import Engine
-from lmserve.errors import EngineFailure, InvalidRequest, LmserveError, ModelNotFound
+from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.options import Layer
+from lmserve.service.catalog.details import gguf_details
+from lmserve.service.catalog.protocol import (
+    EngineOpener,
+    ModelDescription,
+    ModelListing,
+    ModelSettings,
+    is_reranker_metadata,
+    model_capabilities,
+)
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
 from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
@@ -33,145 +34,6 @@ from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import ModelName, is_gguf_path, parse_name
 from lmserve.store.store import Manifest, ModelEntry, Store
 from lmserve.types import LoadOptions, Message
-
-EngineOpener = Callable[[Path, LoadOptions], Engine]
-"""Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
-
-
-def model_capabilities(template: str, *, vision: bool, reranker: bool = False) -> list[str]:
-    """What `show` lists: "completion"; "tools" (any model can call tools: a template that does not render them
-    gets lmserve's own JSON call format in the prompt); "rerank" (any chat model reranks, judging relevance:
-    service/judging.py); "vision" with a projector or a vision config; "thinking" when the template thinks. A
-    dedicated reranker (a relevance head) lists "rerank" only."""
-    if reranker:
-        return ["rerank"]
-    found = ["completion", "tools", "rerank"]
-    if vision:
-        found.append("vision")
-    if detect_reasoning(template):
-        found.append("thinking")
-    return found
-
-
-def is_reranker_metadata(metadata: Mapping[str, object]) -> bool:
-    """Whether GGUF metadata describes a dedicated reranker (llama.cpp's rank pooling, `<arch>.pooling_type` 4), or
-    a repository's config a sequence classifier with one label (vLLM's score task)."""
-    architecture = metadata.get("general.architecture")
-    if isinstance(architecture, str) and metadata.get(f"{architecture}.pooling_type") == 4:
-        return True
-    architectures = metadata.get("architectures")
-    return (isinstance(architectures, list) and any(str(a).endswith("ForSequenceClassification") for a in architectures)
-            and metadata.get("num_labels", 1) in (1, None))
-
-
-@dataclass(slots=True)
-class ModelListing:
-    """A model the server can serve, loaded or not."""
-
-    name: str
-    created: int
-    owned_by: str = "lmserve"
-    size: int = 0
-    digest: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ModelDescription:
-    """What `show` tells about a model."""
-
-    listing: ModelListing
-    modelfile: str = ""
-    parameters: dict[str, Any] = field(default_factory=dict)
-    template: str = ""
-    system: str = ""
-    license: str = ""
-    model_info: dict[str, Any] = field(default_factory=dict)
-    capabilities: list[str] = field(default_factory=lambda: ["completion"])
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSettings:
-    """What every request to one model starts from, read once per version of its manifest."""
-
-    name: str
-    """The canonical name."""
-    parameters: Layer
-    """The Modelfile's PARAMETERs, sampling and load-time (see lmserve/options.py)."""
-    recommended: Layer
-    """The sampling its weights recommend (GGUF `general.sampling.*`, a repository's generation_config.json)."""
-    has_vision: bool
-    """Whether it can see images (a vision projector, or a vision config)."""
-    plan: Callable[[LoadOptions], LoadPlan]
-    """How it is loaded with given load options (cheap: nothing is loaded yet)."""
-
-
-class Catalog(Protocol):
-    """Where model names come from (the store, or a fixed list), and how each is loaded."""
-
-    def listing(self) -> list[ModelListing]: ...
-
-    def resolve(self, name: str) -> str:
-        """The canonical name of `name`; ModelNotFound when there is none."""
-        ...
-
-    def settings(self, name: str) -> ModelSettings:
-        """What requests to `name` start from (ModelNotFound when there is none): kept while the model is
-        unchanged, so that a request costs one cheap check, not a read of the model."""
-        ...
-
-    def describe(self, name: str) -> ModelDescription: ...
-
-    def has_vision(self, name: str) -> bool:
-        """Whether the model has a vision projector (cheaper than `describe`)."""
-        ...
-
-    def parameters(self, name: str) -> Layer:
-        """The model's Modelfile PARAMETERs as an option layer, sampling and load-time (see lmserve/options.py)."""
-        ...
-
-    def model_defaults(self, name: str) -> Layer:
-        """The sampling its weights recommend (GGUF `general.sampling.*`), as an option layer."""
-        ...
-
-    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
-        """How canonical `name` is loaded with `options` (cheap: nothing is loaded yet)."""
-        ...
-
-    @property
-    def store(self) -> Store | None:
-        """The model store behind the catalog; None for a fixed set of models."""
-        ...
-
-    def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
-               quantize: Callable[[Path], Path] | None = None) -> None:
-        """Build and save model `name` from a parsed Modelfile, its weights passed through `quantize` if given."""
-        ...
-
-    def copy(self, source: str, destination: str) -> None: ...
-
-    def delete(self, name: str) -> None: ...
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-               32: "BF16"}  # fmt: skip
-
-
-def gguf_details(metadata: dict[str, Any], *, parent: str = "") -> dict[str, Any]:
-    """`details` of a GGUF's metadata: its architecture, its parameter count as the local runner writes it (the
-    values in its tensors, gguf_metadata's `general.parameter_count`; the `general.size_label` only without it, a
-    label such as "4x3.3M" for experts) and its file type."""
-    arch = str(metadata.get("general.architecture", ""))
-    file_type = metadata.get("general.file_type")
-    count = metadata.get("general.parameter_count")
-    return {
-        "parent_model": parent,
-        "format": "gguf",
-        "family": arch,
-        "families": [arch] if arch else None,
-        "parameter_size": repository.parameter_size(count) if isinstance(count, int) and count > 0
-        else str(metadata.get("general.size_label", "")),
-        "quantization_level": _FILE_TYPES.get(file_type, str(file_type or "")) if isinstance(file_type, int) else "",
-    }
 
 
 class StoreCatalog:
@@ -467,93 +329,3 @@ def _local_path(text: str, base_dir: Path | None) -> Path:
     if not path.is_file():
         raise InvalidRequest(f"file not found: {text}", param="from")
     return path
-
-
-class StaticCatalog:
-    """A fixed set of already-loaded models (tests, and `serve` of a single file)."""
-
-    def __init__(self, models: list[LoadedModel]) -> None:
-        self._models = {m.name: m for m in models}
-        self._aliases = {alias: m.name for m in models for alias in m.aliases}
-        self._settings: dict[str, ModelSettings] = {}
-
-    def listing(self) -> list[ModelListing]:
-        return [
-            ModelListing(m.name, m.created, m.owned_by, size=m.engine.info.size_bytes, details=_details(m))
-            for m in self._models.values()
-        ]
-
-    def resolve(self, name: str) -> str:
-        for candidate in (name, name + ":latest"):
-            if candidate in self._models:
-                return candidate
-            if candidate in self._aliases:
-                return self._aliases[candidate]
-        raise ModelNotFound(name, available=list(self._models))
-
-    def settings(self, name: str) -> ModelSettings:
-        canonical = self.resolve(name)
-        if canonical not in self._settings:  # the models never change
-            self._settings[canonical] = ModelSettings(
-                name=canonical, parameters=self.parameters(canonical), recommended=self.model_defaults(canonical),
-                has_vision=self.has_vision(canonical), plan=partial(self.plan, canonical))
-        return self._settings[canonical]
-
-    def describe(self, name: str) -> ModelDescription:
-        model = self._models[name]
-        listing = next(item for item in self.listing() if item.name == name)
-        info = model.engine.info
-        return ModelDescription(
-            listing=listing,
-            modelfile=f"FROM {info.path}\n",
-            template=info.chat_template or "",
-            system=model.system or "",
-            model_info=dict(info.metadata),
-            capabilities=model_capabilities(model.template_source or info.chat_template or "", vision=info.has_vision,
-                                            reranker=info.can_rank),
-        )
-
-    def has_vision(self, name: str) -> bool:
-        return self._models[name].engine.info.has_vision
-
-    def parameters(self, name: str) -> Layer:
-        """What the model's `sampling` changes from SamplingParams' defaults (it has no Modelfile)."""
-        return opts.layer_of(self._models[name].sampling)
-
-    def model_defaults(self, name: str) -> Layer:
-        return opts.model_defaults(self._models[name].engine.info.metadata)
-
-    @property
-    def store(self) -> Store | None:
-        return None
-
-    def create(self, name: str, modelfile: Modelfile, *, base_dir: Path | None = None,
-               quantize: Callable[[Path], Path] | None = None) -> None:
-        raise InvalidRequest("this server serves a fixed model; start it with a model store to create models")
-
-    def copy(self, source: str, destination: str) -> None:
-        raise InvalidRequest("this server serves a fixed model; start it with a model store to copy models")
-
-    def delete(self, name: str) -> None:
-        raise InvalidRequest("this server serves a fixed model; start it with a model store to delete models")
-
-    def plan(self, name: str, options: LoadOptions) -> LoadPlan:
-        """The model as it was loaded, whatever the options (its engine is fixed)."""
-        model = self._models[name]
-        return LoadPlan(WeightsKey(f"static:{name}", LoadOptions()), lambda: model.engine, lambda engine: model)
-
-
-def _details(model: LoadedModel) -> dict[str, Any]:
-    info = model.engine.info
-    return {
-        "parent_model": "",
-        "format": "gguf",
-        "family": info.architecture,
-        "families": [info.architecture] if info.architecture else None,
-        "parameter_size": _parameter_size(info.num_params),
-        "quantization_level": info.description.split()[-1] if info.description else "",
-    }
-
-
-def _parameter_size(num_params: int) -> str:
-    return repository.parameter_size(num_params)
