@@ -12,13 +12,14 @@ import llama_cpp as lc
 import pytest
 
 from lmserve.engine.factory import estimate_memory
-from lmserve.engine.llamacpp.backend import LlamaCppBackend, init_llama_backend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.llamacpp.estimate import (
     bytes_per_value,
     estimate_gguf,
     header_kv_bytes_per_token,
     state_bytes_per_sequence,
 )
+from lmserve.engine.llamacpp.loading import init_llama_backend
 from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, kv_bytes_per_token
 from lmserve.engine.llamacpp.options import KV_CACHE_TYPES, LlamaCppLaunch
 from lmserve.engine.memory_estimate import COMPUTE_BASE_BYTES, MemoryEstimate, _cgroup_room, available_memory

@@ -74,6 +74,20 @@ class DraftModel:
         self._held: dict[int, list[int]] = {}
         """slot → the tokens the draft model's memory of that slot holds, from position 0."""
 
+    @classmethod
+    def for_target(cls, path: str | Path, vocab: lc.llama_vocab_p, target: str, *, num_slots: int, num_ctx: int,
+                   num_batch: int, threads: int, num_gpu_layers: int, p_min: float) -> DraftModel:
+        """Load the draft model at `path` to draft for the model `target` with `vocab` (EngineFailure unless they
+        share the vocabulary: see `pair`)."""
+        draft = cls(path, num_slots=num_slots, num_ctx=num_ctx, num_batch=num_batch, threads=threads,
+                    num_gpu_layers=num_gpu_layers, p_min=p_min)
+        try:
+            draft.pair(vocab, target)
+        except EngineFailure:
+            draft.close()
+            raise
+        return draft
+
     def pair(self, vocab: lc.llama_vocab_p, target: str) -> None:
         """Draft for the model `target` with `vocab`; EngineFailure unless its token ids mean the same texts."""
         why = self._vocab_mismatch(vocab)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import llama_cpp as lc
 
-from lmserve.engine.llamacpp.backend import init_llama_backend
-from lmserve.engine.llamacpp.backend import log as llama_log
+from lmserve.engine.llamacpp.loading import init_llama_backend
+from lmserve.engine.llamacpp.loading import log as llama_log
 from lmserve.errors import EngineFailure, InvalidRequest
 
 QUANT_TYPES: dict[str, int] = {

@@ -11,8 +11,13 @@ copies its context, and to cost 5-7% on free writing.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import llama_cpp as lc
+
+from lmserve.engine.llamacpp import batch_rows
+from lmserve.engine.slots.backend import PoolFull
+from lmserve.errors import EngineFailure
 
 PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
@@ -32,3 +37,18 @@ def rewind(ctx: lc.llama_context_p, seq: int, state: bytes, pos: int) -> bool:
     if lc.llama_state_seq_set_data_ext(ctx, buf, len(state), seq, PARTIAL) == 0:
         return False
     return bool(lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), seq, pos, -1))
+
+
+def redecode(ctx: lc.llama_context_p, batch: Any, capacity: int, redo: dict[int, tuple[int, list[int]]]) -> None:
+    """Decode again what rewinds took back: for each slot of `redo`, (its position, the accepted tokens to decode
+    there), every such slot in one batch (of at most `capacity` rows). Its logits are not needed: the next tokens
+    were sampled in the drafted step. PoolFull when none of it finds room in a shared KV pool."""
+    rows = [(slot, pos + i, token, False) for slot, (pos, tokens) in sorted(redo.items())
+            for i, token in enumerate(tokens)]
+    for start in range(0, len(rows), capacity):
+        batch_rows.fill(batch, rows[start:start + capacity])
+        rc = lc.llama_decode(ctx, batch)
+        if rc == 1 and start == 0:  # nothing of it placed: the engine makes room and steps again
+            raise PoolFull(f"no room to decode {len(rows)} rewound tokens again in the KV pool")
+        if rc != 0:
+            raise EngineFailure(f"llama_decode failed with code {rc} decoding rewound tokens again")

@@ -14,8 +14,12 @@ import ctypes
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp as lc
+
+from lmserve.engine.llamacpp import batch_rows
+from lmserve.errors import EngineFailure
 
 AUTO_PAIR_TOKENS = 2048
 """A reranker's context when none is asked (at most what it was trained for): a pair is decoded in one micro-batch of
@@ -166,3 +170,38 @@ def score(values: Sequence[float], softmaxed: bool) -> float:
     if first <= 0.0 or rest <= 0.0:
         return LOGIT_LIMIT if rest <= 0.0 < first else -LOGIT_LIMIT
     return max(-LOGIT_LIMIT, min(LOGIT_LIMIT, math.log(first) - math.log(rest)))
+
+
+def rank_pairs(pairs: list[list[int]], capacity: int, max_pairs: int,
+               decode: Callable[[list[list[int]]], list[float]]) -> list[float]:
+    """Each pair's score, the pairs decoded together by `decode`, in order, as many at a time as `max_pairs`
+    sequences and a micro-batch of `capacity` tokens take."""
+    for pair in pairs:
+        if not pair or len(pair) > capacity:  # llama.cpp would abort on a bidirectional pair beyond its micro-batch
+            raise EngineFailure(f"cannot rank a pair of {len(pair)} tokens in a micro-batch of {capacity}")
+    scores = [0.0] * len(pairs)
+    for group in groups([len(pair) for pair in pairs], capacity, max_pairs):
+        for i, value in zip(group, decode([pairs[i] for i in group]), strict=True):
+            scores[i] = value
+    return scores
+
+
+def decode_pairs(ctx: lc.llama_context_p, batch: Any, pairs: list[list[int]], softmaxed: bool) -> list[float]:
+    """Decode `pairs` in one batch (a llama_batch with room for them), one sequence each, and read each one's pooled
+    head output as its score."""
+    memory = lc.llama_get_memory(ctx)
+    if memory:  # a causal reranker's KV cache; a bidirectional one has none
+        lc.llama_memory_clear(memory, True)
+    batch_rows.fill(batch, [(seq, pos, token, True) for seq, pair in enumerate(pairs)
+                            for pos, token in enumerate(pair)])
+    rc = lc.llama_decode(ctx, batch)
+    if rc != 0:
+        raise EngineFailure(f"llama_decode failed with code {rc} while ranking")
+    num_values = lc.llama_model_n_cls_out(lc.llama_get_model(ctx))
+    scores = []
+    for seq in range(len(pairs)):
+        values = lc.llama_get_embeddings_seq(ctx, seq)
+        if not values:
+            raise EngineFailure("llama.cpp returned no rank score")
+        scores.append(score(values[:num_values], softmaxed))
+    return scores

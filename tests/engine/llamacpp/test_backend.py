@@ -12,8 +12,9 @@ import llama_cpp as lc
 import pytest
 
 from lmserve.engine.llamacpp import cpu_load
-from lmserve.engine.llamacpp.backend import LlamaCppBackend, load_mode
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.llamacpp.cpu_load import CpuTimes, read_cpu_times
+from lmserve.engine.llamacpp.loading import load_mode
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.errors import ContextOverflow, InvalidRequest

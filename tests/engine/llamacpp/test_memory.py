@@ -8,7 +8,8 @@ from pathlib import Path
 import llama_cpp as lc
 import pytest
 
-from lmserve.engine.llamacpp.backend import LlamaCppBackend, init_llama_backend
+from lmserve.engine.llamacpp.backend import LlamaCppBackend
+from lmserve.engine.llamacpp.loading import init_llama_backend
 from lmserve.engine.llamacpp.memory import KV_TYPE_BYTES, gpu_free_memory, kv_bytes_per_token
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.types import AUTO_CONTEXT, LoadOptions

@@ -1,0 +1,190 @@
+"""A llama.cpp model's vision projector (mtmd): prompts with images tokenized, images encoded and decoded into a slot.
+
+The projector is loaded with an image marker of our own, so no user text can pose as an image. Images are encoded
+where the prompt is tokenized (a worker thread, under the projector's lock); the engine thread only decodes the
+embeddings into a slot's memory (`Vision.decode`). Each image's prompt positions hold a negative placeholder id
+derived from its pixels, so equal images make equal prompts (and share cached prefixes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+from llama_cpp import mtmd_cpp as mtmd
+
+from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.protocol import PromptImage
+from lmserve.engine.slots.backend import BatchEntry, PoolFull
+from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.types import Bitmap
+
+
+class ImageChunk:
+    """An owned mtmd image chunk and its embeddings from the projector; freed when the last reference to it goes."""
+
+    def __init__(self, pointer: Any, embeddings: np.ndarray) -> None:
+        self.pointer = pointer
+        self.embeddings = embeddings
+        """float32 (tokens x the model's input width): what the engine thread decodes into the sequence."""
+
+    def __del__(self) -> None:
+        pointer, self.pointer = self.pointer, None
+        if pointer:
+            with contextlib.suppress(Exception):  # at interpreter exit the bindings may already be gone
+                mtmd.mtmd_input_chunk_free(pointer)
+
+
+def image_id(bitmap: Bitmap) -> bytes:
+    """A digest of an image's pixels and size: equal images get equal ids (and equal placeholders)."""
+    digest = hashlib.blake2b(bitmap.rgb, digest_size=8, person=b"lmserve-img")
+    digest.update(f"{bitmap.width}x{bitmap.height}".encode())
+    return digest.hexdigest().encode()
+
+
+def image_placeholder(chunk_id: bytes) -> int:
+    """The negative id that fills the prompt positions of an image chunk with id `chunk_id` (see `image_id`)."""
+    return -1 - int(chunk_id[:8] or b"0", 16) % (2**31 - 1)
+
+
+def _bitmap(image: Bitmap) -> Any:
+    """An mtmd bitmap of the image, its id set to the image's digest (tile chunks carry it on)."""
+    if len(image.rgb) != image.width * image.height * 3 or image.width < 1 or image.height < 1:
+        raise InvalidRequest("an image's pixel data does not match its size", param="images")
+    pixels = (ctypes.c_uint8 * len(image.rgb)).from_buffer_copy(image.rgb)
+    bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, pixels)
+    if not bitmap:
+        raise EngineFailure("llama.cpp could not take an image")
+    mtmd.mtmd_bitmap_set_id(bitmap, image_id(image))
+    return bitmap
+
+
+class Vision:
+    """The vision projector of a loaded model, and the marker that stands for an image in its prompts."""
+
+    def __init__(self, projector: str, model: lc.llama_model_p, *, use_gpu: bool, threads: int,
+                 launch: LlamaCppLaunch) -> None:
+        """Load the vision projector with a marker of our own, so no user text can pose as an image."""
+        if not Path(projector).is_file():
+            raise EngineFailure(f"vision projector file not found: {projector}")
+        marker = f"<__lmserve_image_{secrets.token_hex(6)}__>"
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.n_threads = threads
+        params.print_timings = False
+        params.media_marker = marker.encode()
+        if launch.image_min_tokens > 0:
+            params.image_min_tokens = launch.image_min_tokens
+        if launch.image_max_tokens > 0:
+            params.image_max_tokens = launch.image_max_tokens
+        context = mtmd.mtmd_init_from_file(os.fsencode(projector), model, params)
+        if not context:
+            raise EngineFailure(
+                f"llama.cpp could not load the vision projector {Path(projector).name}: not an mmproj GGUF "
+                "for this model"
+            )
+        self._mtmd: Any = context  # an mtmd_context pointer
+        self._model = model
+        self._lock = threading.Lock()
+        if not mtmd.mtmd_support_vision(context):
+            self.close()
+            raise EngineFailure(f"the projector {Path(projector).name} does not take images")
+        if mtmd.mtmd_decode_use_mrope(context):
+            self.close()
+            raise EngineFailure("vision models with M-RoPE positions (Qwen2-VL and kin) are not supported yet")
+        self.marker = marker
+
+    def tokenize(self, text: str, images: list[Bitmap], bos: int) -> tuple[list[int], list[PromptImage]]:
+        """`text`'s tokens with each marker's image encoded in its place (placeholder ids), and the images' places;
+        a doubled `bos` at the start (the template wrote one, mtmd added another) is dropped."""
+        if text.count(self.marker) != len(images):
+            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
+        data = text.encode("utf-8")
+        text_input = mtmd.mtmd_input_text(text=data, text_len=len(data), add_special=True, parse_special=True)
+        with self._lock:
+            bitmaps = [_bitmap(image) for image in images]
+            chunks = mtmd.mtmd_input_chunks_init()
+            try:
+                array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
+                rc = mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text_input), array, len(bitmaps))
+                if rc != 0:
+                    reason = "its image markers do not match its images" if rc == 1 else "an image failed to preprocess"
+                    raise InvalidRequest(f"the prompt could not be tokenized: {reason}", param="images")
+                tokens, places = self._read_chunks(chunks)
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+                for bitmap in bitmaps:
+                    mtmd.mtmd_bitmap_free(bitmap)
+        if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:  # the template wrote BOS, mtmd added one
+            tokens = tokens[1:]
+            for place in places:
+                place.start -= 1
+        return tokens, places
+
+    def _read_chunks(self, chunks: Any) -> tuple[list[int], list[PromptImage]]:
+        """The tokens of tokenized `chunks` (text tokens, and placeholders where images go) and the images' places,
+        each image encoded."""
+        tokens: list[int] = []
+        places: list[PromptImage] = []
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            kind = mtmd.mtmd_input_chunk_get_type(chunk)
+            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                count = ctypes.c_size_t(0)
+                pointer = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                tokens += pointer[: count.value] if count.value else []
+            elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                length = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                if mtmd.mtmd_input_chunk_get_n_pos(chunk) != length:
+                    raise EngineFailure("image positions differ from image tokens (M-RoPE is not supported)")
+                handle = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk), self._encode(chunk, length))
+                places.append(PromptImage(len(tokens), length, handle))
+                tokens += [image_placeholder(mtmd.mtmd_input_chunk_get_id(chunk) or b"")] * length
+            else:
+                raise InvalidRequest("only images are supported as media", param="images")
+        return tokens, places
+
+    def _encode(self, chunk: Any, length: int) -> np.ndarray:
+        """Run the projector on an image chunk (under the projector's lock) and copy out its embeddings.
+
+        This runs where the prompt is tokenized, in a worker thread, so the engine thread keeps decoding other
+        sequences meanwhile; the engine thread only decodes the embeddings (`decode`).
+        """
+        rc = mtmd.mtmd_encode_chunk(self._mtmd, chunk)
+        if rc != 0:
+            raise EngineFailure(f"the vision projector failed to encode an image (code {rc})")
+        width = lc.llama_model_n_embd_inp(self._model)
+        output = mtmd.mtmd_get_output_embd(self._mtmd)
+        if not output:
+            raise EngineFailure("the vision projector returned no embeddings")
+        return np.ctypeslib.as_array(output, shape=(length * width,)).copy()
+
+    def decode(self, ctx: lc.llama_context_p, entry: BatchEntry, batch_capacity: int) -> None:
+        """Decode an encoded image's embeddings into the slot's memory at the entry's position."""
+        assert entry.image is not None
+        chunk = entry.image.handle
+        if not isinstance(chunk, ImageChunk) or not chunk.pointer:
+            raise EngineFailure("an image of another model was submitted")
+        new_pos = lc.llama_pos(0)
+        embeddings = chunk.embeddings.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        rc = mtmd.mtmd_helper_decode_image_chunk(
+            self._mtmd, ctx, chunk.pointer, embeddings, entry.pos, entry.slot, batch_capacity,
+            ctypes.byref(new_pos), mtmd.mtmd_helper_post_decode_callback(), None,
+        )
+        if rc == 1:
+            raise PoolFull(f"no room for an image of {entry.num_positions} positions in the KV pool")
+        if rc != 0:
+            raise EngineFailure(f"decoding an image failed with code {rc}")
+
+    def close(self) -> None:
+        if self._mtmd is not None:
+            mtmd.mtmd_free(self._mtmd)
+            self._mtmd = None
