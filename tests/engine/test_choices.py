@@ -11,7 +11,8 @@ import pytest
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.protocol import choice_sampling
 from lmserve.engine.slots.backend import BatchEntry
-from lmserve.engine.slots.batching import BatchingEngine, RequestStream
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.bridge import RequestStream
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest, Overloaded
 from lmserve.types import Chunk, LoadOptions, SamplingParams

@@ -12,7 +12,8 @@ import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.protocol import unit_vector
-from lmserve.engine.slots.batching import BatchingEngine, RequestStream
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.bridge import RequestStream
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest
 from lmserve.types import Chunk, LoadOptions, SamplingParams

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
-from lmserve.engine.slots.batching import BatchingEngine, RequestStream
+from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.engine.slots.bridge import RequestStream
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_gguf import (
     NUM_EMBD,

@@ -1,118 +1,37 @@
 """The batching engine: one thread runs the scheduler and a slot backend; asyncio callers get a stream per request.
 
 `BatchingEngine` implements the engine seam (engine/protocol.py) over any `Backend` (engine/slots/backend.py): llama.cpp
-in production, the fake backend in tests. This module is the only bridge between the engine thread and asyncio.
-A request is submitted from the event loop; the engine thread decodes, detokenizes and matches stop strings,
-and hands finished pieces back to the event loop in one callback per step.
+in production, the fake backend in tests. A request is submitted from the event loop (checked and made into
+sequences by engine/slots/submission.py) and handed to the engine thread through the bridge (engine/slots/bridge.py,
+the only place threads and queues meet asyncio); the engine thread decodes, detokenizes and matches stop strings,
+and hands finished pieces back to the event loop in one callback per step. Embedding and rerank jobs run on the same
+thread between steps (engine/slots/jobs.py); drafts for speculative decoding come from engine/slots/drafting.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
 
-from lmserve.engine.detokenize import IncrementalDecoder
-from lmserve.engine.logprobs import LogprobAligner, token_logprob
-from lmserve.engine.protocol import (
-    EngineStats,
-    ModelInfo,
-    PromptImage,
-    check_choices,
-    check_score_tokens,
-    choice_sampling,
-    unit_vector,
-)
+from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
-from lmserve.engine.slots.drafting import DraftLength, NgramDrafter
+from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, deliver
+from lmserve.engine.slots.drafting import set_drafts
+from lmserve.engine.slots.jobs import Jobs, settle
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
+from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
 from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
+from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
-from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, LmserveError, Overloaded
-from lmserve.types import Bitmap, Chunk, FinishReason, SamplingParams, Timings, TokenLogprob, Usage
+from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
+from lmserve.types import Bitmap, Chunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 """The prompt cache of an engine made without one (tests, library use): RAM only."""
-
-
-class RequestStream:
-    """Output of one submitted request: an async iterator of chunks, the last one with a finish reason."""
-
-    def __init__(self, engine: BatchingEngine, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
-        self._engine = engine
-        self.seq = seq
-        self.loop = loop
-        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        self.is_done = False
-
-    @property
-    def prompt_tokens(self) -> list[int]:
-        return self.seq.prompt
-
-    @property
-    def output_tokens(self) -> list[int]:
-        return self.seq.output
-
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
-        while not self.is_done:
-            chunk = await self.queue.get()
-            if chunk.finish_reason is not None:
-                self.is_done = True
-            yield chunk
-
-    def abort(self) -> None:
-        """Stop generating; the slot and its memory are freed before the next step."""
-        if not self.is_done:
-            self.is_done = True
-            self._engine.abort(self.seq)
-
-
-@dataclass(slots=True, eq=False)
-class _Tracker:
-    """Per-request state the engine thread keeps beside the scheduler's sequence."""
-
-    stream: RequestStream
-    decoder: IncrementalDecoder = field(default_factory=IncrementalDecoder)
-    stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
-    submitted_ns: int = 0
-    admitted_ns: int = 0
-    first_token_ns: int = 0
-    is_stop_hit: bool = False
-    logprobs: LogprobAligner | None = None
-    """With `SamplingParams.logprobs`: the tokens whose text is not out yet (made at the first token)."""
-    drafter: DraftLength | None = None
-    """With speculative decoding: the adaptive draft length, and with prompt lookup (an NgramDrafter) the n-gram
-    index of the prompt and output (made at the first draft)."""
-    num_drafted: int = 0
-    num_accepted: int = 0
-    scores: list[float] = field(default_factory=list)
-    """With `SamplingParams.score_tokens`: their log-probabilities at the first token (for the final chunk)."""
-
-
-@dataclass(slots=True, eq=False)
-class _EmbedJob:
-    """One text to embed; the engine thread settles `future` on `loop`."""
-
-    tokens: list[int]
-    future: asyncio.Future[list[float]]
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass(slots=True, eq=False)
-class _RankJob:
-    """(query, document) pairs for a dedicated reranker to score, in the embedding jobs' queue; the engine thread
-    settles `future` on `loop` with one score per pair."""
-
-    pairs: list[list[int]]
-    future: asyncio.Future[list[float]]
-    loop: asyncio.AbstractEventLoop
 
 
 class BatchingEngine:
@@ -143,18 +62,13 @@ class BatchingEngine:
         self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
                                    can_copy=backend.info.can_cut_memory, can_snapshot=self._snapshots,
                                    slot_similarity=slot_similarity)
-        self._trackers: dict[Sequence, _Tracker] = {}
+        self._bridge = Bridge(has_work=lambda: self.scheduler.has_work)
+        self._trackers = self._bridge.trackers
+        """The requests in flight (filled by the bridge; the same dict for the bridge's whole life)."""
+        self._jobs = Jobs(backend, self._bridge)
         self._judged: set[int] = set()
         """Slots whose last sequence only scored (SamplingParams.score_tokens): the tail it left is not worth saving
         in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
-        self._inbox: list[Sequence] = []
-        self._aborts: list[Sequence] = []
-        self._embeds: deque[_EmbedJob | _RankJob] = deque()
-        self._failure: str | None = None
-        self._death: str | None = None
-        """Why the engine thread ended before the engine was closed (`failure`)."""
-        self._cond = threading.Condition()
-        self._is_closing = False
         self.step_ns = 0
         """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
         self.decode_ns = 0
@@ -169,6 +83,8 @@ class BatchingEngine:
         """Prompt tokens of the sequences admitted since load (what the prefix and prompt caches were asked for)."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------------
 
     # ---- called from the event loop -------------------------------------------------------------
 
@@ -211,76 +127,22 @@ class BatchingEngine:
         Choice i samples with `choice_sampling(sampling, i)`. The n sequences count against the queue: Overloaded
         when the queue is full or slots and queue cannot take all n now; InvalidRequest when they never could.
         """
-        if self.info.can_rank:
-            raise InvalidRequest("model is a reranker: it scores documents against a query (rerank) and generates "
-                                 "no text", param="model")
-        num_ctx = self.info.num_ctx
-        check_choices(n, self.info, self.max_queue)
         images = images or []
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= num_ctx:
-            raise ContextOverflow(len(prompt), num_ctx, self.info.num_ctx_train)
-        num_vocab = self.info.num_vocab
-        _check_prompt(prompt, images, num_vocab)
-        if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
-        check_score_tokens(sampling, num_vocab)
-        if sampling.grammar is not None:
-            if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
-                raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")
-            self.backend.check_grammar(sampling.grammar)
-        room = num_ctx - len(prompt)
-        max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        scored = sampling.prompt_logprobs is not None  # each choice computes its whole prompt, for its logprobs
-        if scored:
-            sampling = replace(sampling, reuse_limit=0)
-        seqs = [Sequence(prompt=list(prompt), sampling=choice_sampling(sampling, i), max_new_tokens=max_new,
-                         special=special, images=list(images)) for i in range(n)]
-        leader = seqs[0]
-        for seq in seqs[1:]:
-            seq.fork_of = None if scored else leader
-        if checkpoints and (self._snapshots or sampling.reuse_limit is not None):  # snapshots, or stretches to
-            # compute in one piece (SamplingParams.reuse_limit)
-            inside = [c for c in checkpoints if 0 < c < len(prompt) - 1 and leader.cut_outside_images(c) == c]
-            leader.checkpoints = sorted(set(inside))
-        if self._snapshots and n > self.info.num_parallel:
-            # Some choices must wait for a slot: the state before the prompt's last token lets them skip the prompt.
-            leader.checkpoints = sorted({*leader.checkpoints, leader.cut_outside_images(len(prompt) - 1)} - {0})
+        check_request(self.backend, prompt, sampling, n, images, self.max_queue)
+        seqs = make_sequences(self.info, prompt, sampling, n, special=special, images=images, checkpoints=checkpoints,
+                              snapshots=self._snapshots)
         loop = asyncio.get_running_loop()
         submitted = time.perf_counter_ns()
-        streams = [RequestStream(self, seq, loop) for seq in seqs]
-        with self._cond:
-            if self._is_closing:
-                raise InvalidRequest("the server is shutting down")
-            if self._death is not None:
-                raise EngineStopped(f"the engine stopped: {self._death}")
-            # submitted sequences not yet admitted take the free slots first: only the rest wait (a burst of as many
-            # requests as free slots is admitted whole, whatever the queue's size)
-            num_free = max(self.info.num_parallel - len(self.scheduler.running), 0)  # read across threads: an estimate
-            num_queued = len(self._inbox) + len(self.scheduler.waiting)
-            num_waiting = max(num_queued - num_free, 0)
-            if num_queued + n - num_free > self.max_queue:
-                raise Overloaded(f"{num_waiting} sequences are already waiting for this model (at most "
-                                 f"{self.max_queue}); retry shortly")
-            for seq, stream in zip(seqs, streams, strict=True):
-                self._trackers[seq] = _Tracker(stream=stream, stops=StopMatcher(seq.sampling.stop),
-                                               submitted_ns=submitted)
-            self._inbox += seqs
-            self._cond.notify()
+        streams = [RequestStream(self._bridge, seq, loop) for seq in seqs]
+        trackers = [Tracker(stream=stream, stops=StopMatcher(seq.sampling.stop), submitted_ns=submitted)
+                    for seq, stream in zip(seqs, streams, strict=True)]
+        num_free = max(self.info.num_parallel - len(self.scheduler.running), 0)  # read across threads: an estimate
+        self._bridge.submit(seqs, trackers, num_free, len(self.scheduler.waiting), self.max_queue)
         return streams
 
     def embedding_tokens(self, text: str, *, truncate: bool = True) -> list[int]:
         """`text` tokenized for embedding: cut to one sequence's context when `truncate`, else ContextOverflow."""
-        tokens = self.tokenize(text)
-        if not tokens:
-            raise InvalidRequest("the input to embed is empty", param="input")
-        num_ctx = self.info.num_ctx
-        if len(tokens) > num_ctx:
-            if not truncate:
-                raise _input_overflow(len(tokens), num_ctx, self.info.num_ctx_train)
-            tokens = tokens[:num_ctx]
-        return tokens
+        return self._jobs.embedding_tokens(text, truncate=truncate)
 
     async def embed(self, texts: list[str], *, truncate: bool = True, normalize: bool = True) -> list[list[float]]:
         """One vector per text (unit length unless `normalize` is false), computed on the engine thread."""
@@ -289,67 +151,16 @@ class BatchingEngine:
 
     async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
         """One vector per token list; each list must be non-empty and fit in one sequence's context."""
-        for tokens in prompts:
-            if not tokens:
-                raise InvalidRequest("the input to embed is empty", param="input")
-            if len(tokens) > self.info.num_ctx:
-                raise _input_overflow(len(tokens), self.info.num_ctx, self.info.num_ctx_train)
-        loop = asyncio.get_running_loop()
-        jobs = [_EmbedJob(list(tokens), loop.create_future(), loop) for tokens in prompts]
-        with self._cond:
-            if self._is_closing:
-                raise InvalidRequest("the server is shutting down")
-            if self._death is not None:
-                raise EngineStopped(f"the engine stopped: {self._death}")
-            self._embeds.extend(jobs)
-            self._cond.notify()
-        try:
-            vectors = await asyncio.gather(*(job.future for job in jobs))
-        finally:
-            for job in jobs:
-                job.future.cancel()  # no-op for settled ones; the thread skips the rest
-        return [unit_vector(v) for v in vectors] if normalize else list(vectors)
+        return await self._jobs.embed_tokens(prompts, normalize=normalize)
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
         """A dedicated reranker's relevance logit of each document to `query` (see the Engine protocol), computed on
         the engine thread. A pair longer than one sequence's context has its document cut when `truncate`, else it is
         a ContextOverflow (param "documents")."""
-        if not self.info.can_rank:
-            raise InvalidRequest("this model is not a dedicated reranker; it reranks by judging relevance",
-                                 param="model")
-        pairs = [self._rank_pair(query, document, truncate) for document in documents]
-        if not pairs:
-            return []
-        loop = asyncio.get_running_loop()
-        job = _RankJob(pairs, loop.create_future(), loop)
-        with self._cond:
-            if self._is_closing:
-                raise InvalidRequest("the server is shutting down")
-            if self._death is not None:
-                raise EngineStopped(f"the engine stopped: {self._death}")
-            self._embeds.append(job)
-            self._cond.notify()
-        try:
-            return list(await job.future)
-        finally:
-            job.future.cancel()  # no-op once settled; the thread skips a cancelled job
-
-    def _rank_pair(self, query: str, document: str, truncate: bool) -> list[int]:
-        """The reranker's tokens of (query, document), fitted to one sequence's context (see `rank`)."""
-        num_ctx = self.info.num_ctx
-        pair = self.backend.rank_tokens(query, document, num_ctx if truncate else None)
-        if len(pair) > num_ctx:
-            error = ContextOverflow(len(pair), num_ctx, self.info.num_ctx_train)
-            error.param = "documents"
-            raise error
-        if not pair:
-            raise InvalidRequest("a query and document make no tokens to rank", param="documents")
-        return pair
+        return await self._jobs.rank(query, documents, truncate=truncate)
 
     def abort(self, seq: Sequence) -> None:
-        with self._cond:
-            self._aborts.append(seq)
-            self._cond.notify()
+        self._bridge.abort(seq)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline).
@@ -357,16 +168,13 @@ class BatchingEngine:
         The streams end now, whatever step the engine thread is in (one step of a busy machine can take seconds, and
         the deadline must not wait for it); the thread frees their sequences after its step (what it sends them
         after their error chunk is never read)."""
-        with self._cond:
-            self._failure = message
-            trackers = list(self._trackers.values())  # one call: the engine thread drops trackers without the lock
-            self._cond.notify()
-        self._deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
+        trackers = self._bridge.fail(message)
+        deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
 
     @property
     def failure(self) -> str | None:
         """Why the engine thread ended on an error (it then ended every request), or None while it runs."""
-        return self._death
+        return self._bridge.death
 
     @property
     def num_running(self) -> int:
@@ -374,7 +182,7 @@ class BatchingEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._inbox)
+        return len(self.scheduler.waiting) + self._bridge.num_submitted
 
     @property
     def stats(self) -> EngineStats:
@@ -390,12 +198,10 @@ class BatchingEngine:
                            cache_bytes=self.cache.model_bytes(self.cache_key))
 
     def close(self) -> None:
-        with self._cond:
-            self._is_closing = True
-            self._cond.notify()
+        self._bridge.close()
         self._thread.join()
         try:
-            if self._death is None:  # a failed engine's slots may hold anything: none is saved
+            if self._bridge.death is None:  # a failed engine's slots may hold anything: none is saved
                 for slot, tokens in enumerate(self.scheduler.slot_tokens):
                     self._save(slot, tokens, 0)  # so a returning conversation skips its prefill after a reload
         except Exception:  # a model that cannot save its slots still closes
@@ -414,27 +220,15 @@ class BatchingEngine:
             self._die(f"its engine thread failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (
-                    self._inbox or self._aborts or self._embeds or self.scheduler.has_work or self._is_closing
-                    or self._failure
-                ):
-                    self._cond.wait()
-                if self._is_closing:
-                    break
-                failure, self._failure = self._failure, None
-                inbox, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, []
-                job = self._embeds.popleft() if self._embeds else None
-            for seq in inbox:
+        while (work := self._bridge.wait()) is not None:
+            for seq in work.inbox:
                 self.scheduler.add(seq)
-            for seq in aborts:
+            for seq in work.aborts:
                 self._drop(seq)
-            if failure is not None:
-                self._fail_all(failure)
-            if job is not None:
-                self._embed(job)
+            if work.failure is not None:
+                self._fail_all(work.failure)
+            if work.job is not None:
+                self._jobs.run(work.job)
             started = time.perf_counter_ns()
             try:
                 self._step()
@@ -443,36 +237,35 @@ class BatchingEngine:
                 self._fail_all(str(exc))
             self.step_ns += time.perf_counter_ns() - started
         self._fail_all("the server is shutting down")
-        while self._embeds:
-            self._settle(self._embeds.popleft(), None, EngineFailure("the server is shutting down"))
-
-    def _embed(self, job: _EmbedJob | _RankJob) -> None:
-        if job.future.cancelled():  # the caller is gone (a benign race: at worst one wasted embedding)
-            return
-        try:
-            vector = self.backend.embed(job.tokens) if isinstance(job, _EmbedJob) else self.backend.rank(job.pairs)
-        except LmserveError as exc:
-            self._settle(job, None, exc)
-        except Exception as exc:  # a failed embedding fails its request, never the thread
-            what = "embedding" if isinstance(job, _EmbedJob) else "ranking"
-            log.exception("%s failed", what)
-            self._settle(job, None, EngineFailure(f"{what} failed: {exc}"))
-        else:
-            self._settle(job, vector, None)
-
-    @staticmethod
-    def _settle(job: _EmbedJob | _RankJob, vector: list[float] | None, error: Exception | None) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            job.loop.call_soon_threadsafe(_set_future, job.future, vector, error)
+        for job in self._bridge.take_jobs():
+            settle(job, None, EngineFailure("the server is shutting down"))
 
     def _step(self) -> None:
-        outbox: list[tuple[RequestStream, Chunk]] = []
+        outbox: Outbox = []
         now = time.perf_counter_ns()
+        self._preempt()
+        self._admit(now)
+        self._share_prefixes()
+        set_drafts([seq for seq in self.scheduler.running if seq.phase is Phase.DECODING], self._trackers,
+                   self.backend, self.draft_max)
+        decode_started = time.perf_counter_ns()
+        decoded = self._decode(outbox)
+        now = time.perf_counter_ns()
+        self.decode_ns += now - decode_started
+        if decoded is not None:
+            self._take_sampled(*decoded, now, outbox)
+        deliver(outbox)
+
+    def _preempt(self) -> None:
+        """Give the slots of sequences that yield to requests of higher priority to those (see the scheduler)."""
         while (victim := self.scheduler.preemptible()) is not None:
             slot = victim.slot
             self.scheduler.preempt(victim)
             self.backend.release(slot)
             self.num_preempted += 1
+
+    def _admit(self, now: int) -> None:
+        """Admit what the scheduler can, each sequence started in its slot (`_start`)."""
         while self.scheduler.can_admit():
             seq = self.scheduler.admit()
             tracker = self._trackers[seq]
@@ -480,20 +273,19 @@ class BatchingEngine:
                 tracker.admitted_ns = now
                 self.num_prompt_tokens += len(seq.prompt)
             self.scheduler.reused(seq, self._start(seq))
+
+    def _share_prefixes(self) -> None:
+        """Give the sequences waiting for another's prefix that prefix, now that it is in (see the scheduler)."""
         for seq, source, length in self.scheduler.ready_shares():
             if self.backend.copy_prefix(source, seq.slot, length):
                 self.scheduler.reused(seq, length)
             else:
                 self.scheduler.reused(seq, self._restore_cached(seq, seq.num_prefilled)[0] or seq.num_prefilled)
-        self._draft([seq for seq in self.scheduler.running if seq.phase is Phase.DECODING])
-        decode_started = time.perf_counter_ns()
-        decoded = self._decode(outbox)
-        now = time.perf_counter_ns()
-        self.decode_ns += now - decode_started
-        if decoded is None:
-            self._deliver(outbox)
-            return
-        plan, sampled = decoded
+
+    def _take_sampled(self, plan: list[tuple[Sequence, BatchEntry]], sampled: list[int | None], now: int,
+                      outbox: Outbox) -> None:
+        """Take what a step decoded: note the prompt positions prefilled (snapshots, forks) and take each sampled
+        token (with those a draft accepted); then the forked choices' first tokens."""
         forked: list[tuple[Sequence, int]] = []
         for (seq, entry), token in zip(plan, sampled, strict=True):
             if seq.phase is Phase.PREFILLING:
@@ -513,7 +305,6 @@ class BatchingEngine:
                     self._take(seq, taken, now, outbox)
         for seq, token in forked:
             self._take(seq, token, now, outbox)
-        self._deliver(outbox)
 
     def _snapshot(self, seq: Sequence) -> None:
         """Save the state of `seq`'s slot after the prompt positions it has prefilled (a model that cannot cut its
@@ -526,7 +317,7 @@ class BatchingEngine:
             self.cache.put(self.cache_key, held, snapshot, can_cut=False)
 
     def _decode(
-        self, outbox: list[tuple[RequestStream, Chunk]]
+        self, outbox: Outbox
     ) -> tuple[list[tuple[Sequence, BatchEntry]], list[int | None]] | None:
         """Plan a step and decode it: the plan and the sampled tokens, or None when there is nothing to decode.
 
@@ -561,7 +352,7 @@ class BatchingEngine:
                 sampled[i] = token
         return sampled
 
-    def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: list[tuple[RequestStream, Chunk]]) -> None:
+    def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: Outbox) -> None:
         """Free memory in the shared KV pool for a step it could not take (see `_decode`)."""
         idle = self.scheduler.evict_idle()
         if idle is not None:
@@ -580,46 +371,8 @@ class BatchingEngine:
         seq = plan[0][0]  # only one sequence can run, and it does not fit alone
         log.warning("the KV pool is full with one sequence of %d tokens: it ends", seq.num_tokens)
         tracker = self._trackers[seq]
-        outbox.append((tracker.stream, self._final_chunk(seq, tracker, "length", time.perf_counter_ns())))
+        outbox.append((tracker.stream, final_chunk(seq, tracker, "length", time.perf_counter_ns())))
         self._drop(seq)
-
-    def _draft(self, decoding: list[Sequence]) -> None:
-        """Set the tokens each decoding sequence drafts after its pending one: from the draft model when the backend
-        has one (engine/llamacpp/draft_model.py), else looked up in its own context (engine/slots/drafting.py).
-        None unless
-        speculative decoding is on for it and no logprobs or images are asked (a rejected draft is cut off the
-        slot's memory, or a hybrid model's is rewound: engine/llamacpp/recurrent_state.py)."""
-        caps: dict[Sequence, tuple[int, int]] = {}
-        for seq in decoding:
-            seq.draft = []
-            most = self.draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
-            limit = min(most, seq.max_new_tokens - len(seq.output) - 1)
-            if limit > 0 and seq.sampling.logprobs is None and not seq.images:
-                caps[seq] = most, limit
-        if not caps:
-            return
-        if self.info.draft_model is not None:
-            contexts: dict[int, tuple[list[int], int]] = {}
-            for seq, (most, limit) in caps.items():
-                pace = self._trackers[seq].drafter
-                if pace is None:
-                    pace = self._trackers[seq].drafter = DraftLength(most)
-                size = pace.next(limit)
-                if size > 0:
-                    contexts[seq.slot] = (seq.prompt + seq.output, size)
-            drafts = self.backend.draft(contexts) if contexts else {}
-            for seq in caps:
-                seq.draft = drafts.get(seq.slot, [])
-            return
-        for seq, (most, limit) in caps.items():
-            tracker = self._trackers[seq]
-            held = len(seq.prompt) + len(seq.output)
-            drafter = tracker.drafter
-            if not isinstance(drafter, NgramDrafter):
-                drafter = tracker.drafter = NgramDrafter(seq.prompt + seq.output, most)
-            elif drafter.size < held:
-                drafter.extend(seq.output[drafter.size - held:])
-            seq.draft = drafter.draft(limit)
 
     def _drafted(self, seq: Sequence, drafted: int, taken: int) -> None:
         tracker = self._trackers[seq]
@@ -645,7 +398,7 @@ class BatchingEngine:
             out.append((choice, token))
         return out
 
-    def _take(self, seq: Sequence, token: int, now: int, outbox: list[tuple[RequestStream, Chunk]]) -> None:
+    def _take(self, seq: Sequence, token: int, now: int, outbox: Outbox) -> None:
         """Take a sampled token of `seq`: emit its text; end the sequence when it is finished."""
         tracker = self._trackers[seq]
         if not seq.output:
@@ -653,17 +406,11 @@ class BatchingEngine:
             if seq.sampling.score_tokens:
                 tracker.scores = self.backend.take_scores(seq.slot) or []
             if seq.sampling.prompt_logprobs is not None:
-                outbox.append((tracker.stream, self._prompt_logprobs(seq)))
-        finish = self._accept(seq, tracker, token, outbox)
+                outbox.append((tracker.stream, prompt_logprobs(self.backend, seq)))
+        finish = accept(self.backend, seq, tracker, token, outbox)
         if finish is not None:
-            outbox.append((tracker.stream, self._final_chunk(seq, tracker, finish, now)))
+            outbox.append((tracker.stream, final_chunk(seq, tracker, finish, now)))
             self._drop(seq)
-
-    def _prompt_logprobs(self, seq: Sequence) -> Chunk:
-        """A chunk carrying the prompt's log-probabilities (the prompt's tokens with their special text)."""
-        ranked = self.backend.take_prompt_logprobs(seq.slot) or []
-        piece = lambda token: self.backend.token_bytes(token, special=True)  # noqa: E731
-        return Chunk(prompt_logprobs=[token_logprob(entry, piece) for entry in ranked])
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
@@ -719,60 +466,6 @@ class BatchingEngine:
         self.cache_stats.hits[tier] += 1
         self.cache_stats.tokens[tier] += num_tokens
 
-    def _accept(
-        self, seq: Sequence, tracker: _Tracker, token: int, outbox: list[tuple[RequestStream, Chunk]]
-    ) -> FinishReason | None:
-        """Take one sampled token: emit its text and say whether the sequence is finished. An end-of-generation
-        token has no text; a scored prompt (echo with logprobs) still gets its logprob, as vLLM gives it:
-        lm-evaluation-harness reads the reply's token as the last entry, the prompt's before it."""
-        if self.backend.is_eog(token) and not seq.sampling.ignore_eos:
-            if seq.sampling.prompt_logprobs is not None and (end := self._logprobs(seq, tracker, 0, 0, False)):
-                outbox.append((tracker.stream, Chunk(text="", logprobs=end)))  # a scored prompt's one reply token
-            return "stop"
-        seq.output.append(token)
-        piece = self.backend.token_bytes(token, special=seq.special)
-        decoded = tracker.decoder.push(piece)
-        text, is_stopped = tracker.stops.push(decoded)
-        logprobs = self._logprobs(seq, tracker, len(decoded), len(text), is_stopped)
-        if text or logprobs:
-            outbox.append((tracker.stream, Chunk(text=text, logprobs=logprobs)))
-        if is_stopped:
-            tracker.is_stop_hit = True
-            return "stop"
-        if len(seq.output) >= seq.max_new_tokens:
-            return "length"
-        return None
-
-    def _logprobs(self, seq: Sequence, tracker: _Tracker, num_decoded: int, num_emitted: int,
-                  is_stopped: bool) -> list[TokenLogprob]:
-        """Place the token just sampled (its text `num_decoded` characters, `num_emitted` characters out now) and
-        return the logprobs whose text is out; a stop string ends the reply (see engine/logprobs.py)."""
-        if seq.sampling.logprobs is None:
-            return []
-        ranked = self.backend.take_logprobs(seq.slot)
-        if tracker.logprobs is None:
-            tracker.logprobs = LogprobAligner()
-        if ranked is not None:
-            logprob = token_logprob(ranked, lambda token: self.backend.token_bytes(token, special=seq.special))
-            tracker.logprobs.add(logprob, num_decoded, unfinished=tracker.decoder.is_holding)
-        return tracker.logprobs.finish(num_emitted) if is_stopped else tracker.logprobs.emit(num_emitted)
-
-    def _final_chunk(self, seq: Sequence, tracker: _Tracker, finish: FinishReason, now: int) -> Chunk:
-        tail = ""
-        if not tracker.is_stop_hit:
-            tail = tracker.stops.push(tracker.decoder.flush())[0] + tracker.stops.flush()
-        logprobs = tracker.logprobs.finish(len(tail)) if tracker.logprobs is not None else []
-        usage = Usage(prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), cached_tokens=seq.num_cached,
-                      draft_tokens=tracker.num_drafted, draft_accepted_tokens=tracker.num_accepted)
-        first = tracker.first_token_ns or now
-        timings = Timings(
-            prompt_eval_ns=first - tracker.admitted_ns,
-            eval_ns=now - first,
-            total_ns=now - tracker.submitted_ns,
-        )
-        return Chunk(text=tail, finish_reason=finish, usage=usage, timings=timings, logprobs=logprobs,
-                     scores=tracker.scores)
-
     def _drop(self, seq: Sequence) -> None:
         if self.scheduler.remove(seq):
             self.backend.release(seq.slot)
@@ -783,69 +476,18 @@ class BatchingEngine:
         self._trackers.pop(seq, None)
 
     def _fail_all(self, message: str) -> None:
-        with self._cond:
-            self._inbox.clear()
-            trackers = list(self._trackers.items())
-        outbox = []
-        for seq, tracker in trackers:
+        outbox: Outbox = []
+        for seq, tracker in self._bridge.take_all():
             outbox.append((tracker.stream, Chunk(finish_reason="error", error=message)))
             self._drop(seq)
             if seq.slot >= 0:
                 self.scheduler.forget(seq.slot)
-        self._deliver(outbox)
+        deliver(outbox)
 
     def _die(self, reason: str) -> None:
         """Mark the engine failed and end every request with an error, touching neither backend nor scheduler."""
-        with self._cond:
-            self._death = reason
-            self._inbox.clear()
-            trackers, self._trackers = list(self._trackers.values()), {}
-            embeds, self._embeds = list(self._embeds), deque()
+        trackers, jobs = self._bridge.die(reason)
         message = f"the engine stopped: {reason}"
-        self._deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
-        for job in embeds:
-            self._settle(job, None, EngineStopped(message))
-
-    @staticmethod
-    def _deliver(outbox: list[tuple[RequestStream, Chunk]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Chunk]]] = {}
-        for stream, chunk in outbox:
-            by_loop.setdefault(stream.loop, []).append((stream, chunk))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-                loop.call_soon_threadsafe(_put_all, items)
-
-
-def _set_future(future: asyncio.Future[list[float]], vector: list[float] | None, error: Exception | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(vector or [])
-
-
-def _check_prompt(prompt: list[int], images: list[PromptImage], num_vocab: int) -> None:
-    """Every position outside `images` holds a vocabulary id; images lie in order inside, before the end."""
-    text = prompt
-    if images:
-        text, previous_end = [], 0
-        for image in images:
-            if image.start < previous_end or image.length < 1 or image.end >= len(prompt):
-                raise InvalidRequest("an image must be followed by text in the prompt", param="images")
-            text += prompt[previous_end : image.start]
-            previous_end = image.end
-        text += prompt[previous_end:]
-    if text and (min(text) < 0 or max(text) >= num_vocab):
-        raise InvalidRequest(f"token ids must be in [0, {num_vocab}) for this model", param="context")
-
-
-def _input_overflow(num_tokens: int, num_ctx: int, num_ctx_train: int) -> ContextOverflow:
-    error = ContextOverflow(num_tokens, num_ctx, num_ctx_train)
-    error.param = "input"
-    return error
-
-
-def _put_all(items: list[tuple[RequestStream, Chunk]]) -> None:
-    for stream, chunk in items:
-        stream.queue.put_nowait(chunk)
+        deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
+        for job in jobs:
+            settle(job, None, EngineStopped(message))

@@ -15,6 +15,13 @@ that does not repeat its context (free writing) drafts rarely.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmserve.engine.slots.backend import Backend
+    from lmserve.engine.slots.bridge import Tracker
+    from lmserve.engine.slots.scheduler import Sequence
+
 NGRAM_SIZES = (4, 3)
 """The n-gram lengths looked up, longest first (a longer match predicts better; 2-token matches, common in free
 writing, were measured to cost more in rejected drafts than they save: a story 0.955x plain decoding with them,
@@ -95,3 +102,41 @@ class NgramDrafter(DraftLength):
             if after is not None:
                 return tokens[after:after + size]
         return []
+
+
+def set_drafts(decoding: list[Sequence], trackers: dict[Sequence, Tracker], backend: Backend, draft_max: int) -> None:
+    """Set the tokens each decoding sequence drafts after its pending one: from the draft model when the backend
+    has one (engine/llamacpp/draft_model.py), else looked up in its own context (`NgramDrafter`).
+    None unless speculative decoding is on for it and no logprobs or images are asked (a rejected draft is cut off the
+    slot's memory, or a hybrid model's is rewound: engine/llamacpp/recurrent_state.py)."""
+    caps: dict[Sequence, tuple[int, int]] = {}
+    for seq in decoding:
+        seq.draft = []
+        most = draft_max if seq.sampling.draft_max is None else seq.sampling.draft_max
+        limit = min(most, seq.max_new_tokens - len(seq.output) - 1)
+        if limit > 0 and seq.sampling.logprobs is None and not seq.images:
+            caps[seq] = most, limit
+    if not caps:
+        return
+    if backend.info.draft_model is not None:
+        contexts: dict[int, tuple[list[int], int]] = {}
+        for seq, (most, limit) in caps.items():
+            pace = trackers[seq].drafter
+            if pace is None:
+                pace = trackers[seq].drafter = DraftLength(most)
+            size = pace.next(limit)
+            if size > 0:
+                contexts[seq.slot] = (seq.prompt + seq.output, size)
+        drafts = backend.draft(contexts) if contexts else {}
+        for seq in caps:
+            seq.draft = drafts.get(seq.slot, [])
+        return
+    for seq, (most, limit) in caps.items():
+        tracker = trackers[seq]
+        held = len(seq.prompt) + len(seq.output)
+        drafter = tracker.drafter
+        if not isinstance(drafter, NgramDrafter):
+            drafter = tracker.drafter = NgramDrafter(seq.prompt + seq.output, most)
+        elif drafter.size < held:
+            drafter.extend(seq.output[drafter.size - held:])
+        seq.draft = drafter.draft(limit)
