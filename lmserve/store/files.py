@@ -35,8 +35,8 @@ from typing import Any, Literal, get_args
 
 from lmserve.config import env_name
 from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.store.atomic_files import TEMP_PREFIX, write_atomic
 from lmserve.store.records import STALE_TEMP_SECONDS, RecordIds
-from lmserve.store.store import TEMP_PREFIX, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from lmserve.errors import LmserveError
-from lmserve.store.store import TEMP_PREFIX, write_atomic
+from lmserve.store.atomic_files import TEMP_PREFIX, write_atomic
 
 log = logging.getLogger(__name__)
 

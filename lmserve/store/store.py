@@ -37,87 +37,26 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
+from lmserve.store.atomic_files import TEMP_PREFIX, remove_if_stale, write_atomic
 from lmserve.store.embedded import removed_hint
+from lmserve.store.manifest import SCHEMA_VERSION, Manifest, ModelEntry, check_digest, decode_manifest
 from lmserve.store.names import ModelName, parse_name
 from lmserve.store.repository import check_relative_path
+from lmserve.store.repository_links import add_repository, has_links, make_links, remove_tree, repository_key
 
 logger = logging.getLogger(__name__)
-
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-"""A blob digest: `sha256:` and 64 lowercase hex digits (`\\Z`, so no trailing newline slips through)."""
 ENV_VAR = "LMSERVE_MODELS"
 DEFAULT_ROOT = "~/.lmserve/models"
-TEMP_PREFIX = ".tmp-"
-STALE_TEMP_SECONDS = 3600.0
-SCHEMA_VERSION = 1
 _DIGEST_IN_TEXT = re.compile(r"sha256:([0-9a-f]{64})")
 _BLOB_NAME = re.compile(r"sha256-[0-9a-f]{64}")
 _LOCAL_HOST = "local"
 _DEFAULT_NAMESPACE = "library"
 _CHUNK = 1 << 20
-
-
-def check_digest(digest: str) -> str:
-    """Return `digest` if it is `sha256:` + 64 lowercase hex digits; else raise InvalidRequest naming the rule."""
-    if DIGEST_RE.match(digest):
-        return digest
-    hex_part = digest.removeprefix("sha256:")
-    if not digest.startswith("sha256:"):
-        rule = "a digest starts with 'sha256:'"
-    elif len(hex_part) != 64:
-        rule = f"'sha256:' is followed by exactly 64 hex digits, not {len(hex_part)} characters"
-    else:
-        rule = "the 64 hex digits are lowercase 0-9 and a-f only"
-    raise InvalidRequest(f"invalid digest {digest[:80]!r}: {rule}", param="digest")
-
-
-@dataclass(slots=True)
-class Manifest:
-    """One model: which blobs it is made of, and what its Modelfile added on top of the GGUF."""
-
-    model: str
-    """Blob digest of the GGUF weights; for a repository, of its config.json."""
-    projector: str | None = None
-    """Blob digest of an mmproj GGUF (vision projector)."""
-    adapters: list[str] = field(default_factory=list)
-    """Blob digests of LoRA GGUFs."""
-    template: str | None = None
-    """Go template text from a Modelfile; None = use the GGUF's own chat template."""
-    system: str | None = None
-    parameters: dict[str, Any] = field(default_factory=dict)
-    messages: list[tuple[str, str]] = field(default_factory=list)
-    license: list[str] = field(default_factory=list)
-    parent: str = ""
-    """The name this model was created FROM (details.parent_model)."""
-    details: dict[str, Any] = field(default_factory=dict)
-    """format, family, families, parameter_size, quantization_level."""
-    modified_at: float = 0.0
-    """Unix seconds; set by `Store.save`."""
-    files: dict[str, str] = field(default_factory=dict)
-    """A repository's files: relative path → blob digest (config.json's is `model`); empty for a GGUF model."""
-
-    @property
-    def digests(self) -> list[str]:
-        """Every blob digest this manifest refers to, once each: model, projector, adapters, repository files."""
-        projector = [] if self.projector is None else [self.projector]
-        return list(dict.fromkeys([self.model, *projector, *self.adapters, *self.files.values()]))
-
-
-@dataclass(slots=True)
-class ModelEntry:
-    """A stored model as listed: its name, manifest, total blob bytes and manifest digest."""
-
-    name: ModelName
-    manifest: Manifest
-    size: int
-    """Total bytes of its blobs."""
-    digest: str
-    """sha256 hex of the manifest file's bytes (like the local runner's model digest; no `sha256:` prefix)."""
 
 
 class Store:
@@ -208,13 +147,13 @@ class Store:
         directory = self._repos / repository_key(manifest.files)
         links = {name: self._link_target(directory, name, digest) for name, digest in manifest.files.items()}
         with self._lock():
-            if not _has_links(directory, links):
+            if not has_links(directory, links):
                 if os.path.lexists(directory):
-                    _remove_tree(directory)
+                    remove_tree(directory)
                 self._repos.mkdir(exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(dir=self._repos, prefix=TEMP_PREFIX))
                 try:
-                    _make_links(tmp, links)
+                    make_links(tmp, links)
                     os.rename(tmp, directory)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -389,7 +328,7 @@ class Store:
         except OSError as error:
             raise LmserveError(f"model '{name}': cannot read its manifest ({error})") from error
         try:
-            manifest = _decode(raw)
+            manifest = decode_manifest(raw)
         except (ValueError, InvalidRequest, RecursionError) as error:
             raise LmserveError(f"model '{name}': corrupt manifest ({error})") from error
         size = 0
@@ -408,7 +347,7 @@ class Store:
         is_complete = True
         for path in self._manifest_files():
             if path.name.startswith(TEMP_PREFIX):
-                num_removed += _remove_if_stale(path)
+                num_removed += remove_if_stale(path)
                 continue
             try:  # any digest-looking text counts, so even a corrupt manifest keeps its blobs
                 text = path.read_text(errors="replace")
@@ -417,10 +356,10 @@ class Store:
                 is_complete, repos = False, None
                 continue
             referenced.update(_DIGEST_IN_TEXT.findall(text))
-            repos = _add_repository(repos, text)
+            repos = add_repository(repos, text)
         for blob in self._blobs.iterdir():
             if blob.name.startswith(TEMP_PREFIX):
-                num_removed += _remove_if_stale(blob)
+                num_removed += remove_if_stale(blob)
             elif is_complete and _BLOB_NAME.fullmatch(blob.name) and blob.name[7:] not in referenced:
                 blob.unlink(missing_ok=True)
                 num_removed += 1
@@ -432,9 +371,9 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             for directory in self._repos.iterdir():
                 if directory.name.startswith(TEMP_PREFIX):
-                    num_removed += _remove_if_stale(directory)
+                    num_removed += remove_if_stale(directory)
                 elif referenced is not None and directory.name not in referenced:
-                    _remove_tree(directory)
+                    remove_tree(directory)
                     num_removed += 1
         return num_removed
 
@@ -457,116 +396,3 @@ def _hash(source: BinaryIO, out: BinaryIO | None) -> str:
         if out is not None:
             out.write(chunk)
     return "sha256:" + hasher.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: a temporary sibling, flushed to disk, renamed over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _remove_if_stale(path: Path) -> int:
-    """Remove a temp file (or directory) whose inode changed over an hour ago (ctime: a fresh hard link counts as
-    new)."""
-    try:
-        if time.time() - path.lstat().st_ctime < STALE_TEMP_SECONDS:
-            return 0
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except OSError:
-        return 0
-    return 1
-
-
-def repository_key(files: Mapping[str, str]) -> str:
-    """The name of a repository's directory under repos/: 16 hex digits of the hash of its files map."""
-    text = json.dumps(sorted(files.items()), separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _add_repository(repos: set[str] | None, manifest_text: str) -> set[str] | None:
-    """`repos` plus the directory of the repository a manifest's text describes; None when it does not decode."""
-    if repos is None:
-        return None
-    try:
-        files = _decode(manifest_text.encode()).files
-    except (ValueError, InvalidRequest, RecursionError):
-        return None  # a corrupt manifest: its directory cannot be told apart, so keep every directory
-    if files:
-        repos.add(repository_key(files))
-    return repos
-
-
-def _has_links(directory: Path, links: Mapping[str, str]) -> bool:
-    """True when `directory` holds exactly these symlinks (relative path → target)."""
-    try:
-        return all(os.readlink(directory / name) == target for name, target in links.items())
-    except OSError:
-        return False
-
-
-def _make_links(directory: Path, links: Mapping[str, str]) -> None:
-    for name, target in links.items():
-        link = directory / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(target, link)
-
-
-def _remove_tree(directory: Path) -> None:
-    """Remove a repos/ directory: first renamed to a temp name, so nobody sees it half removed."""
-    doomed = directory.with_name(f"{TEMP_PREFIX}{secrets.token_hex(8)}")
-    os.rename(directory, doomed)
-    if doomed.is_dir() and not doomed.is_symlink():
-        shutil.rmtree(doomed, ignore_errors=True)
-    else:
-        doomed.unlink(missing_ok=True)
-
-
-def _decode(raw: bytes) -> Manifest:
-    """Parse and check a manifest file; ValueError or InvalidRequest on anything unexpected."""
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-
-    def typed(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-        value = data.get(key, default)
-        if not isinstance(value, kind) or (isinstance(value, bool) and key == "modified_at"):
-            raise ValueError(f"{key!r} has the wrong type")
-        return value
-
-    projector = typed("projector", (str, type(None)), None)
-    adapters = typed("adapters", list, [])
-    files = typed("files", dict, {})
-    if not all(isinstance(digest, str) for digest in files.values()):
-        raise ValueError("'files' must map file names to digests")
-    messages = typed("messages", list, [])
-    licenses = typed("license", list, [])
-    if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m) for m in messages):
-        raise ValueError("'messages' must be [role, content] pairs")
-    if not all(isinstance(text, str) for text in [*adapters, *licenses]):
-        raise ValueError("'adapters' and 'license' must be lists of strings")
-    return Manifest(
-        model=check_digest(typed("model", str, None)),
-        projector=None if projector is None else check_digest(projector),
-        adapters=[check_digest(adapter) for adapter in adapters],
-        template=typed("template", (str, type(None)), None),
-        system=typed("system", (str, type(None)), None),
-        parameters=typed("parameters", dict, {}),
-        messages=[(role, content) for role, content in messages],
-        license=licenses,
-        parent=typed("parent", str, ""),
-        details=typed("details", dict, {}),
-        modified_at=float(typed("modified_at", (int, float), 0.0)),
-        files={check_relative_path(name): check_digest(digest) for name, digest in files.items()},
-    )

@@ -15,6 +15,7 @@ import pytest
 
 from lmserve.config import env_name
 from lmserve.errors import InvalidRequest
+from lmserve.store.atomic_files import TEMP_PREFIX
 from lmserve.store.files import (
     FILE_ID_PREFIX,
     PURPOSES,
@@ -25,7 +26,6 @@ from lmserve.store.files import (
     StoredFile,
 )
 from lmserve.store.records import STALE_TEMP_SECONDS
-from lmserve.store.store import TEMP_PREFIX
 
 SECOND = 1_000_000_000
 T0 = 1_700_000_000

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+import lmserve.store.atomic_files as atomic_files
 import lmserve.store.store as store_module
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound
+from lmserve.store.manifest import DIGEST_RE, Manifest, check_digest
 from lmserve.store.names import ModelName, parse_name
-from lmserve.store.store import DIGEST_RE, Manifest, Store, check_digest
+from lmserve.store.store import Store
 
 HEX = "ab" * 32
 
@@ -376,7 +378,7 @@ def test_gc_removes_unreferenced_blobs_and_only_stale_temps(store: Store, monkey
     assert not store.has_blob(orphan)
     assert store.has_blob(digest_of(b"kept"))
     assert fresh.exists() and manifest_temp.exists() and foreign.exists()
-    monkeypatch.setattr(store_module, "STALE_TEMP_SECONDS", -1.0)
+    monkeypatch.setattr(atomic_files, "STALE_TEMP_SECONDS", -1.0)
     assert store.gc() == 2
     assert not temp_files(store.root)
     assert foreign.exists()
@@ -472,7 +474,7 @@ def test_gc_removes_directories_no_manifest_refers_to(store: Store, monkeypatch:
     fresh_temp.mkdir()
     assert store.gc() == 1
     assert repo_dirs(store) == [fresh_temp, kept]
-    monkeypatch.setattr(store_module, "STALE_TEMP_SECONDS", -1.0)
+    monkeypatch.setattr(atomic_files, "STALE_TEMP_SECONDS", -1.0)
     assert store.gc() == 1
     assert repo_dirs(store) == [kept]
 

@@ -30,9 +30,10 @@ from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKe
 from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.load_crashes import LoadCrashes
+from lmserve.store.manifest import Manifest, ModelEntry
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import ModelName, is_gguf_path, parse_name
-from lmserve.store.store import Manifest, ModelEntry, Store
+from lmserve.store.store import Store
 from lmserve.types import LoadOptions, Message
 
 
