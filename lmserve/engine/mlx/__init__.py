@@ -91,7 +91,7 @@ def prompt_cache_key(path: Path, launch: MlxLaunch, num_ctx: int) -> str:
     otherwise would give other replies: seen when RoPE's base was read wrong)."""
     from importlib.metadata import version
 
-    from lmserve.engine.mlx.backend import rope_from_parameters
+    from lmserve.engine.mlx.loading import rope_from_parameters
 
     config_file = path / "config.json"
     config = config_file.read_text(errors="replace") if config_file.is_file() else "{}"

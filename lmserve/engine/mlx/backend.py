@@ -6,7 +6,7 @@ the slots that decode one token each run together as one batch. The batch's cach
 (keys and values left-padded to the longest slot; a convolution's state row by row). They persist from step to
 step: a slot joins the batch when it starts decoding (its cache merged in) and leaves it when anything else
 touches it (its cache extracted), so a steady batch of decoding slots costs no copies. Sampling, grammars and
-log-probabilities are engine/mlx/sampler.py's, in numpy, over each row's logits.
+log-probabilities are engine/mlx/sampling.py's, in numpy, over each row's logits.
 
 Memory a slot keeps between requests is its prefix cache: attention caches are cut at any position; a model with
 convolution or recurrent state cannot be cut (`can_cut_memory` False) and reuses only whole states, as llama.cpp's
@@ -16,7 +16,6 @@ disk tiers.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from functools import wraps
@@ -25,14 +24,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmserve.engine.context_size import choose_context, machine_memory, memory_beside
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.logprobs import Ranked
-from lmserve.engine.mlx import VISION_MISSING, vision_missing
+from lmserve.engine.mlx import VISION_MISSING
 from lmserve.engine.mlx.grammar import Grammars
+from lmserve.engine.mlx.loading import (
+    device_name,
+    dtype_name,
+    load_model,
+    num_params,
+    probe_model,
+    stored_as,
+)
+from lmserve.engine.mlx.memory import Caches, context_choice, weights_bytes
 from lmserve.engine.mlx.options import MlxLaunch
 from lmserve.engine.mlx.runtime import import_mlx
-from lmserve.engine.mlx.sampler import Sampler
+from lmserve.engine.mlx.sampling import Sampler
 from lmserve.engine.mlx.states import copy_caches, cut_caches, read_caches, write_caches
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.prompt_logprobs import PromptLogprobs
@@ -44,8 +51,6 @@ from lmserve.types import Bitmap, LoadOptions, SamplingParams
 
 log = logging.getLogger("lmserve.engine.mlx")
 
-Caches = list[Any]
-"""One slot's caches: one mlx-lm cache per layer."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -67,51 +72,21 @@ class MlxBackend:
         launch = launch or MlxLaunch()
         self._mx = mx = import_mlx(launch.mlx_device, options.num_threads)
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.utils import load
 
         path = Path(path)
-        try:
-            model, tokenizer, config = load(str(path), return_config=True,
-                                            model_config=rope_from_parameters(_read_config(path)))
-        except Exception as exc:  # mlx-lm raises what its model code raises on a config it cannot build
-            why = f"MLX cannot load {path.name}: {type(exc).__name__}: {exc}"
-            if vision_missing(_read_config(path)):
-                why += f" ({VISION_MISSING})"
-            raise InvalidRequest(why, param="model") from None
-        dtype = _dtype(mx, launch.mlx_dtype, config)
-        if dtype is not None:
-            model.set_dtype(dtype)
-            mx.eval(model.parameters())  # here: arrays left lazy would be computed on this thread's stream
+        model, tokenizer, config, dtype = load_model(mx, path, launch.mlx_dtype)
         self._model = model
         self._stream = mx.new_thread_local_stream(mx.default_device())
         """MLX's streams belong to threads: every thread computes on its own of this one (`computing`)."""
         with mx.stream(self._stream):
-            _probe(mx, model, make_prompt_cache, path.name, config)
+            probe_model(mx, model, make_prompt_cache, path.name, config)
         self._make_cache: Callable[[], Caches] = lambda: make_prompt_cache(model)
         self._hf = tokenizer._tokenizer
         self._end_tokens = frozenset(int(t) for t in tokenizer.eos_token_ids)
-        text_config = config.get("text_config") or config
-        num_vocab = int(text_config.get("vocab_size") or len(self._hf))
-        probe = self._make_cache()
-        trimmable = all(cache.is_trimmable() for cache in probe)
-        choice = choose_context(
-            options.num_ctx, trained=int(text_config.get("max_position_embeddings") or 0),
-            kv_bytes_per_token=_kv_bytes_per_token(text_config, probe, dtype or mx.float32),
-            num_slots=options.num_parallel,
-            memory_bytes=memory_beside(_weights_bytes(path), machine_memory()))
         self._specials = frozenset(int(t) for t in self._hf.all_special_ids) | frozenset(
             int(i) for i, added in self._hf.added_tokens_decoder.items() if added.special)
-        vocab = self._hf.get_vocab()
-        self.info = ModelInfo(
-            path=str(path), architecture=str(text_config.get("model_type") or config.get("model_type", "")),
-            num_ctx=choice.num_ctx, num_parallel=options.num_parallel, num_vocab=num_vocab,
-            num_ctx_train=choice.trained, chat_template=getattr(self._hf, "chat_template", None),
-            bos_token=str(self._hf.bos_token or ""), eos_token=str(self._hf.eos_token or ""),
-            size_bytes=_weights_bytes(path), num_params=_num_params(model),
-            description=f"MLX {_dtype_name(model)} ({_device_name(mx)}) {_stored_as(config)}", can_cut_memory=trimmable,
-            engine="mlx", can_embed=hasattr(model, "model"), can_constrain=True, fim=find_by_text(vocab),
-        )
-        self._grammars = Grammars(self._hf, num_vocab, self._end_tokens)
+        self.info = self._model_info(path, options, config, dtype or mx.float32)
+        self._grammars = Grammars(self._hf, self.info.num_vocab, self._end_tokens)
         self._caches: list[Caches | None] = [self._make_cache() for _ in range(options.num_parallel)]
         """Each slot's caches; None while the slot is a row of the decoding batch."""
         self._batch: Caches | None = None
@@ -124,6 +99,23 @@ class MlxBackend:
         self._prompt_scoring: dict[int, PromptLogprobs] = {}
         """Slots prefilling a prompt whose log-probabilities were asked for (engine/prompt_logprobs.py)."""
         self._prompt_ranked: dict[int, list[Ranked]] = {}
+
+    def _model_info(self, path: Path, options: LoadOptions, config: dict[str, Any], dtype: Any) -> ModelInfo:
+        """What the engine seam says of the loaded model; its context chosen for `options` (computing in `dtype`)."""
+        mx, model, hf = self._mx, self._model, self._hf
+        text_config = config.get("text_config") or config
+        caches = self._make_cache()
+        choice = context_choice(path, options.num_ctx, options.num_parallel, text_config, caches, dtype)
+        return ModelInfo(
+            path=str(path), architecture=str(text_config.get("model_type") or config.get("model_type", "")),
+            num_ctx=choice.num_ctx, num_parallel=options.num_parallel,
+            num_vocab=int(text_config.get("vocab_size") or len(hf)), num_ctx_train=choice.trained,
+            chat_template=getattr(hf, "chat_template", None), bos_token=str(hf.bos_token or ""),
+            eos_token=str(hf.eos_token or ""), size_bytes=weights_bytes(path), num_params=num_params(model),
+            description=f"MLX {dtype_name(model)} ({device_name(mx)}) {stored_as(config)}",
+            can_cut_memory=all(cache.is_trimmable() for cache in caches), engine="mlx",
+            can_embed=hasattr(model, "model"), can_constrain=True, fim=find_by_text(hf.get_vocab()),
+        )
 
     # ---- tokens ------------------------------------------------------------------------------------------------
 
@@ -423,20 +415,6 @@ class MlxBackend:
         self._mx.clear_cache()
 
 
-def _probe(mx: Any, model: Any, make_cache: Callable[[Any], Caches], name: str, config: dict[str, Any]) -> None:
-    """Decode two tokens, one after the other, so a model mlx-lm builds but cannot run (e.g. its LFM2 without
-    convolution layers; a mixture of experts in half precision on MLX's CPU build) is refused at load, naming why,
-    instead of failing every request."""
-    try:
-        caches = make_cache(model)
-        mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=caches))
-        mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=caches))
-    except Exception as exc:
-        kind = config.get("model_type", "?")
-        raise InvalidRequest(f"MLX cannot run {name}: mlx-lm's {kind} model fails on its first tokens "
-                             f"({type(exc).__name__}: {exc})", param="model") from None
-
-
 def _length(caches: Caches | None) -> int:
     """Positions a slot's caches hold (0 when it holds none)."""
     if caches is None:
@@ -461,72 +439,3 @@ def _cache_arrays(cache: Any) -> list[Any]:
         elif hasattr(item, "shape"):
             out.append(item)
     return out
-
-
-def _dtype(mx: Any, asked: str, config: dict[str, Any]) -> Any:
-    """The dtype to compute in: asked, or on a CPU float32 (MLX converts half precision there); None: as loaded."""
-    if asked == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else None
-    return getattr(mx, asked)
-
-
-def _dtype_name(model: Any) -> str:
-    from mlx.utils import tree_flatten
-
-    for name, value in tree_flatten(model.parameters()):
-        if name.endswith("weight") and "norm" not in name:
-            return str(value.dtype).removeprefix("mlx.core.")
-    return ""
-
-
-def _stored_as(config: dict[str, Any]) -> str:
-    """How the repository stores its weights, as `show` reports a quantization level: MLX's packed bits (Q4, Q8)
-    or the dtype of config.json."""
-    quantization = config.get("quantization") or config.get("quantization_config") or {}
-    if isinstance(quantization, dict) and quantization.get("bits"):
-        return f"Q{quantization['bits']}"
-    return str(config.get("torch_dtype") or config.get("dtype") or "").upper() or "unknown"
-
-
-def _device_name(mx: Any) -> str:
-    return "GPU" if mx.default_device() == mx.gpu else "CPU"
-
-
-def _num_params(model: Any) -> int:
-    from mlx.utils import tree_flatten
-
-    return int(sum(value.size for _, value in tree_flatten(model.parameters())))
-
-
-def rope_from_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """The top-level `rope_theta` (and `rope_scaling`) mlx-lm's models read, where config.json has them only in
-    `rope_parameters` (as transformers 5 writes it): without them mlx-lm took RoPE's default base of 10,000, and a
-    SmolLM2 saved so (base 100,000) scored its prompts up to 5 nats away from transformers (bench/eval.py)."""
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" in config or "rope_theta" not in rope:
-        return {}
-    out: dict[str, Any] = {"rope_theta": rope["rope_theta"]}
-    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
-        out["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
-    return out
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _weights_bytes(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.glob("*.safetensors"))
-
-
-def _kv_bytes_per_token(config: dict[str, Any], caches: Caches, dtype: Any) -> int:
-    """One token's keys and values in one sequence: 2 x KV heads x head size x dtype, over the attention layers."""
-    heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 0)
-    head_dim = int(config.get("head_dim") or 0) or (
-        int(config.get("hidden_size") or 0) // max(int(config.get("num_attention_heads") or 1), 1))
-    layers = sum(1 for cache in caches if cache.is_trimmable())
-    return 2 * heads * head_dim * layers * int(dtype.size)

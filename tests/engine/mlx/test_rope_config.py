@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lmserve.engine.mlx.backend import rope_from_parameters
+from lmserve.engine.mlx.loading import rope_from_parameters
 
 
 @pytest.mark.parametrize(("config", "given"), [

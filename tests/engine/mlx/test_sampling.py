@@ -1,4 +1,4 @@
-"""The MLX engine's sampler (engine/mlx/sampler.py): llama.cpp's chain over a row of logits, in numpy."""
+"""The MLX engine's sampler (engine/mlx/sampling.py): llama.cpp's chain over a row of logits, in numpy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from lmserve.engine.mlx.sampler import Sampler
+from lmserve.engine.mlx.sampling import Sampler
 from lmserve.types import SamplingParams
 
 END = frozenset({0})
