@@ -78,7 +78,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     grammar: str | None = None
-    """A GBNF grammar (root rule `root`) the output must match: structured output (see chat/structured.py)."""
+    """A GBNF grammar (root rule `root`) the output must match: structured output (see chat/structured/)."""
     closes_at_limit: bool = True
     """With `grammar` and `max_tokens`: a reply about to run out of tokens is closed in time with the shortest text
     the grammar accepts (service/json_budget.py), so structured output and forced tool calls always parse. False:
@@ -103,7 +103,7 @@ class SamplingParams:
     `scores` (at most MAX_SCORE_TOKENS of them; service/judging.py asks for one token with them)."""
     context_limit: int | None = None
     """The most tokens the sequence may hold, prompt and reply: the context the request asked for (`num_ctx`), which
-    an instance loaded with a larger one serves without a reload (service/residency.py `Residency.serving`); the
+    an instance loaded with a larger one serves without a reload (service/residency/ `Residency.serving`); the
     prompt must fit below it and the reply ends there ("length"). None, or the engine's context or more: the
     engine's context."""
     reuse_limit: int | None = None

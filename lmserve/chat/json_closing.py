@@ -1,6 +1,6 @@
 """Closing a constrained reply: at any point of a text the grammar allows, the shortest text that completes it.
 
-A structured-output reply (chat/structured.py's GBNF) that runs out of tokens is cut JSON. To close it in time,
+A structured-output reply (chat/structured/'s GBNF) that runs out of tokens is cut JSON. To close it in time,
 the service (service/json_budget.py) feeds the reply's text into a `Tracker` as it is generated and asks, after
 each token, for `closing()`: the shortest text that turns what came so far into a complete sentence of the
 grammar, i.e. a JSON document that validates against the schema (open strings closed, a started number or
@@ -14,7 +14,7 @@ of one stack is the shortest text of what remains of each of its frames, and the
 shortest over its stacks. Shortest means fewest characters; each character class is written as one member of it
 (a digit or a letter where the class has one).
 
-It reads the GBNF subset structured.py writes (one rule per line; literals, character classes, rule names,
+It reads the GBNF subset chat/structured/ writes (one rule per line; literals, character classes, rule names,
 groups, alternation, `* + ? {m} {m,} {m,n}`) and refuses anything else with `ValueError`.
 """
 

@@ -3,8 +3,8 @@
 Offline (the default) it loads the model in this process, as `lmserve serve` would with the same flags, and sends
 each line through the app's own routes in process: no port, no server. With `--url` it sends the lines to a running
 server over HTTP (LMSERVE_API_KEY as its key). Either way the lines run at the lowest priority, `--batch-concurrency` at
-a time (api/batch_lines.py), and each result is appended to OUT, whole and fsync'd, as soon as it is back: one line
-per request (`response` for those that ran, `error` for those refused), in the order they finish.
+a time (endpoints/batch_lines.py), and each result is appended to OUT, whole and fsync'd, as soon as it is back: one
+line per request (`response` for those that ran, `error` for those refused), in the order they finish.
 
 OUT is the progress record too: run the same command again after an interruption and it skips every custom_id OUT
 holds (a half-written last line is cut off first). `-` reads the input from stdin; `-o -` writes to stdout (then

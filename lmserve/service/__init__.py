@@ -3,11 +3,11 @@
     generation  chat, completion, native generate, embeddings (service/generation.py)
     judging     decisions, reranking, classifying: exact probabilities of answers (service/judging.py)
     models      list, show, create, copy, delete, pull; load, unload, ps (service/models.py)
-    residency   which engine instance serves each model name; shared weights; keep-alive (service/residency.py)
+    residency   which engine instance serves each model name; shared weights; keep-alive (service/residency/)
     precedence  the options a request runs with: its own over the model's over the server's (service/precedence.py)
     observers   registered listeners of finished generations and loads, e.g. metrics (service/observers.py)
 
-The parts share one Catalog (service/catalog.py), the one place that knows where models come from, and the
+The parts share one Catalog (service/catalog/), the one place that knows where models come from, and the
 Residency given to the Service (whose observers they share).
 """
 

@@ -1,7 +1,7 @@
 """Structured output that always parses: a constrained reply is closed in time, within its `max_tokens`.
 
 No anchor does this: llama-server, vLLM and the local runner cut a JSON reply where `max_tokens` falls. Here a
-reply under a grammar (response_format / format: chat/structured.py) with a token limit runs through
+reply under a grammar (response_format / format: chat/structured/) with a token limit runs through
 `ClosingStream`, which follows the reply token by token in the grammar (chat/json_closing.py) and keeps a token
 only if, after it, the shortest text that completes the document still fits in what is left of the limit. The
 first token that would leave too little room is not kept: the engine's request is aborted and the stream ends
@@ -48,7 +48,7 @@ def _closer(sampling: SamplingParams) -> Closer | None:
         return None
     try:
         return closer_for(sampling.grammar)
-    except (ValueError, RecursionError):  # a grammar not written by chat/structured.py: left as it is
+    except (ValueError, RecursionError):  # a grammar not written by chat/structured/: left as it is
         return None
 
 
