@@ -49,7 +49,6 @@ def _state_buffer(size: int) -> SavedState:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
 
 
-
 def default_threads() -> int:
     """One thread per core this process may run on (its affinity: a container's or `taskset`'s cores, not every core
     of the machine); the machine's count where the platform cannot say."""
@@ -71,7 +70,8 @@ class LlamaCppBackend:
         self._memory, self._batch, self._batch_capacity = loaded.memory, loaded.batch, loaded.batch_capacity
         self._num_vocab, self._eog = loaded.num_vocab, loaded.eog
         self._init_slot_state()
-        self._candidates = Candidates(self._num_vocab)
+        self._sample_ranked = Candidates(self._num_vocab).sample
+        """Sampling that keeps the candidates for logprobs (sampling.py): bound once, as it runs per token."""
         self._num_threads = threads
         self._governor = ThreadGovernor(threads) if launch.thread_policy == "adaptive" else None
         self._step_threads = threads
@@ -85,8 +85,9 @@ class LlamaCppBackend:
         except EngineFailure:
             self.close()
             raise
-        self.info = loaded.model_info(path, options, image_marker=self._vision.marker if self._vision else None,
-                                      draft_model=self._draft_model.name if self._draft_model else None)
+        self.info = loaded.model_info(
+            path, options, image_marker=self._vision.marker if self._vision is not None else None,
+            draft_model=self._draft_model.name if self._draft_model is not None else None)
         self._rank_softmax = self.info.architecture in rerank.SOFTMAX_ARCHITECTURES
         self._embedder = Embedder(loaded, num_ctx=self.info.num_ctx, batch_capacity=self._batch_capacity,
                                   threads=threads)
@@ -129,7 +130,6 @@ class LlamaCppBackend:
                 launch.model_draft, self._vocab, name, num_slots=options.num_parallel, num_ctx=self._loaded.num_ctx,
                 num_batch=options.num_batch, threads=self._num_threads, num_gpu_layers=options.num_gpu_layers,
                 p_min=launch.draft_p_min)
-
 
     # ---- vocabulary ---------------------------------------------------------------------------
 
@@ -196,6 +196,7 @@ class LlamaCppBackend:
             self._prompt_scoring.pop(slot, None)
         else:
             self._prompt_scoring[slot] = PromptLogprobs(sampling.prompt_logprobs)
+
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         """Copy `source`'s memory into `slot`, then cut it to `length` positions.
 
@@ -300,8 +301,7 @@ class LlamaCppBackend:
     def _decode_images(self, images: list[BatchEntry]) -> None:
         """Decode the step's image entries first, each on its own; on PoolFull forget what they put in."""
         for i, entry in enumerate(images):
-            if self._vision is None:
-                raise EngineFailure("an image was submitted to a model without a vision projector")
+            assert self._vision is not None  # image entries come from `tokenize_images`
             try:
                 self._vision.decode(self._ctx, entry, self._batch_capacity)
             except PoolFull:
@@ -362,6 +362,7 @@ class LlamaCppBackend:
                 self._verify(entry, token, output, rewinds.get(entry.slot))
             sampled.append(token)
         return sampled
+
     def _forget(self, images: list[BatchEntry]) -> None:
         """Drop what image entries of a step that failed for room put in their slots (from each one's position)."""
         for entry in images:
@@ -428,7 +429,7 @@ class LlamaCppBackend:
         k = self._logprob_slots.get(slot)
         if k is None:
             return int(lc.llama_sampler_sample(self._samplers[slot], self._ctx, output))
-        ranked = self._candidates.sample(self._samplers[slot], self._ctx, output, k)
+        ranked = self._sample_ranked(self._samplers[slot], self._ctx, output, k)
         self._ranked[slot] = ranked
         return ranked[0]
 
