@@ -87,11 +87,7 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         del args["logprobs_mode"]
         del args["enable_prefix_caching"]  # vLLM's choice: an encoder-only model has no KV cache to keep
     args.update(_compilation_args(options, config))
-    if options.executor != "auto":
-        args["distributed_executor_backend"] = options.executor
-    if options.nnodes > 1:
-        args.update(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
-                    master_port=options.master_port)
+    args.update(_distributed_args(options))
     if options.dtype != "auto":
         args["mamba_cache_dtype"] = options.dtype
     if options.kv_offloading_size > 0:
@@ -119,6 +115,17 @@ def _compilation_args(options: VllmOptions, config: dict[str, Any]) -> dict[str,
         compilation.update(mode=2, backend="eager")
     if compilation:
         args["compilation_config"] = compilation
+    return args
+
+
+def _distributed_args(options: VllmOptions) -> dict[str, Any]:
+    """The engine arguments of the executor and the nodes a model spans, when not vLLM's defaults."""
+    args: dict[str, Any] = {}
+    if options.executor != "auto":
+        args["distributed_executor_backend"] = options.executor
+    if options.nnodes > 1:
+        args.update(nnodes=options.nnodes, node_rank=options.node_rank, master_addr=options.master_addr,
+                    master_port=options.master_port)
     return args
 
 
