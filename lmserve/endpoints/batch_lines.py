@@ -28,11 +28,12 @@ from typing import Any
 
 import httpx
 
+from lmserve.dialects.table import batch_endpoints
 from lmserve.types import BATCH_PRIORITY
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+ENDPOINTS = batch_endpoints()
 """The routes a batch line may call."""
 PRIORITIZED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 """The routes whose requests take a `priority` (embeddings are computed between decode steps, not scheduled)."""

@@ -24,15 +24,15 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from lmserve.endpoints.batch_lines import ENDPOINTS, BatchLine, CheckedInput, Send, check_lines, error_line, run_lines
+from lmserve.config import ServerConfig
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.pages import list_body
-from lmserve.config import ServerConfig
+from lmserve.endpoints.batch_lines import ENDPOINTS, BatchLine, CheckedInput, Send, check_lines, error_line, run_lines
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.store.batches import ACTIVE, BatchRecord, BatchStore, ResultLog
 from lmserve.store.files import FileNotFound, FileStore
@@ -373,25 +373,32 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
             raise InvalidRequest("metadata keys are at most 64 characters and values 512", param="metadata")
 
 
-def batches_router(batches: BatchService) -> APIRouter:
-    """POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
+def app_batches(request: Request) -> BatchService:
+    return cast(BatchService, request.app.state.batches)
 
-    @router.post("/batches")
-    async def create_batch(body: BatchCreate) -> dict[str, Any]:
-        return (await batches.create(body)).to_openai()
 
-    @router.get("/batches")
-    async def list_batches(after: str | None = None, limit: int = 20) -> dict[str, Any]:
-        return await batches.page(after, limit)
+BatchesDep = Annotated[BatchService, Depends(app_batches)]
+"""The app's batch runner (lmserve/http/app.py puts it on the app's state)."""
 
-    @router.get("/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str) -> dict[str, Any]:
-        return (await batches.get(batch_id)).to_openai()
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    @router.post("/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> dict[str, Any]:
-        return (await batches.cancel(batch_id)).to_openai()
 
-    return router
+@router.post("/batches")
+async def create_batch(body: BatchCreate, batches: BatchesDep) -> dict[str, Any]:
+    return (await batches.create(body)).to_openai()
+
+
+@router.get("/batches")
+async def list_batches(batches: BatchesDep, after: str | None = None, limit: int = 20) -> dict[str, Any]:
+    return await batches.page(after, limit)
+
+
+@router.get("/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, batches: BatchesDep) -> dict[str, Any]:
+    return (await batches.get(batch_id)).to_openai()
+
+
+@router.post("/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, batches: BatchesDep) -> dict[str, Any]:
+    return (await batches.cancel(batch_id)).to_openai()
 

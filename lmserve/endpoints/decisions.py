@@ -18,12 +18,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from lmserve.dialects.shared.json_body import JsonBodyRoute
-from lmserve.dialects.shared.streaming import until_disconnect
 from lmserve.chat.media import MediaPolicy, load_all, load_url
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import MediaDep, ServiceDep
+from lmserve.dialects.shared.streaming import until_disconnect
 from lmserve.errors import InvalidRequest
 from lmserve.parsing import chat_role
-from lmserve.service import Service
 from lmserve.service.judging import PREDICATE_ANSWERS, Decision, Judgment
 from lmserve.types import IMAGE_PLACEHOLDER, PRIORITY_RANGE, Message, Question, ToolCall
 
@@ -264,25 +264,22 @@ async def _images(groups: list[list[ImageRef]], policy: MediaPolicy) -> list[lis
     return await load_all(loads, param="input")
 
 
-def decisions_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
-    """POST /v1/decisions over `service` (images loaded under `media`)."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
-    policy = media or MediaPolicy()
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    @router.post("/decisions")
-    async def decisions(body: DecisionRequest, request: Request) -> dict[str, Any]:
-        messages, message_refs = to_messages(body.input)
-        asked = [to_question(q, f"questions[{i}]") for i, q in enumerate(body.questions)]
-        questions = [q for q, _ in asked]
-        refs = message_refs + [r for _, r in asked]
-        if any(refs):
-            service.generation.check_images(body.model, sum(map(len, refs)), param="input")
-            loaded = await _images(refs, policy)
-            for message, images in zip(messages, loaded, strict=False):
-                message.images = images
-            for question, images in zip(questions, loaded[len(messages):], strict=True):
-                question.images = images
-        work = service.judging.decide(body.model, messages, questions, priority=body.priority)
-        return decision_body(body, await until_disconnect(work, request.receive))
 
-    return router
+
+@router.post("/decisions")
+async def decisions(service: ServiceDep, policy: MediaDep, body: DecisionRequest, request: Request) -> dict[str, Any]:
+    messages, message_refs = to_messages(body.input)
+    asked = [to_question(q, f"questions[{i}]") for i, q in enumerate(body.questions)]
+    questions = [q for q, _ in asked]
+    refs = message_refs + [r for _, r in asked]
+    if any(refs):
+        service.generation.check_images(body.model, sum(map(len, refs)), param="input")
+        loaded = await _images(refs, policy)
+        for message, images in zip(messages, loaded, strict=False):
+            message.images = images
+        for question, images in zip(questions, loaded[len(messages):], strict=True):
+            question.images = images
+    work = service.judging.decide(body.model, messages, questions, priority=body.priority)
+    return decision_body(body, await until_disconnect(work, request.receive))

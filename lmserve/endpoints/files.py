@@ -23,8 +23,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 
-from lmserve.dialects.shared.pages import list_body
 from lmserve.config import ServerConfig
+from lmserve.dialects.shared.pages import list_body
+from lmserve.dialects.shared.state import FilesDep
 from lmserve.errors import InvalidRequest
 from lmserve.store.files import CHUNK, FileNotFound, FileStore, UploadPurpose
 
@@ -64,42 +65,44 @@ def content_response(store: FileStore, file_id: str) -> FileResponse:
     return FileResponse(path, media_type=media_type, filename=stored.filename, stat_result=stat)
 
 
-def files_router(store: FileStore) -> APIRouter:
-    """POST and GET /v1/files; GET and DELETE /v1/files/{file_id}; GET /v1/files/{file_id}/content."""
-    router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1")
 
-    @router.post("/files")
-    async def create_file(
-        file: Annotated[UploadFile, File(description="the file's bytes, with its name")],
-        purpose: Annotated[UploadPurpose, Form()],
-        expires_anchor: Annotated[Literal["created_at"] | None, Form(alias="expires_after[anchor]")] = None,
-        expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=MIN_EXPIRY,
-                                                    le=MAX_EXPIRY)] = None,
-    ) -> dict[str, Any]:
-        kept = expiry(expires_anchor, expires_seconds)
-        chunks = iter(partial(file.file.read, CHUNK), b"")
-        stored = await asyncio.to_thread(store.create, file.filename or "", purpose, chunks, expires_after=kept)
-        return stored.to_openai()
 
-    @router.get("/files")
-    async def list_files(purpose: str | None = None, after: str | None = None,
-                         limit: Annotated[int, Query(ge=1, le=MAX_FILES_PAGE)] = MAX_FILES_PAGE,
-                         order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
-        found, has_more = await asyncio.to_thread(store.list, purpose=purpose, after=after, limit=limit, order=order)
-        return list_body([stored.to_openai() for stored in found], has_more)
+@router.post("/files")
+async def create_file(
+    store: FilesDep,
+    file: Annotated[UploadFile, File(description="the file's bytes, with its name")],
+    purpose: Annotated[UploadPurpose, Form()],
+    expires_anchor: Annotated[Literal["created_at"] | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=MIN_EXPIRY,
+                                                le=MAX_EXPIRY)] = None,
+) -> dict[str, Any]:
+    kept = expiry(expires_anchor, expires_seconds)
+    chunks = iter(partial(file.file.read, CHUNK), b"")
+    stored = await asyncio.to_thread(store.create, file.filename or "", purpose, chunks, expires_after=kept)
+    return stored.to_openai()
 
-    @router.get("/files/{file_id}")
-    async def retrieve_file(file_id: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.get, file_id)).to_openai()
 
-    @router.get("/files/{file_id}/content", response_class=FileResponse, responses={200: {
-        "description": "the file's bytes", "content": {"application/octet-stream": {}, JSONL_TYPE: {}}}})
-    async def file_content(file_id: str) -> FileResponse:
-        return await asyncio.to_thread(content_response, store, file_id)
+@router.get("/files")
+async def list_files(store: FilesDep, purpose: str | None = None, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=MAX_FILES_PAGE)] = MAX_FILES_PAGE,
+                     order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+    found, has_more = await asyncio.to_thread(store.list, purpose=purpose, after=after, limit=limit, order=order)
+    return list_body([stored.to_openai() for stored in found], has_more)
 
-    @router.delete("/files/{file_id}")
-    async def delete_file(file_id: str) -> dict[str, Any]:
-        await asyncio.to_thread(store.delete, file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
 
-    return router
+@router.get("/files/{file_id}")
+async def retrieve_file(store: FilesDep, file_id: str) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.get, file_id)).to_openai()
+
+
+@router.get("/files/{file_id}/content", response_class=FileResponse, responses={200: {
+    "description": "the file's bytes", "content": {"application/octet-stream": {}, JSONL_TYPE: {}}}})
+async def file_content(store: FilesDep, file_id: str) -> FileResponse:
+    return await asyncio.to_thread(content_response, store, file_id)
+
+
+@router.delete("/files/{file_id}")
+async def delete_file(store: FilesDep, file_id: str) -> dict[str, Any]:
+    await asyncio.to_thread(store.delete, file_id)
+    return {"id": file_id, "object": "file", "deleted": True}

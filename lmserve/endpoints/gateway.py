@@ -30,10 +30,11 @@ from typing import Any
 from fastapi import APIRouter
 
 from lmserve import __version__
-from lmserve.dialects.openai import schemas
-from lmserve.dialects.shared.json_body import JsonBodyRoute
-from lmserve.dialects.openai.routes import has_images, to_chat_request, to_completion_request
 from lmserve.config import OPTIONS, ServerConfig
+from lmserve.dialects.openai import schemas
+from lmserve.dialects.openai.routes import has_images, to_chat_request, to_completion_request
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import ConfigDep, ServedDep, ServiceDep
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
 from lmserve.service.generation import RenderedPrompt
@@ -205,37 +206,39 @@ def served_model(service: Service, served: str | None) -> LoadedModel | None:
     return residents[0].model if residents else None
 
 
-def gateway_router(service: Service, config: ServerConfig, served: str | None = None) -> APIRouter:
-    """The gateway contract's routes over `service`; `served` is the model the server was started with."""
-    router = APIRouter(route_class=JsonBodyRoute)
+router = APIRouter(route_class=JsonBodyRoute)
 
-    @router.get("/v1/loads")
-    async def loads(include: str | None = None) -> dict[str, Any]:
-        return loads_body(current_load(service), included(include))
 
-    @router.post("/v1/chat/completions/render")
-    async def render_chat(body: schemas.ChatCompletionRequest) -> dict[str, Any]:
-        if has_images(body):
-            raise InvalidRequest("render takes no images: their placeholders in the prompt are not token ids",
-                                 param="messages")
-        prompt = await service.generation.render_chat_tokens(to_chat_request(body))
-        return rendered(prompt, "chatcmpl", bool(body.stream))
+@router.get("/v1/loads")
+async def loads(service: ServiceDep, include: str | None = None) -> dict[str, Any]:
+    return loads_body(current_load(service), included(include))
 
-    @router.post("/v1/completions/render")
-    async def render_completion(body: schemas.CompletionRequest) -> list[dict[str, Any]]:
-        prompt = await service.generation.render_completion_tokens(to_completion_request(body))
-        return [rendered(prompt, "cmpl", bool(body.stream))]
 
-    @router.get("/server_info")
-    async def get_server_info() -> dict[str, Any]:
-        return server_info(config, served, served_model(service, served))
+@router.post("/v1/chat/completions/render")
+async def render_chat(service: ServiceDep, body: schemas.ChatCompletionRequest) -> dict[str, Any]:
+    if has_images(body):
+        raise InvalidRequest("render takes no images: their placeholders in the prompt are not token ids",
+                             param="messages")
+    prompt = await service.generation.render_chat_tokens(to_chat_request(body))
+    return rendered(prompt, "chatcmpl", bool(body.stream))
 
-    @router.get("/model_info")
-    async def get_model_info() -> dict[str, Any]:
-        return model_info(config, served_model(service, served))
 
-    @router.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+@router.post("/v1/completions/render")
+async def render_completion(service: ServiceDep, body: schemas.CompletionRequest) -> list[dict[str, Any]]:
+    prompt = await service.generation.render_completion_tokens(to_completion_request(body))
+    return [rendered(prompt, "cmpl", bool(body.stream))]
 
-    return router
+
+@router.get("/server_info")
+async def get_server_info(config: ConfigDep, served: ServedDep, service: ServiceDep) -> dict[str, Any]:
+    return server_info(config, served, served_model(service, served))
+
+
+@router.get("/model_info")
+async def get_model_info(config: ConfigDep, served: ServedDep, service: ServiceDep) -> dict[str, Any]:
+    return model_info(config, served_model(service, served))
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}

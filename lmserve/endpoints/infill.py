@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve import options as opts
-from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.openai.routes import error_frame
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import ServiceDep
 from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, sse_json, until_disconnect
 from lmserve.endpoints.tokens import default_model
 from lmserve.errors import EngineFailure
-from lmserve.service import Generation, Service
+from lmserve.service import Generation
 from lmserve.types import Chunk, CompletionRequest, Infill, RequestOptions, SamplingParams
 
 _WIRE = ConfigDict(extra="allow")
@@ -91,24 +92,21 @@ async def infill_frames(generation: Generation) -> AsyncIterator[bytes]:
             return
 
 
-def infill_router(service: Service) -> APIRouter:
-    """POST /infill over `service`."""
-    router = APIRouter(route_class=JsonBodyRoute)
+router = APIRouter(route_class=JsonBodyRoute)
 
-    @router.post("/infill", response_model=None)
-    async def infill(body: InfillBody, request: Request) -> Response:
-        started = time.perf_counter_ns()
-        model = default_model(service, body.model)
-        extra = [(file.filename, file.text) for file in body.input_extra]
-        options = to_options(dict(body.model_extra or {}))
-        record = CompletionRequest(model, body.prompt, SamplingParams(), options=options,
-                                   infill=Infill(body.input_prefix, body.input_suffix, extra))
-        generation = await service.generation.complete(record)
-        if body.stream:
-            return GenerationResponse(generation, guarded_errors(infill_frames(generation), error_frame))
-        text, final = await until_disconnect(generation.collect(), request.receive)
-        took_ms = (time.perf_counter_ns() - started) / 1e6
-        return JSONResponse({"index": 0, "content": text, **final_fields(generation, final),
-                             "timings": {"total_ms": took_ms}})
 
-    return router
+@router.post("/infill", response_model=None)
+async def infill(service: ServiceDep, body: InfillBody, request: Request) -> Response:
+    started = time.perf_counter_ns()
+    model = default_model(service, body.model)
+    extra = [(file.filename, file.text) for file in body.input_extra]
+    options = to_options(dict(body.model_extra or {}))
+    record = CompletionRequest(model, body.prompt, SamplingParams(), options=options,
+                               infill=Infill(body.input_prefix, body.input_suffix, extra))
+    generation = await service.generation.complete(record)
+    if body.stream:
+        return GenerationResponse(generation, guarded_errors(infill_frames(generation), error_frame))
+    text, final = await until_disconnect(generation.collect(), request.receive)
+    took_ms = (time.perf_counter_ns() - started) / 1e6
+    return JSONResponse({"index": 0, "content": text, **final_fields(generation, final),
+                         "timings": {"total_ms": took_ms}})

@@ -22,9 +22,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.native.routes import parse_keep_alive
 from lmserve.dialects.native.schemas import KeepAlive
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import ServiceDep
 from lmserve.dialects.shared.streaming import until_disconnect
 from lmserve.endpoints.tokens import default_model
 from lmserve.errors import InvalidRequest
@@ -118,78 +119,81 @@ def examples_prompt(examples: list[Example], text: str) -> list[Message]:
     return [Message("user", f"Labelled examples:\n\n{shown}\nText: {text}")]
 
 
-def rerank_router(service: Service) -> APIRouter:
-    """The rerank, score, classify and native rerank routes over `service`."""
-    router = APIRouter(route_class=JsonBodyRoute)
+router = APIRouter(route_class=JsonBodyRoute)
 
-    async def rank(body: RerankRequest, request: Request) -> tuple[Ranking, list[str]]:
-        """The ranking on every route: `options` (load-time ones such as num_ctx) and `keep_alive` as natively."""
-        documents = [document_text(d) for d in body.documents]
-        options = RequestOptions(from_native(body.options or {}), "native")
-        work = service.judging.rerank(default_model(service, body.model), body.query, documents, options=options,
-                                      keep_alive=parse_keep_alive(body.keep_alive), truncate=body.truncate)
-        return await until_disconnect(work, request.receive), documents
 
-    async def openai_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-        ranking, documents = await rank(body, request)
-        usage = {"prompt_tokens": ranking.usage.prompt_tokens, "total_tokens": ranking.usage.prompt_tokens}
-        return {"id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": ranking.model,
-                "results": ranked_results(ranking, documents, body.top_n, body.return_documents), "usage": usage,
-                "meta": {"api_version": {"version": "2"},
-                         "billed_units": {"input_tokens": ranking.usage.prompt_tokens}}}
+async def rank(service: Service, body: RerankRequest, request: Request) -> tuple[Ranking, list[str]]:
+    """The ranking on every route: `options` (load-time ones such as num_ctx) and `keep_alive` as natively."""
+    documents = [document_text(d) for d in body.documents]
+    options = RequestOptions(from_native(body.options or {}), "native")
+    work = service.judging.rerank(default_model(service, body.model), body.query, documents, options=options,
+                                  keep_alive=parse_keep_alive(body.keep_alive), truncate=body.truncate)
+    return await until_disconnect(work, request.receive), documents
 
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        router.add_api_route(path, openai_rerank, methods=["POST"], name=f"rerank {path}")
 
-    async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
-        if body.truncate_prompt_tokens is not None:
-            raise InvalidRequest("truncate_prompt_tokens is not supported: pairs longer than the context are cut "
-                                 "to it (dedicated rerankers) or refused", param="truncate_prompt_tokens")
-        pairs = score_pairs(body)
-        model = default_model(service, body.model)
-        scores: list[float] = [0.0] * len(pairs)
-        num_tokens, name = 0, model
-        for query in dict.fromkeys(q for q, _ in pairs):  # one ranking per distinct text_1
-            indices = [i for i, (q, _) in enumerate(pairs) if q == query]
-            work = service.judging.rerank(model, query, [pairs[i][1] for i in indices])
-            ranking = await until_disconnect(work, request.receive)
-            for i, value in zip(indices, ranking.scores, strict=True):
-                scores[i] = value
-            num_tokens, name = num_tokens + ranking.usage.prompt_tokens, ranking.model
-        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
-                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
+async def openai_rerank(service: ServiceDep, body: RerankRequest, request: Request) -> dict[str, Any]:
+    ranking, documents = await rank(service, body, request)
+    usage = {"prompt_tokens": ranking.usage.prompt_tokens, "total_tokens": ranking.usage.prompt_tokens}
+    return {"id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": ranking.model,
+            "results": ranked_results(ranking, documents, body.top_n, body.return_documents), "usage": usage,
+            "meta": {"api_version": {"version": "2"},
+                     "billed_units": {"input_tokens": ranking.usage.prompt_tokens}}}
 
-    for path in ("/v1/score", "/score"):
-        router.add_api_route(path, score, methods=["POST"], name=f"score {path}")
 
-    @router.post("/v1/classify")
-    async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
-        if body.truncate not in (None, "NONE", "END"):
-            raise InvalidRequest("truncate: only NONE and END are supported (a long input is refused, or cut at its "
-                                 "end by the context)", param="truncate")
-        labels = list(dict.fromkeys(e.label for e in body.examples))
-        if len(labels) < 2:
-            raise InvalidRequest("examples must carry at least two different labels", param="examples")
-        question = Question("choice", "Which label fits the last text?", labels)
-        cases = [(examples_prompt(body.examples, text), question) for text in body.inputs]
-        work = service.judging.judge(default_model(service, body.model), cases)
-        decision = await until_disconnect(work, request.receive)
-        results = []
-        for text, judgment in zip(body.inputs, decision.judgments, strict=True):
-            probabilities = judgment.probabilities
-            best = max(range(len(labels)), key=probabilities.__getitem__)
-            confidences = {label: {"confidence": p} for label, p in zip(labels, probabilities, strict=True)}
-            results.append({"id": uuid.uuid4().hex, "input": text, "prediction": labels[best],
-                            "predictions": [labels[best]], "confidence": probabilities[best],
-                            "confidences": [probabilities[best]], "labels": confidences,
-                            "classification_type": "single-label"})
-        return {"id": uuid.uuid4().hex, "classifications": results, "meta": {"api_version": {"version": "1"}}}
+for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+    router.add_api_route(path, openai_rerank, methods=["POST"], name=f"rerank {path}")
 
-    @router.post("/api/rerank")
-    async def native_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-        ranking, documents = await rank(body, request)
-        return {"model": ranking.model, "results": ranked_results(ranking, documents, body.top_n, True),
-                "prompt_eval_count": ranking.usage.prompt_tokens}
 
-    return router
+async def score(service: ServiceDep, body: ScoreRequest, request: Request) -> dict[str, Any]:
+    if body.truncate_prompt_tokens is not None:
+        raise InvalidRequest("truncate_prompt_tokens is not supported: pairs longer than the context are cut "
+                             "to it (dedicated rerankers) or refused", param="truncate_prompt_tokens")
+    pairs = score_pairs(body)
+    model = default_model(service, body.model)
+    scores: list[float] = [0.0] * len(pairs)
+    num_tokens, name = 0, model
+    for query in dict.fromkeys(q for q, _ in pairs):  # one ranking per distinct text_1
+        indices = [i for i, (q, _) in enumerate(pairs) if q == query]
+        work = service.judging.rerank(model, query, [pairs[i][1] for i in indices])
+        ranking = await until_disconnect(work, request.receive)
+        for i, value in zip(indices, ranking.scores, strict=True):
+            scores[i] = value
+        num_tokens, name = num_tokens + ranking.usage.prompt_tokens, ranking.model
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
+
+
+for path in ("/v1/score", "/score"):
+    router.add_api_route(path, score, methods=["POST"], name=f"score {path}")
+
+
+@router.post("/v1/classify")
+async def classify(service: ServiceDep, body: ClassifyRequest, request: Request) -> dict[str, Any]:
+    if body.truncate not in (None, "NONE", "END"):
+        raise InvalidRequest("truncate: only NONE and END are supported (a long input is refused, or cut at its "
+                             "end by the context)", param="truncate")
+    labels = list(dict.fromkeys(e.label for e in body.examples))
+    if len(labels) < 2:
+        raise InvalidRequest("examples must carry at least two different labels", param="examples")
+    question = Question("choice", "Which label fits the last text?", labels)
+    cases = [(examples_prompt(body.examples, text), question) for text in body.inputs]
+    work = service.judging.judge(default_model(service, body.model), cases)
+    decision = await until_disconnect(work, request.receive)
+    results = []
+    for text, judgment in zip(body.inputs, decision.judgments, strict=True):
+        probabilities = judgment.probabilities
+        best = max(range(len(labels)), key=probabilities.__getitem__)
+        confidences = {label: {"confidence": p} for label, p in zip(labels, probabilities, strict=True)}
+        results.append({"id": uuid.uuid4().hex, "input": text, "prediction": labels[best],
+                        "predictions": [labels[best]], "confidence": probabilities[best],
+                        "confidences": [probabilities[best]], "labels": confidences,
+                        "classification_type": "single-label"})
+    return {"id": uuid.uuid4().hex, "classifications": results, "meta": {"api_version": {"version": "1"}}}
+
+
+@router.post("/api/rerank")
+async def native_rerank(service: ServiceDep, body: RerankRequest, request: Request) -> dict[str, Any]:
+    ranking, documents = await rank(service, body, request)
+    return {"model": ranking.model, "results": ranked_results(ranking, documents, body.top_n, True),
+            "prompt_eval_count": ranking.usage.prompt_tokens}

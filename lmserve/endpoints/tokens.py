@@ -20,8 +20,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.openai.routes import to_chat_request
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import ServiceDep
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
 from lmserve.service.residency import LoadedModel
@@ -138,34 +139,33 @@ def describe_tokenizer(model: LoadedModel) -> dict[str, Any]:
             "vocab_size": info.num_vocab}
 
 
-def tokens_router(service: Service) -> APIRouter:
-    """POST /tokenize and /detokenize over `service`."""
-    router = APIRouter(route_class=JsonBodyRoute)
+router = APIRouter(route_class=JsonBodyRoute)
 
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
-        forms = [name for name in ("content", "prompt", "messages") if getattr(body, name) is not None]
-        if len(forms) != 1:
-            raise InvalidRequest("send one of content (llama-server's form), prompt or messages (vLLM's)",
-                                 param="content")
-        if body.content is not None:
-            return await with_model(service, body.model, lambda model: llama_tokenize(model, body))
-        return await with_model(service, body.model, lambda model: vllm_tokenize(service, model, body))
 
-    @router.get("/tokenizer_info")
-    async def tokenizer_info(model: str | None = None) -> dict[str, Any]:
-        """vLLM's tokenizer description; lm-evaluation-harness reads it to tokenize through /tokenize and
-        /detokenize (its remote tokenizer) instead of fetching the tokenizer from a hub."""
-        return await with_model(service, model, describe_tokenizer)
+@router.post("/tokenize")
+async def tokenize(service: ServiceDep, body: TokenizeBody) -> dict[str, Any]:
+    forms = [name for name in ("content", "prompt", "messages") if getattr(body, name) is not None]
+    if len(forms) != 1:
+        raise InvalidRequest("send one of content (llama-server's form), prompt or messages (vLLM's)",
+                             param="content")
+    if body.content is not None:
+        return await with_model(service, body.model, lambda model: llama_tokenize(model, body))
+    return await with_model(service, body.model, lambda model: vllm_tokenize(service, model, body))
 
-    @router.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
 
-        def text(model: LoadedModel) -> str:
-            check_ids(model, body.tokens)
-            return b"".join(model.engine.token_bytes(token) for token in body.tokens).decode("utf-8", "replace")
+@router.get("/tokenizer_info")
+async def tokenizer_info(service: ServiceDep, model: str | None = None) -> dict[str, Any]:
+    """vLLM's tokenizer description; lm-evaluation-harness reads it to tokenize through /tokenize and
+    /detokenize (its remote tokenizer) instead of fetching the tokenizer from a hub."""
+    return await with_model(service, model, describe_tokenizer)
 
-        content = await with_model(service, body.model, text)
-        return {"content": content, "prompt": content}
 
-    return router
+@router.post("/detokenize")
+async def detokenize(service: ServiceDep, body: DetokenizeBody) -> dict[str, Any]:
+
+    def text(model: LoadedModel) -> str:
+        check_ids(model, body.tokens)
+        return b"".join(model.engine.token_bytes(token) for token in body.tokens).decode("utf-8", "replace")
+
+    content = await with_model(service, body.model, text)
+    return {"content": content, "prompt": content}

@@ -22,30 +22,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lmserve.http.access_log import install as install_access_log
-from lmserve.dialects.anthropic.routes import anthropic_router
-from lmserve.endpoints.batch_lines import asgi_send
-from lmserve.endpoints.batches import BatchService, batch_store, batches_router
-from lmserve.dialects.responses.conversations import conversations_router, conversations_store
-from lmserve.endpoints.decisions import decisions_router
-from lmserve.endpoints.files import FILES_PATH, files_router, files_store
-from lmserve.endpoints.gateway import gateway_router
-from lmserve.http.health import HEALTH_PATH, LIVENESS_PATH, health_router
-from lmserve.endpoints.infill import infill_router
-from lmserve.http.metrics import METRICS_PATH, Metrics, MetricsMiddleware
-from lmserve.dialects.native.routes import native_router
-from lmserve.dialects.openai.routes import openai_router
-from lmserve.http.openapi import install as install_openapi
-from lmserve.endpoints.rerank import rerank_router
-from lmserve.dialects.responses.routes import responses_router, responses_store
-from lmserve.dialects.openai.stored import completions_store, stored_completions_router
-from lmserve.dialects.shared.streaming import ClientGone, dumps
-from lmserve.endpoints.tokens import tokens_router
-from lmserve.http.web import WEB_PREFIX, web_router
-from lmserve.dialects.shared.errors import INTERNAL_ERROR, error_body, invalid_from_validation
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import DEFAULT_ORIGINS, ServerConfig, env_name
+from lmserve.dialects.anthropic import routes as anthropic_routes
+from lmserve.dialects.native import routes as native_routes
+from lmserve.dialects.openai import routes as openai_routes
+from lmserve.dialects.openai import stored
+from lmserve.dialects.openai.stored import completions_store
+from lmserve.dialects.responses import conversations
+from lmserve.dialects.responses import routes as responses_routes
+from lmserve.dialects.responses.conversations import conversations_store
+from lmserve.dialects.responses.routes import responses_store
+from lmserve.dialects.shared.errors import INTERNAL_ERROR, invalid_from_validation
+from lmserve.dialects.shared.streaming import ClientGone, dumps
+from lmserve.dialects.table import error_body
+from lmserve.endpoints import batches, decisions, files, gateway, infill, rerank, tokens
+from lmserve.endpoints.batch_lines import asgi_send
+from lmserve.endpoints.batches import BatchService, batch_store
+from lmserve.endpoints.files import FILES_PATH, files_store
 from lmserve.errors import AuthenticationFailed, LmserveError
+from lmserve.http import health
+from lmserve.http.access_log import install as install_access_log
+from lmserve.http.health import HEALTH_PATH, LIVENESS_PATH
+from lmserve.http.metrics import METRICS_PATH, Metrics, MetricsMiddleware
+from lmserve.http.openapi import install as install_openapi
+from lmserve.http.web import WEB_PREFIX, web_router
 from lmserve.service import Service
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,25 @@ def add_routes(app: FastAPI, router: APIRouter) -> None:
     app.router.routes.extend(router.routes)
 
 
+ROUTERS = (openai_routes.router, gateway.router, stored.router, native_routes.router, anthropic_routes.router,
+           responses_routes.router, conversations.router, files.router, batches.router, tokens.router, infill.router,
+           decisions.router, rerank.router)
+"""The module-level routers, in the order their routes are matched (and listed by /openapi.json)."""
+
+
+def _set_state(app: FastAPI, service: Service, config: ServerConfig, served: str | None) -> None:
+    """What the routes take from the app (lmserve/dialects/shared/state.py)."""
+    state = app.state
+    state.service, state.config, state.served = service, config, served
+    state.media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
+    state.completions = completions_store(config)
+    state.responses = responses_store(config)
+    state.conversations = conversations_store(config)
+    state.files = files_store(config)  # shared with the batch routes
+    # stopped first when the server shuts down (server.py), before the grace runs out
+    state.batches = BatchService(batch_store(config), state.files, concurrency=config.batch_concurrency)
+
+
 def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str] = (),
                served: str | None = None, resume_batches: bool = True) -> FastAPI:
     """The lmserve application over `service`; `preload` names models loaded at startup and kept loaded; `served`
@@ -79,38 +99,22 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
             await service.models.load(name, keep_alive=-1)
         expiry = asyncio.create_task(service.residency.run_expiry())
         send, close_send = asgi_send(app, config.api_key)  # batch lines go through the app's own routes
-        await batches.start(send, resume=resume_batches)
+        await app.state.batches.start(send, resume=resume_batches)
         try:
             yield
         finally:
-            await batches.stop()
+            await app.state.batches.stop()
             await close_send()
             expiry.cancel()
 
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
-    completions = completions_store(config)
-    add_routes(app, openai_router(service, media, completions, served=served))
-    add_routes(app, gateway_router(service, config, served))  # /v1/loads, render, /server_info: gateways' reads
-    add_routes(app, stored_completions_router(completions))
-    add_routes(app, native_router(service, media))
-    add_routes(app, anthropic_router(service, media))
-    conversations = conversations_store(config)
-    add_routes(app, responses_router(service, responses_store(config), media, conversations))
-    add_routes(app, conversations_router(conversations))
-    app.state.files = files_store(config)  # shared with the batch routes
-    add_routes(app, files_router(app.state.files))
-    batches = BatchService(batch_store(config), app.state.files, concurrency=config.batch_concurrency)
-    add_routes(app, batches_router(batches))
-    app.state.batches = batches  # stopped first when the server shuts down (server.py), before the grace runs out
-    add_routes(app, tokens_router(service))
-    add_routes(app, infill_router(service))
-    add_routes(app, decisions_router(service, media))
-    add_routes(app, rerank_router(service))
+    _set_state(app, service, config, served)
+    for router in ROUTERS:
+        add_routes(app, router)
     add_routes(app, web_router())  # GET /: the chat page for a browser, plain text for other clients
     install_openapi(app)  # /openapi.json: one operationId per method
 
-    add_routes(app, health_router(service))
+    add_routes(app, health.router)
     metrics = Metrics(service)
     metrics.attach(service)
     app.state.metrics = metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from lmserve.service import Service
+from lmserve.dialects.shared.state import ServiceDep
 from lmserve.service.residency import ModelHealth
 
 HEALTH_PATH = "/health"
@@ -19,18 +19,17 @@ LIVENESS_PATH = "/livez"
 _SEVERITY = {"ok": 0, "loading": 1, "restarting": 2, "failed": 3}
 
 
-def health_router(service: Service) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    @router.get(HEALTH_PATH)
-    async def health() -> JSONResponse:
-        return health_response(service.residency.health())
 
-    @router.get(LIVENESS_PATH)
-    async def liveness() -> dict[str, str]:
-        return {"status": "alive"}
+@router.get(HEALTH_PATH)
+async def health(service: ServiceDep) -> JSONResponse:
+    return health_response(service.residency.health())
 
-    return router
+
+@router.get(LIVENESS_PATH)
+async def liveness() -> dict[str, str]:
+    return {"status": "alive"}
 
 
 def health_response(states: list[ModelHealth]) -> JSONResponse:

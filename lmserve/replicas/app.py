@@ -22,15 +22,11 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from lmserve.dialects.anthropic.routes import error_event
+from lmserve.config import OPTIONS, ConfigError, ServerConfig, resolve
+from lmserve.dialects.table import dialect_of
+from lmserve.errors import EngineStopped, LmserveError, Overloaded
 from lmserve.http.app import error_response
 from lmserve.http.health import HEALTH_PATH
-from lmserve.dialects.native.routes import error_line
-from lmserve.dialects.openai.routes import error_frame
-from lmserve.dialects.responses.output import Framer
-from lmserve.dialects.shared.errors import is_anthropic_path, is_native_path
-from lmserve.config import OPTIONS, ConfigError, ServerConfig, resolve
-from lmserve.errors import EngineStopped, LmserveError, Overloaded
 from lmserve.replicas.calls import Head, HttpCall, Whole, answer, prompt_text
 from lmserve.replicas.merging import merge
 from lmserve.replicas.routing import router_config
@@ -88,7 +84,7 @@ async def _call(request: Request) -> HttpCall:
     body = await request.body()
     client = (request.client.host, request.client.port) if request.client else None
     return HttpCall(request.method, request.url.path, request.scope.get("query_string", b""),
-                    tuple(request.scope["headers"]), body, prompt_text(body), client)
+                    tuple(request.scope["headers"]), body, prompt_text(request.url.path, body), client)
 
 
 async def _rest(stream: DeploymentResponseGenerator[Any], path: str, head: Head) -> AsyncIterator[bytes]:
@@ -105,14 +101,10 @@ async def _rest(stream: DeploymentResponseGenerator[Any], path: str, head: Head)
 
 
 def _stream_error(path: str, head: Head, err: LmserveError) -> bytes:
-    media = dict(head.headers).get(b"content-type", b"").decode()
-    if is_native_path(path):
-        return error_line(err) if "ndjson" in media else b""
-    if "text/event-stream" not in media:
-        return b""
-    if is_anthropic_path(path):
-        return error_event(err)
-    return Framer().error(err) if path.startswith("/v1/responses") else error_frame(err)
+    """The frame that ends a stream in its dialect (nothing where the response is no stream)."""
+    dialect = dialect_of(path)
+    return dialect.stream_error(err) if dialect.stream_media in dict(head.headers).get(b"content-type", b"").decode() \
+        else b""
 
 
 def _reason(exc: BaseException) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message
 
-PROMPT_KEYS = ("tools", "system", "instructions", "messages", "input", "prompt", "suffix")
-"""The body fields, in the order a chat template lays them out, whose text makes up the prompt's start."""
+from lmserve.dialects.table import dialect_of
+
 _SKIPPED = frozenset({"type", "role", "id", "tool_call_id", "call_id", "url", "image_url", "images", "data",
                       "source", "file_id", "cache_control", "signature"})
 """Keys whose strings are not prompt text (tags, ids, image bytes)."""
@@ -63,9 +63,9 @@ class Whole:
         return json.loads(self.body)
 
 
-def prompt_text(body: bytes) -> str:
-    """The text of a request body's prompt, in template order: tools, system, instructions, messages or input,
-    prompt, suffix; "" when the body is not a JSON object or has none (GET routes, uploads)."""
+def prompt_text(path: str, body: bytes) -> str:
+    """The text of a request body's prompt: the fields its dialect's `prompt_keys` name (lmserve/dialects/table.py),
+    in template order; "" when the body is not a JSON object or has none (GET routes, uploads)."""
     try:
         data = json.loads(body) if body[:1] == b"{" else None
     except ValueError:
@@ -73,7 +73,7 @@ def prompt_text(body: bytes) -> str:
     if not isinstance(data, dict):
         return ""
     pieces: list[str] = []
-    for key in PROMPT_KEYS:
+    for key in dialect_of(path).prompt_keys:
         if key in data:
             _strings(data[key], pieces)
     return "".join(pieces)

@@ -10,11 +10,11 @@ import pytest_asyncio
 from api_wire import API_KEY
 from fastapi import FastAPI
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import Service, static_service
 from lmserve.service.residency import LoadedModel
 

@@ -27,13 +27,14 @@ from schemathesis.checks import not_a_server_error
 from test_schemathesis import fuzzed_app  # noqa: F401  (the fixture: a fresh app over the fake engine)
 
 from lmserve import options as opts
-from lmserve.dialects.anthropic import schemas as wire
-from lmserve.dialects.anthropic.routes import Blocks, message_events, to_chat_request
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.dialects.anthropic import schemas as wire
+from lmserve.dialects.anthropic.output import Blocks, message_events
+from lmserve.dialects.anthropic.translate import to_chat_request
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import PIXELS_PER_IMAGE_TOKEN, FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import Service, static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import Chunk, FinishReason, Message, SamplingParams, ToolCall, Usage

@@ -16,12 +16,12 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from lmserve.endpoints import batches as batches_module
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.endpoints import batches as batches_module
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

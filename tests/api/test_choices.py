@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.http.app import create_app
-from lmserve.dialects.openai.choices import interleave, summed_usage
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.dialects.openai.choices import interleave, summed_usage
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

@@ -12,7 +12,15 @@ import openai
 import pytest
 from api_wire import assert_openai_error
 
-from lmserve.endpoints.decisions import CallItem, CallOutputItem, JsonPart, MessageItem, TextPart, parts_text, to_messages
+from lmserve.endpoints.decisions import (
+    CallItem,
+    CallOutputItem,
+    JsonPart,
+    MessageItem,
+    TextPart,
+    parts_text,
+    to_messages,
+)
 from lmserve.endpoints.rerank import ScoreRequest, document_text, score_pairs
 from lmserve.errors import InvalidRequest
 

@@ -15,11 +15,11 @@ import pytest_asyncio
 from api_wire import API_KEY, assert_openai_error
 from fastapi import FastAPI
 
-from lmserve.http.app import FORM_ALLOWANCE, create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig, env_name
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import FORM_ALLOWANCE, create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.store.files import FileStore

@@ -14,12 +14,12 @@ import httpx
 import pytest
 from api_wire import API_KEY, assert_openai_error, sse_events
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import Engine
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import Service
 from lmserve.service.catalog import StaticCatalog
 from lmserve.service.residency import LoadedModel, LoadPlan, Residency, WeightsKey

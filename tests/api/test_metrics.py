@@ -126,8 +126,8 @@ async def test_engine_time_splits_into_decode_and_overhead(client: httpx.AsyncCl
 
 
 async def test_building_the_app_keeps_the_observers_already_registered(service: Service) -> None:
-    from lmserve.http.app import create_app
     from lmserve.config import ServerConfig
+    from lmserve.http.app import create_app
 
     seen: list[str] = []
     service.observers.on_finish(lambda model, chunk: seen.append(model))

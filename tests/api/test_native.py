@@ -153,10 +153,10 @@ def test_options_are_checked_and_typed_over_the_native_defaults() -> None:
 async def test_a_full_queue_is_503_with_retry_after() -> None:
     import asyncio
 
-    from lmserve.http.app import create_app
     from lmserve.chat.template import ChatTemplate
     from lmserve.config import ServerConfig
     from lmserve.engine.slots.batching import BatchingEngine
+    from lmserve.http.app import create_app
     from lmserve.service import static_service
     from lmserve.service.residency import LoadedModel
 

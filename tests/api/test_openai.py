@@ -16,11 +16,11 @@ from openai.types import Completion
 from openai.types import Model as OpenAIModel
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from lmserve.http.app import create_app
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import Engine
+from lmserve.http.app import create_app
 from lmserve.service import Service
 from lmserve.service.catalog import StoreCatalog
 from lmserve.service.residency import Residency

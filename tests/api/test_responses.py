@@ -18,13 +18,20 @@ from openai.types.responses import Response as OpenAIResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from lmserve.http.app import create_app
-from lmserve.dialects.responses.routes import Framer, OutputBuilder, parse_items, stream_events, to_messages, to_sampling
-from lmserve.dialects.responses.schemas import ResponseRequest
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.dialects.responses.routes import (
+    Framer,
+    OutputBuilder,
+    parse_items,
+    stream_events,
+    to_messages,
+    to_sampling,
+)
+from lmserve.dialects.responses.schemas import ResponseRequest
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import Chunk, TokenLogprob, ToolCall

@@ -1,7 +1,7 @@
-"""The tools of a Responses request (lmserve/dialects/responses/tools.py), in-process over the fake engine and through the
-official `openai` client in strict mode where it can send the request: tool types lmserve does not run are left out
-and named in a header, namespace tools are expanded and their calls come back with the namespace, and tool choices
-that force what lmserve does not run are 400s naming it."""
+"""The tools of a Responses request (lmserve/dialects/responses/tools.py), in-process over the fake engine and through
+the official `openai` client in strict mode where it can send the request: tool types lmserve does not run are left
+out and named in a header, namespace tools are expanded and their calls come back with the namespace, and tool
+choices that force what lmserve does not run are 400s naming it."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from api_wire import assert_openai_error
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from lmserve.dialects.responses import schemas as wire
-from lmserve.http.app import create_app
-from lmserve.dialects.responses.tools import IGNORED_TOOLS_HEADER, chat_tools, ignored_header, offered_tools
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.dialects.responses import schemas as wire
+from lmserve.dialects.responses.tools import IGNORED_TOOLS_HEADER, chat_tools, ignored_header, offered_tools
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import SamplingParams

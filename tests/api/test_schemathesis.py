@@ -1,8 +1,9 @@
 """Property tests: schemathesis over lmserve's own OpenAPI document; no generated request may get a 5xx.
 
-Every operation of /openapi.json (which describes the routes' typed JSON bodies, see lmserve.dialects.shared.json_body) is
-fuzzed in-process against a fresh app over the fake engine: valid and invalid bodies, path parameters and
-headers. The only check is `not_a_server_error`: a 4xx for a bad request is the point, a 500 is a bug.
+Every operation of /openapi.json (which describes the routes' typed JSON bodies, see
+lmserve.dialects.shared.json_body) is fuzzed in-process against a fresh app over the fake engine: valid and invalid
+bodies, path parameters and headers. The only check is `not_a_server_error`: a 4xx for a bad request is the point, a
+500 is a bug.
 
 Each operation gets a fresh app, so a failure belongs to the operation fuzzed, not to what ran before it.
 Each operation's hypothesis test is built when it runs, not when the module is collected (test_no_server_errors).
@@ -30,11 +31,11 @@ from schemathesis.generation.meta import TestPhase
 from schemathesis.pytest.lazy import get_all_tests
 from schemathesis.python import asgi as schemathesis_asgi
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

@@ -14,13 +14,13 @@ from api_wire import assert_openai_error, sse_events
 from fastapi import FastAPI
 from starlette.types import Message, Scope
 
-from lmserve.http.app import create_app
-from lmserve.dialects.shared.streaming import HOLE, TextFrame, dumps, until_disconnect
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
+from lmserve.dialects.shared.streaming import HOLE, TextFrame, dumps, until_disconnect
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

@@ -7,11 +7,11 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.dialects.openai import schemas
+from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.native.routes import format_grammar
 from lmserve.dialects.native.routes import to_sampling_params as native_sampling
+from lmserve.dialects.openai import schemas
 from lmserve.dialects.openai.routes import to_chat_request
-from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import InvalidRequest
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}

@@ -16,11 +16,11 @@ import pytest
 import pytest_asyncio
 from api_wire import sse_json
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.types import LoadOptions

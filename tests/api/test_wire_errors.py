@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 from api_wire import assert_openai_error
 
-from lmserve.http.app import create_app
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 

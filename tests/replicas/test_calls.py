@@ -18,22 +18,28 @@ def body(**fields: object) -> bytes:
 
 def test_prompt_text_of_a_chat_lays_tools_and_messages_out_in_template_order() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
-    text = prompt_text(body(model="m", temperature=0, tools=[{"type": "function", "function": {"name": "weather"}}],
-                            messages=[{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]))
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    text = prompt_text("/v1/chat/completions", body(model="m", temperature=0, tools=tools,
+                                                     messages=[{"role": "system", "content": "Be brief."},
+                                                               {"role": "user",
+                                                                "content": [{"type": "text", "text": "Hi"}, image]}]))
     assert text == "weatherBe brief.Hi"
 
 
 def test_prompt_text_of_each_dialect() -> None:
-    assert prompt_text(body(model="m", system="Sys", messages=[{"role": "user", "content": "Q"}])) == "SysQ"
-    assert prompt_text(body(model="m", instructions="Ins", input="In")) == "InsIn"
-    assert prompt_text(body(model="m", prompt="Once", suffix="end")) == "Onceend"
-    assert prompt_text(body(model="m", prompt=["a", "b"])) == "ab"
+    messages = [{"role": "user", "content": "Q"}]
+    assert prompt_text("/v1/messages", body(model="m", system="Sys", messages=messages)) == "SysQ"
+    assert prompt_text("/api/chat", body(model="m", system="Sys", messages=messages)) == "SysQ"
+    assert prompt_text("/v1/responses", body(model="m", instructions="Ins", input="In")) == "InsIn"
+    assert prompt_text("/v1/completions", body(model="m", prompt="Once", suffix="end")) == "Onceend"
+    assert prompt_text("/api/generate", body(model="m", system="Sys", prompt="Once")) == "SysOnce"
+    assert prompt_text("/v1/completions", body(model="m", prompt=["a", "b"])) == "ab"
+    assert prompt_text("/v1/embeddings", body(model="m", input=["a", "b"])) == "ab"
 
 
 @pytest.mark.parametrize("raw", [b"", b"[1, 2]", b"{not json", b"name=value"])
 def test_a_body_without_a_prompt_has_none(raw: bytes) -> None:
-    assert prompt_text(raw) == ""
+    assert prompt_text("/v1/chat/completions", raw) == ""
 
 
 def call(path: str = "/", data: bytes = b"") -> HttpCall:

@@ -1,7 +1,7 @@
 """Pydantic wire models of the Anthropic Messages API's requests (`/v1/messages`, `/v1/messages/count_tokens`).
 
 Like schemas.py for the OpenAI dialect, these live at the edge only: the route parses a body into one of these and
-lmserve/dialects/anthropic/routes.py translates it once into a `ChatRequest`. Unknown fields are accepted (`extra="allow"`, e.g.
+translate.py turns it once into a `ChatRequest`. Unknown fields are accepted (`extra="allow"`, e.g.
 `cache_control`, `citations`, `anthropic-beta` extras) and logged at debug level; unknown block, tool-choice or
 thinking types are refused with a 400 naming the allowed ones.
 """

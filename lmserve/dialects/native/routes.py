@@ -21,19 +21,20 @@ from fastapi.responses import JSONResponse, Response
 
 from lmserve import __version__
 from lmserve import options as opts
-from lmserve.dialects.shared import logprobs as logprob_wire
-from lmserve.dialects.native import schemas as wire
-from lmserve.dialects.shared.json_body import JsonBodyRoute
-from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, until_disconnect
-from lmserve.dialects.shared.errors import INTERNAL_ERROR
 from lmserve.chat.media import MediaPolicy, decode_base64
 from lmserve.chat.structured import json_object_grammar, schema_grammar
-from lmserve.errors import InvalidRequest, LmserveError
+from lmserve.dialects.native import schemas as wire
+from lmserve.dialects.native.ndjson import NDJSON, error_line, line
+from lmserve.dialects.shared import logprobs as logprob_wire
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import MediaDep, ServiceDep
+from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, until_disconnect
+from lmserve.errors import InvalidRequest
 from lmserve.parsing import ParseError, chat_role, parse_duration
 from lmserve.service import Generation, ModelListing, Service
+from lmserve.store.manifest import check_digest
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.modelfile import parse as parse_modelfile
-from lmserve.store.store import check_digest
 from lmserve.types import (
     EFFORTS,
     ChatRequest,
@@ -49,7 +50,6 @@ from lmserve.types import (
 if TYPE_CHECKING:
     from lmserve.store.pull import PullProgress
 
-NDJSON = "application/x-ndjson"
 LOCAL_RUNNER_VERSION = "0.12.11"
 """The local runner's release whose /api routes and fields these follow (the first with `logprobs` on chat and
 generate, the newest field lmserve's native routes take). /api/version reports it as `version`, because its
@@ -160,10 +160,6 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
-
-
 def pull_line(record: PullProgress) -> dict[str, Any]:
     """A pull's progress as a line of /api/pull: `{status, digest, total, completed}` without empty fields."""
     fields = {"status": record.status, "digest": record.digest, "total": record.total, "completed": record.completed}
@@ -244,10 +240,6 @@ def _arguments_object(arguments: str) -> Any:
         return {}
 
 
-def error_line(exc: Exception) -> bytes:
-    return line({"error": exc.message if isinstance(exc, LmserveError) else INTERNAL_ERROR})
-
-
 def tag(listing: ModelListing) -> dict[str, Any]:
     return {
         "name": listing.name,
@@ -262,222 +254,233 @@ def tag(listing: ModelListing) -> dict[str, Any]:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def native_router(service: Service, media: MediaPolicy | None = None) -> APIRouter:
-    """The /api routes over `service` (`GET /` is lmserve/http/web.py's)."""
-    router = APIRouter(route_class=JsonBodyRoute)
-    policy = media or MediaPolicy()
+router = APIRouter(route_class=JsonBodyRoute)
 
-    @router.api_route("/api/version", methods=["GET", "HEAD"])
-    async def version() -> JSONResponse:
-        """The local runner's release these routes follow, lmserve's own beside it (and in a header)."""
-        return JSONResponse({"version": LOCAL_RUNNER_VERSION, "lmserve_version": __version__},
-                            headers={VERSION_HEADER: __version__})
 
-    @router.post("/api/generate", response_model=None)
-    async def generate(body: wire.GenerateBody, request: Request) -> Response:
-        started = time.perf_counter_ns()
-        keep_alive = parse_keep_alive(body.keep_alive)
-        body.options, budget, think = split_reasoning(body.options, to_think(body.think))
-        options = to_options(body.options)
-        if body.suffix and (body.images or body.context):
-            raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
-        images: list[bytes] = []
-        if body.images:
-            service.generation.check_images(body.model, len(body.images), param="images")
-            images = [decode_image(img, f"images[{j}]", policy) for j, img in enumerate(body.images)]
-        if not body.prompt and not body.context and not body.suffix:
-            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
-        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
-        infill = Infill(body.prompt, body.suffix) if body.suffix else None  # insert: the model writes the middle
-        record = CompletionRequest(body.model, "" if infill else body.prompt, sampling,
-                                   context=list(body.context or ()), images=images, options=options,
-                                   keep_alive=keep_alive, infill=infill)
-        generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
-                                                       think=think, reasoning_budget=budget)
 
-        def head() -> dict[str, Any]:
-            return {"model": body.model, "created_at": now_iso()}
 
-        def last(final: Chunk) -> dict[str, Any]:
-            done = {**head(), "response": "", **final_fields(generation, final, started)}
-            if images:  # image positions hold placeholders, no tokens: such a context could not be sent back
-                return done
-            return {**done, "context": generation.prompt_tokens + generation.output_tokens}
+@router.api_route("/api/version", methods=["GET", "HEAD"])
+async def version() -> JSONResponse:
+    """The local runner's release these routes follow, lmserve's own beside it (and in a header)."""
+    return JSONResponse({"version": LOCAL_RUNNER_VERSION, "lmserve_version": __version__},
+                        headers={VERSION_HEADER: __version__})
 
-        def piece(chunk: Chunk) -> dict[str, Any]:
-            thinking = {"thinking": chunk.reasoning} if chunk.reasoning else {}
-            logprobs = logprobs_field(record.sampling, chunk)
-            return {**head(), "response": chunk.text, **thinking, **logprobs, "done": False}
 
-        if body.stream:
-            frames = ndjson_lines(generation, piece, last)
-            return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-        text, final = await until_disconnect(generation.collect(), request.receive)
-        thought = {"thinking": final.reasoning} if final.reasoning else {}
-        return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
+@router.post("/api/generate", response_model=None)
+async def generate(service: ServiceDep, media: MediaDep, body: wire.GenerateBody, request: Request) -> Response:
+    started = time.perf_counter_ns()
+    keep_alive = parse_keep_alive(body.keep_alive)
+    body.options, budget, think = split_reasoning(body.options, to_think(body.think))
+    options = to_options(body.options)
+    if body.suffix and (body.images or body.context):
+        raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
+    images: list[bytes] = []
+    if body.images:
+        service.generation.check_images(body.model, len(body.images), param="images")
+        images = [decode_image(img, f"images[{j}]", media) for j, img in enumerate(body.images)]
+    if not body.prompt and not body.context and not body.suffix:
+        return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
+    sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
+    infill = Infill(body.prompt, body.suffix) if body.suffix else None  # insert: the model writes the middle
+    record = CompletionRequest(body.model, "" if infill else body.prompt, sampling,
+                               context=list(body.context or ()), images=images, options=options,
+                               keep_alive=keep_alive, infill=infill)
+    generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
+                                                   think=think, reasoning_budget=budget)
 
-    @router.post("/api/chat", response_model=None)
-    async def chat(body: wire.ChatBody, request: Request) -> Response:
-        started = time.perf_counter_ns()
-        keep_alive = parse_keep_alive(body.keep_alive)
-        body.options, budget, think = split_reasoning(body.options, to_think(body.think))
-        options = to_options(body.options)
-        if not body.messages:
-            message = {"role": "assistant", "content": ""}
-            return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))
-        sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
-        if any(m.images for m in body.messages):
-            service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
-        record = ChatRequest(body.model, to_messages(body.messages, policy), sampling,
-                             tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
-                             reasoning_budget=budget)
-        generation = await service.generation.chat(record)
+    def head() -> dict[str, Any]:
+        return {"model": body.model, "created_at": now_iso()}
 
-        def head() -> dict[str, Any]:
-            return {"model": body.model, "created_at": now_iso()}
+    def last(final: Chunk) -> dict[str, Any]:
+        done = {**head(), "response": "", **final_fields(generation, final, started)}
+        if images:  # image positions hold placeholders, no tokens: such a context could not be sent back
+            return done
+        return {**done, "context": generation.prompt_tokens + generation.output_tokens}
 
-        def last(final: Chunk) -> dict[str, Any]:
-            empty = {"role": "assistant", "content": ""}
-            return {**head(), "message": empty, **final_fields(generation, final, started)}
+    def piece(chunk: Chunk) -> dict[str, Any]:
+        thinking = {"thinking": chunk.reasoning} if chunk.reasoning else {}
+        logprobs = logprobs_field(record.sampling, chunk)
+        return {**head(), "response": chunk.text, **thinking, **logprobs, "done": False}
 
-        if body.stream:
-            frames = ndjson_lines(
-                generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk),
-                                           **logprobs_field(sampling, chunk), "done": False},
-                last,
-            )
-            return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-        text, final = await until_disconnect(generation.collect(), request.receive)
-        message = assistant_message(text, final)
-        return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
+    if body.stream:
+        frames = ndjson_lines(generation, piece, last)
+        return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
+    text, final = await until_disconnect(generation.collect(), request.receive)
+    thought = {"thinking": final.reasoning} if final.reasoning else {}
+    return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
 
-    @router.post("/api/create", response_model=None)
-    async def create(body: wire.CreateBody) -> Response:
-        if body.target is None:
-            raise InvalidRequest("model is required", param="model")
-        modelfile = to_modelfile(body)
-        statuses = ["parsing modelfile"]
-        if body.quantize:
-            statuses.append(f"quantizing to {body.quantize.upper()}")
-        await asyncio.to_thread(service.models.create, body.target, modelfile, quantize=body.quantize)
-        statuses += ["writing manifest", "success"]
+
+@router.post("/api/chat", response_model=None)
+async def chat(service: ServiceDep, media: MediaDep, body: wire.ChatBody, request: Request) -> Response:
+    started = time.perf_counter_ns()
+    keep_alive = parse_keep_alive(body.keep_alive)
+    body.options, budget, think = split_reasoning(body.options, to_think(body.think))
+    options = to_options(body.options)
+    if not body.messages:
+        message = {"role": "assistant", "content": ""}
+        return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))
+    sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
+    if any(m.images for m in body.messages):
+        service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
+    record = ChatRequest(body.model, to_messages(body.messages, media), sampling,
+                         tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
+                         reasoning_budget=budget)
+    generation = await service.generation.chat(record)
+
+    def head() -> dict[str, Any]:
+        return {"model": body.model, "created_at": now_iso()}
+
+    def last(final: Chunk) -> dict[str, Any]:
+        empty = {"role": "assistant", "content": ""}
+        return {**head(), "message": empty, **final_fields(generation, final, started)}
+
+    if body.stream:
+        frames = ndjson_lines(
+            generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk),
+                                       **logprobs_field(sampling, chunk), "done": False},
+            last,
+        )
+        return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
+    text, final = await until_disconnect(generation.collect(), request.receive)
+    message = assistant_message(text, final)
+    return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
+
+
+@router.post("/api/create", response_model=None)
+async def create(service: ServiceDep, body: wire.CreateBody) -> Response:
+    if body.target is None:
+        raise InvalidRequest("model is required", param="model")
+    modelfile = to_modelfile(body)
+    statuses = ["parsing modelfile"]
+    if body.quantize:
+        statuses.append(f"quantizing to {body.quantize.upper()}")
+    await asyncio.to_thread(service.models.create, body.target, modelfile, quantize=body.quantize)
+    statuses += ["writing manifest", "success"]
+    if not body.stream:
+        return JSONResponse({"status": "success"})
+    return Response(b"".join(line({"status": s}) for s in statuses), media_type=NDJSON)
+
+
+@router.head("/api/blobs/{digest}")
+async def has_blob(service: ServiceDep, digest: str) -> Response:
+    return Response(status_code=200 if service.models.store.has_blob(check_digest(digest)) else 404)
+
+
+@router.post("/api/blobs/{digest}", openapi_extra={"requestBody": BLOB_BODY})
+async def push_blob(service: ServiceDep, digest: str, request: Request) -> Response:
+    store = service.models.store
+    check_digest(digest)
+    with tempfile.TemporaryFile() as spool:
+        async for part in request.stream():
+            spool.write(part)
+        spool.seek(0)
+        await asyncio.to_thread(store.add_blob, spool, digest)
+    return Response(status_code=201)
+
+
+@router.post("/api/pull", response_model=None)
+async def pull(service: ServiceDep, body: wire.PullBody, request: Request) -> Response:
+    if body.target is None:
+        raise InvalidRequest("model is required", param="model")
+    pulling = service.models.pull(body.target)
+    records = aiter(pulling)
+    try:
         if not body.stream:
+            await until_disconnect(_until_the_end(records), request.receive)
             return JSONResponse({"status": "success"})
-        return Response(b"".join(line({"status": s}) for s in statuses), media_type=NDJSON)
+        head = await _past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
+    except BaseException:  # the pull failed, or the client went: stop it (a no-op once it ended)
+        pulling.abort()
+        raise
 
-    @router.head("/api/blobs/{digest}")
-    async def has_blob(digest: str) -> Response:
-        return Response(status_code=200 if service.models.store.has_blob(check_digest(digest)) else 404)
+    async def frames() -> AsyncIterator[bytes]:
+        for record in head:
+            yield line(pull_line(record))
+        async for record in records:
+            yield line(pull_line(record))
 
-    @router.post("/api/blobs/{digest}", openapi_extra={"requestBody": BLOB_BODY})
-    async def push_blob(digest: str, request: Request) -> Response:
-        store = service.models.store
-        check_digest(digest)
-        with tempfile.TemporaryFile() as spool:
-            async for part in request.stream():
-                spool.write(part)
-            spool.seek(0)
-            await asyncio.to_thread(store.add_blob, spool, digest)
-        return Response(status_code=201)
+    return GenerationResponse(pulling, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
 
-    @router.post("/api/pull", response_model=None)
-    async def pull(body: wire.PullBody, request: Request) -> Response:
-        if body.target is None:
-            raise InvalidRequest("model is required", param="model")
-        pulling = service.models.pull(body.target)
-        records = aiter(pulling)
-        try:
-            if not body.stream:
-                await until_disconnect(_until_the_end(records), request.receive)
-                return JSONResponse({"status": "success"})
-            head = await _past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
-        except BaseException:  # the pull failed, or the client went: stop it (a no-op once it ended)
-            pulling.abort()
-            raise
 
-        async def frames() -> AsyncIterator[bytes]:
-            for record in head:
-                yield line(pull_line(record))
-            async for record in records:
-                yield line(pull_line(record))
+@router.get("/api/tags")
+async def tags(service: ServiceDep) -> dict[str, Any]:
+    return {"models": [tag(m) for m in service.models.listing()]}
 
-        return GenerationResponse(pulling, guarded_errors(frames(), error_line), media_type=NDJSON, headers={})
 
-    @router.get("/api/tags")
-    async def tags() -> dict[str, Any]:
-        return {"models": [tag(m) for m in service.models.listing()]}
+@router.post("/api/show")
+async def show(service: ServiceDep, body: wire.ModelBody) -> dict[str, Any]:
+    if body.target is None:
+        raise InvalidRequest("model is required", param="model")
+    d = service.models.describe(body.target)
+    return {
+        "license": d.license, "modelfile": d.modelfile, "parameters": _parameters_text(d.parameters),
+        "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
+        "capabilities": d.capabilities,
+        "modified_at": datetime.fromtimestamp(d.listing.created, UTC).isoformat().replace("+00:00", "Z"),
+    }
 
-    @router.post("/api/show")
-    async def show(body: wire.ModelBody) -> dict[str, Any]:
-        if body.target is None:
-            raise InvalidRequest("model is required", param="model")
-        d = service.models.describe(body.target)
-        return {
-            "license": d.license, "modelfile": d.modelfile, "parameters": _parameters_text(d.parameters),
-            "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
-            "capabilities": d.capabilities,
-            "modified_at": datetime.fromtimestamp(d.listing.created, UTC).isoformat().replace("+00:00", "Z"),
-        }
 
-    @router.post("/api/copy")
-    async def copy(body: wire.CopyBody) -> Response:
-        service.models.copy(body.source, body.destination)
-        return Response(status_code=200)
+@router.post("/api/copy")
+async def copy(service: ServiceDep, body: wire.CopyBody) -> Response:
+    service.models.copy(body.source, body.destination)
+    return Response(status_code=200)
 
-    @router.delete("/api/delete")
-    async def delete(body: wire.ModelBody) -> Response:
-        if body.target is None:
-            raise InvalidRequest("model is required", param="model")
-        await service.models.delete(body.target)
-        return Response(status_code=200)
 
-    @router.get("/api/ps")
-    async def ps() -> dict[str, Any]:
-        models = []
-        for resident in service.models.running():
-            listing = service.models.get(resident.model.name)
-            expires = resident.expires_at
-            until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
-            models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
-                           "context_length": resident.model.engine.info.num_ctx,
-                           "prompt_cache_bytes": resident.model.engine.stats.cache_bytes})
-        body: dict[str, Any] = {"models": models}
-        cache = service.prompt_cache
-        if cache is not None:  # an lmserve addition: the prompt cache beyond the slots, all models together
-            body["prompt_cache"] = {"ram_bytes": cache.num_bytes, "ram_budget_bytes": cache.ram_budget,
-                                    "disk_bytes": cache.disk_bytes, "entries": cache.num_entries()}
-        return body
+@router.delete("/api/delete")
+async def delete(service: ServiceDep, body: wire.ModelBody) -> Response:
+    if body.target is None:
+        raise InvalidRequest("model is required", param="model")
+    await service.models.delete(body.target)
+    return Response(status_code=200)
 
-    @router.post("/api/embed")
-    async def embed(body: wire.EmbedBody, request: Request) -> dict[str, Any]:
-        started = time.perf_counter_ns()
-        keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_options(body.options)
+
+@router.get("/api/ps")
+async def ps(service: ServiceDep) -> dict[str, Any]:
+    models = []
+    for resident in service.models.running():
+        listing = service.models.get(resident.model.name)
+        expires = resident.expires_at
+        until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
+        models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+                       "context_length": resident.model.engine.info.num_ctx,
+                       "prompt_cache_bytes": resident.model.engine.stats.cache_bytes})
+    body: dict[str, Any] = {"models": models}
+    cache = service.prompt_cache
+    if cache is not None:  # an lmserve addition: the prompt cache beyond the slots, all models together
+        body["prompt_cache"] = {"ram_bytes": cache.num_bytes, "ram_budget_bytes": cache.ram_budget,
+                                "disk_bytes": cache.disk_bytes, "entries": cache.num_entries()}
+    return body
+
+
+@router.post("/api/embed")
+async def embed(service: ServiceDep, body: wire.EmbedBody, request: Request) -> dict[str, Any]:
+    started = time.perf_counter_ns()
+    keep_alive = parse_keep_alive(body.keep_alive)
+    load = to_options(body.options)
+    await service.models.load(body.model, load, keep_alive)
+    load_ns = time.perf_counter_ns() - started
+    vectors: list[list[float]] = []
+    num_tokens = 0
+    if body.input != "":  # an empty string only loads the model; an empty list is an error
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        work = service.generation.embed(body.model, texts, truncate=body.truncate, options=load,
+                                        keep_alive=keep_alive, dimensions=body.dimensions)
+        _, vectors, num_tokens = await until_disconnect(work, request.receive)
+    return {"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
+            "load_duration": load_ns, "prompt_eval_count": num_tokens}
+
+
+@router.post("/api/embeddings")
+async def embeddings(service: ServiceDep, body: wire.EmbeddingsBody, request: Request) -> dict[str, Any]:
+    """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
+    keep_alive = parse_keep_alive(body.keep_alive)
+    load = to_options(body.options)
+    if not body.prompt:
         await service.models.load(body.model, load, keep_alive)
-        load_ns = time.perf_counter_ns() - started
-        vectors: list[list[float]] = []
-        num_tokens = 0
-        if body.input != "":  # an empty string only loads the model; an empty list is an error
-            texts = [body.input] if isinstance(body.input, str) else body.input
-            work = service.generation.embed(body.model, texts, truncate=body.truncate, options=load,
-                                            keep_alive=keep_alive, dimensions=body.dimensions)
-            _, vectors, num_tokens = await until_disconnect(work, request.receive)
-        return {"model": body.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
-                "load_duration": load_ns, "prompt_eval_count": num_tokens}
-
-    @router.post("/api/embeddings")
-    async def embeddings(body: wire.EmbeddingsBody, request: Request) -> dict[str, Any]:
-        """The legacy route: one prompt, its vector not normalized (as the local runner's)."""
-        keep_alive = parse_keep_alive(body.keep_alive)
-        load = to_options(body.options)
-        if not body.prompt:
-            await service.models.load(body.model, load, keep_alive)
-            return {"embedding": []}
-        work = service.generation.embed(body.model, [body.prompt], options=load, keep_alive=keep_alive, normalize=False)
-        _, vectors, _ = await until_disconnect(work, request.receive)
-        return {"embedding": vectors[0]}
-
-    return router
+        return {"embedding": []}
+    work = service.generation.embed(body.model, [body.prompt], options=load, keep_alive=keep_alive, normalize=False)
+    _, vectors, _ = await until_disconnect(work, request.receive)
+    return {"embedding": vectors[0]}
 
 
 async def _load_or_unload(

@@ -22,12 +22,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve import options as opts
-from lmserve.dialects.shared import logprobs as logprob_wire
+from lmserve.chat.media import MediaPolicy, load_all, load_url
+from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.openai import schemas
 from lmserve.dialects.openai.chat_records import keeper
 from lmserve.dialects.openai.choices import Choices, gather_all, merged, merged_frames
 from lmserve.dialects.openai.completions import Prompt, completion_prompts, echo_of, first_piece, single_prompt
+from lmserve.dialects.shared import logprobs as logprob_wire
+from lmserve.dialects.shared.errors import INTERNAL_ERROR, openai_error
 from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.state import CompletionsDep, MediaDep, ServedDep, ServiceDep
 from lmserve.dialects.shared.streaming import (
     HOLE,
     SSE_DONE,
@@ -38,9 +42,6 @@ from lmserve.dialects.shared.streaming import (
     sse_json,
     until_disconnect,
 )
-from lmserve.dialects.shared.errors import INTERNAL_ERROR, openai_error
-from lmserve.chat.media import MediaPolicy, load_all, load_url
-from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.errors import EngineFailure, InvalidRequest, LmserveError
 from lmserve.parsing import chat_role
 from lmserve.service import Generation, ModelListing, Service
@@ -443,76 +444,76 @@ def model_card(model: ModelListing) -> dict[str, Any]:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
 
 
-def openai_router(service: Service, media: MediaPolicy | None = None,
-                  completion_store: CompletionStore | None = None, *, served: str | None = None) -> APIRouter:
-    """The /v1 routes over `service`; images in messages are loaded under `media` (default: the safe defaults);
-    chat completions asked to be stored (`store: true`) are kept in `completion_store` (api/stored_completions.py).
-    GET /v1/models lists `served` (the model the server was started with) first, then the others newest first."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
-    policy = media or MediaPolicy()
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    @router.post("/chat/completions", response_model=None)
-    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        images = None
-        if has_images(body):
-            service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
-            images = await load_images(body, policy)
-        chat_request = to_chat_request(body, images)
-        if body.n is not None and body.n > 1:
-            return await chat_choices(service, chat_request, body, request, completion_store)
-        generation = await service.generation.chat(chat_request)
-        head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
-        keep = keeper(completion_store, body, head)
-        if body.stream:
-            frames = chat_frames(generation, head, body.include_usage or keep is not None, logprobs=bool(body.logprobs))
-            if keep is not None:
-                frames = keep.stream(frames)
-            return GenerationResponse(generation, guarded_errors(frames, error_frame))
-        text, final, usage = await until_disconnect(collect(generation), request.receive)
-        completion = chat_completion(head, text, final, usage, logprobs=bool(body.logprobs))
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(service: ServiceDep, policy: MediaDep, completion_store: CompletionsDep,
+                           body: schemas.ChatCompletionRequest, request: Request) -> Response:
+    images = None
+    if has_images(body):
+        service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
+        images = await load_images(body, policy)
+    chat_request = to_chat_request(body, images)
+    if body.n is not None and body.n > 1:
+        return await chat_choices(service, chat_request, body, request, completion_store)
+    generation = await service.generation.chat(chat_request)
+    head = make_head("chat.completion.chunk" if body.stream else "chat.completion", generation.model)
+    keep = keeper(completion_store, body, head)
+    if body.stream:
+        frames = chat_frames(generation, head, body.include_usage or keep is not None, logprobs=bool(body.logprobs))
         if keep is not None:
-            await keep.whole(completion)
-        return JSONResponse(completion)
+            frames = keep.stream(frames)
+        return GenerationResponse(generation, guarded_errors(frames, error_frame))
+    text, final, usage = await until_disconnect(collect(generation), request.receive)
+    completion = chat_completion(head, text, final, usage, logprobs=bool(body.logprobs))
+    if keep is not None:
+        await keep.whole(completion)
+    return JSONResponse(completion)
 
-    @router.post("/completions", response_model=None)
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        prompts = completion_prompts(body.prompt)
-        if len(prompts) > 1 or (body.n is not None and body.n > 1):
-            return await completion_choices(service, prompts, body, request)
-        generation = await service.generation.complete(to_completion_request(body, prompts[0]))
-        head = make_head("text_completion", generation.model)
-        echo = echo_of(prompts[0], generation) if body.echo else ""
-        if body.stream:
-            frames = completion_frames(generation, head, body.include_usage, echo, logprobs=body.logprobs is not None)
-            return GenerationResponse(generation, guarded_errors(frames, error_frame))
-        text, final, usage = await until_disconnect(collect(generation), request.receive)
-        return JSONResponse(text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None,
-                                            first=first_piece(generation) if body.echo else None))
 
-    @router.get("/models")
-    async def list_models() -> dict[str, Any]:
-        listing = sorted(service.models.listing(), key=lambda m: m.name != served)  # stable: the rest keep order
-        return {"object": "list", "data": [model_card(m) for m in listing]}
+@router.post("/completions", response_model=None)
+async def completions(service: ServiceDep, body: schemas.CompletionRequest, request: Request) -> Response:
+    prompts = completion_prompts(body.prompt)
+    if len(prompts) > 1 or (body.n is not None and body.n > 1):
+        return await completion_choices(service, prompts, body, request)
+    generation = await service.generation.complete(to_completion_request(body, prompts[0]))
+    head = make_head("text_completion", generation.model)
+    echo = echo_of(prompts[0], generation) if body.echo else ""
+    if body.stream:
+        frames = completion_frames(generation, head, body.include_usage, echo, logprobs=body.logprobs is not None)
+        return GenerationResponse(generation, guarded_errors(frames, error_frame))
+    text, final, usage = await until_disconnect(collect(generation), request.receive)
+    return JSONResponse(text_completion(head, echo + text, final, usage, logprobs=body.logprobs is not None,
+                                        first=first_piece(generation) if body.echo else None))
 
-    @router.get("/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict[str, Any]:
-        return model_card(service.models.get(model_id))
 
-    @router.delete("/models/{model_id:path}")
-    async def delete_model(model_id: str) -> dict[str, Any]:
-        """Delete a stored model (as `/api/delete`); an unknown one is a 404."""
-        name = service.models.get(model_id).name
-        await service.models.delete(name)
-        return {"id": name, "object": "model", "deleted": True}
+@router.get("/models")
+async def list_models(served: ServedDep, service: ServiceDep) -> dict[str, Any]:
+    listing = sorted(service.models.listing(), key=lambda m: m.name != served)  # stable: the rest keep order
+    return {"object": "list", "data": [model_card(m) for m in listing]}
 
-    @router.post("/embeddings")
-    async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict[str, Any]:
-        work = service.generation.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
-                             dimensions=body.dimensions)
-        model, vectors, num_tokens = await until_disconnect(work, request.receive)
-        return embedding_list(model, vectors, num_tokens, body.encoding_format)
 
-    return router
+@router.get("/models/{model_id:path}")
+async def get_model(service: ServiceDep, model_id: str) -> dict[str, Any]:
+    return model_card(service.models.get(model_id))
+
+
+@router.delete("/models/{model_id:path}")
+async def delete_model(service: ServiceDep, model_id: str) -> dict[str, Any]:
+    """Delete a stored model (as `/api/delete`); an unknown one is a 404."""
+    name = service.models.get(model_id).name
+    await service.models.delete(name)
+    return {"id": name, "object": "model", "deleted": True}
+
+
+@router.post("/embeddings")
+async def embeddings(service: ServiceDep, body: schemas.EmbeddingRequest, request: Request) -> dict[str, Any]:
+    work = service.generation.embed(body.model, embedding_inputs(body.input), truncate=body.truncate,
+                         dimensions=body.dimensions)
+    model, vectors, num_tokens = await until_disconnect(work, request.receive)
+    return embedding_list(model, vectors, num_tokens, body.encoding_format)
 
 
 def embedding_inputs(raw: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:

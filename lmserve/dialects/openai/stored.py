@@ -22,10 +22,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from lmserve.config import ServerConfig
 from lmserve.dialects.openai import schemas
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.pages import checked_order, item_page, list_body
-from lmserve.config import ServerConfig
+from lmserve.dialects.shared.state import CompletionsDep
 from lmserve.errors import InvalidRequest
 from lmserve.store.completions import CompletionStore
 
@@ -56,37 +57,38 @@ def metadata_filter(request: Request) -> dict[str, str]:
     return pairs
 
 
-def stored_completions_router(store: CompletionStore) -> APIRouter:
-    """GET /v1/chat/completions; GET, POST and DELETE /v1/chat/completions/{id}; GET …/{id}/messages."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    @router.get("/chat/completions")
-    async def list_completions(request: Request, model: str | None = None, after: str | None = None,
-                               limit: int = 20, order: str = "asc") -> dict[str, Any]:
-        ordering = checked_order(limit, order)
-        metadata = metadata_filter(request)
-        page = await asyncio.to_thread(store.page, model=model, metadata=metadata, after=after, limit=limit,
-                                       order=ordering)
-        return list_body([record.completion for record in page.records], page.has_more)
 
-    @router.get("/chat/completions/{completion_id}")
-    async def retrieve(completion_id: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.get, completion_id)).completion
+@router.get("/chat/completions")
+async def list_completions(store: CompletionsDep, request: Request, model: str | None = None, after: str | None = None,
+                           limit: int = 20, order: str = "asc") -> dict[str, Any]:
+    ordering = checked_order(limit, order)
+    metadata = metadata_filter(request)
+    page = await asyncio.to_thread(store.page, model=model, metadata=metadata, after=after, limit=limit,
+                                   order=ordering)
+    return list_body([record.completion for record in page.records], page.has_more)
 
-    @router.post("/chat/completions/{completion_id}")
-    async def update(completion_id: str, body: schemas.ChatCompletionUpdate) -> dict[str, Any]:
-        record = await asyncio.to_thread(store.update_metadata, completion_id, body.metadata or {})
-        return record.completion
 
-    @router.delete("/chat/completions/{completion_id}")
-    async def delete(completion_id: str) -> dict[str, Any]:
-        await asyncio.to_thread(store.delete, completion_id)
-        return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+@router.get("/chat/completions/{completion_id}")
+async def retrieve(store: CompletionsDep, completion_id: str) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.get, completion_id)).completion
 
-    @router.get("/chat/completions/{completion_id}/messages")
-    async def messages(completion_id: str, after: str | None = None, limit: int = 20,
-                       order: str = "asc") -> dict[str, Any]:
-        record = await asyncio.to_thread(store.get, completion_id)
-        return item_page(record.messages, limit=limit, order=order, after=after, noun="message of this completion")
 
-    return router
+@router.post("/chat/completions/{completion_id}")
+async def update(store: CompletionsDep, completion_id: str, body: schemas.ChatCompletionUpdate) -> dict[str, Any]:
+    record = await asyncio.to_thread(store.update_metadata, completion_id, body.metadata or {})
+    return record.completion
+
+
+@router.delete("/chat/completions/{completion_id}")
+async def delete(store: CompletionsDep, completion_id: str) -> dict[str, Any]:
+    await asyncio.to_thread(store.delete, completion_id)
+    return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+
+
+@router.get("/chat/completions/{completion_id}/messages")
+async def messages(store: CompletionsDep, completion_id: str, after: str | None = None, limit: int = 20,
+                   order: str = "asc") -> dict[str, Any]:
+    record = await asyncio.to_thread(store.get, completion_id)
+    return item_page(record.messages, limit=limit, order=order, after=after, noun="message of this completion")

@@ -25,11 +25,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from lmserve.config import ServerConfig
 from lmserve.dialects.responses import schemas as wire
+from lmserve.dialects.responses.routes import input_records
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.pages import item_page, list_body
-from lmserve.dialects.responses.routes import input_records
-from lmserve.config import ServerConfig
+from lmserve.dialects.shared.state import ConversationsDep
 from lmserve.store.conversations import ConversationStore
 
 
@@ -39,47 +40,51 @@ def conversations_store(config: ServerConfig) -> ConversationStore:
     return ConversationStore(Path(config.models_dir).expanduser() / "conversations", max_count=config.responses_max)
 
 
-def conversations_router(store: ConversationStore) -> APIRouter:
-    """The routes of /v1/conversations and /v1/conversations/{id}/items."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    @router.post("/conversations")
-    async def create(body: wire.ConversationCreate | None = None) -> dict[str, Any]:
-        items = input_records(body.items) if body and body.items else []
-        metadata = body.metadata if body and body.metadata else {}
-        return (await asyncio.to_thread(store.create, items, metadata)).resource()
 
-    @router.get("/conversations/{conversation_id}")
-    async def retrieve(conversation_id: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.get, conversation_id)).resource()
+@router.post("/conversations")
+async def create(store: ConversationsDep, body: wire.ConversationCreate | None = None) -> dict[str, Any]:
+    items = input_records(body.items) if body and body.items else []
+    metadata = body.metadata if body and body.metadata else {}
+    return (await asyncio.to_thread(store.create, items, metadata)).resource()
 
-    @router.post("/conversations/{conversation_id}")
-    async def update(conversation_id: str, body: wire.ConversationUpdate) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.update_metadata, conversation_id, body.metadata)).resource()
 
-    @router.delete("/conversations/{conversation_id}")
-    async def delete(conversation_id: str) -> dict[str, Any]:
-        await asyncio.to_thread(store.delete, conversation_id)
-        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+@router.get("/conversations/{conversation_id}")
+async def retrieve(store: ConversationsDep, conversation_id: str) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.get, conversation_id)).resource()
 
-    @router.get("/conversations/{conversation_id}/items")
-    async def list_items(conversation_id: str, limit: int = 20, order: str = "desc",
-                         after: str | None = None) -> dict[str, Any]:
-        record = await asyncio.to_thread(store.get, conversation_id)
-        return item_page(record.items, limit=limit, order=order, after=after, noun="item of this conversation")
 
-    @router.post("/conversations/{conversation_id}/items")
-    async def add_items(conversation_id: str, body: wire.ConversationItems) -> dict[str, Any]:
-        items = input_records(body.items)
-        await asyncio.to_thread(store.add_items, conversation_id, items)
-        return list_body(items, has_more=False)
+@router.post("/conversations/{conversation_id}")
+async def update(store: ConversationsDep, conversation_id: str, body: wire.ConversationUpdate) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.update_metadata, conversation_id, body.metadata)).resource()
 
-    @router.get("/conversations/{conversation_id}/items/{item_id}")
-    async def retrieve_item(conversation_id: str, item_id: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.get, conversation_id)).item(item_id)
 
-    @router.delete("/conversations/{conversation_id}/items/{item_id}")
-    async def delete_item(conversation_id: str, item_id: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(store.delete_item, conversation_id, item_id)).resource()
+@router.delete("/conversations/{conversation_id}")
+async def delete(store: ConversationsDep, conversation_id: str) -> dict[str, Any]:
+    await asyncio.to_thread(store.delete, conversation_id)
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
-    return router
+
+@router.get("/conversations/{conversation_id}/items")
+async def list_items(store: ConversationsDep, conversation_id: str, limit: int = 20, order: str = "desc",
+                     after: str | None = None) -> dict[str, Any]:
+    record = await asyncio.to_thread(store.get, conversation_id)
+    return item_page(record.items, limit=limit, order=order, after=after, noun="item of this conversation")
+
+
+@router.post("/conversations/{conversation_id}/items")
+async def add_items(store: ConversationsDep, conversation_id: str, body: wire.ConversationItems) -> dict[str, Any]:
+    items = input_records(body.items)
+    await asyncio.to_thread(store.add_items, conversation_id, items)
+    return list_body(items, has_more=False)
+
+
+@router.get("/conversations/{conversation_id}/items/{item_id}")
+async def retrieve_item(store: ConversationsDep, conversation_id: str, item_id: str) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.get, conversation_id)).item(item_id)
+
+
+@router.delete("/conversations/{conversation_id}/items/{item_id}")
+async def delete_item(store: ConversationsDep, conversation_id: str, item_id: str) -> dict[str, Any]:
+    return (await asyncio.to_thread(store.delete_item, conversation_id, item_id)).resource()

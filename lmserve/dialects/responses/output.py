@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
+from lmserve.dialects.shared.errors import INTERNAL_ERROR
 from lmserve.dialects.shared.logprobs import token_entries
 from lmserve.dialects.shared.streaming import dumps
-from lmserve.dialects.shared.errors import INTERNAL_ERROR
 from lmserve.errors import EngineFailure, LmserveError
 from lmserve.service import Generation
 from lmserve.types import Chunk, ToolCall, Usage

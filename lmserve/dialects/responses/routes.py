@@ -28,9 +28,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
 from lmserve import options as opts
+from lmserve.chat.media import MediaPolicy, load_all, load_url
+from lmserve.chat.structured import json_object_grammar, schema_grammar
+from lmserve.config import ServerConfig
 from lmserve.dialects.responses import schemas as wire
-from lmserve.dialects.shared.json_body import JsonBodyRoute
-from lmserve.dialects.shared.pages import item_page
 from lmserve.dialects.responses.output import (
     Framer,
     OutputBuilder,
@@ -41,11 +42,11 @@ from lmserve.dialects.responses.output import (
     stream_events,
 )
 from lmserve.dialects.responses.tools import Choice, ToolSet, chat_tools, ignored_header, offered_tools
-from lmserve.dialects.shared.streaming import SSE_HEADERS, GenerationResponse, guarded_errors, until_disconnect
 from lmserve.dialects.shared.errors import invalid_from_validation
-from lmserve.chat.media import MediaPolicy, load_all, load_url
-from lmserve.chat.structured import json_object_grammar, schema_grammar
-from lmserve.config import ServerConfig
+from lmserve.dialects.shared.json_body import JsonBodyRoute
+from lmserve.dialects.shared.pages import item_page
+from lmserve.dialects.shared.state import ConversationsDep, MediaDep, ResponsesDep, ServiceDep
+from lmserve.dialects.shared.streaming import SSE_HEADERS, GenerationResponse, guarded_errors, until_disconnect
 from lmserve.errors import InvalidRequest
 from lmserve.parsing import chat_role
 from lmserve.service import Service
@@ -321,98 +322,102 @@ def input_item_page(items: list[Item], *, limit: int, order: str, after: str | N
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def responses_router(service: Service, store: ResponseStore, media: MediaPolicy | None = None,
-                     conversations: ConversationStore | None = None) -> APIRouter:
-    """POST /v1/responses; GET and DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items. A request's
-    `conversation` is read from and added to `conversations` (None: a request that names one is refused)."""
-    router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
-    policy = media or MediaPolicy()
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
-    async def earlier(body: wire.ResponseRequest) -> list[Item]:
-        """The items the request continues: its previous response's conversation, or its conversation's items."""
-        if body.previous_response_id is not None:
-            try:
-                return (await asyncio.to_thread(store.get, body.previous_response_id)).conversation
-            except ResponseNotFound:
-                raise ResponseNotFound(body.previous_response_id, param="previous_response_id") from None
+
+
+async def earlier(store: ResponseStore, conversations: ConversationStore | None,
+                  body: wire.ResponseRequest) -> list[Item]:
+    """The items the request continues: its previous response's conversation, or its conversation's items."""
+    if body.previous_response_id is not None:
+        try:
+            return (await asyncio.to_thread(store.get, body.previous_response_id)).conversation
+        except ResponseNotFound:
+            raise ResponseNotFound(body.previous_response_id, param="previous_response_id") from None
+    conversation = conversation_id(body.conversation)
+    if conversation is None:
+        return []
+    if conversations is None:
+        raise InvalidRequest("conversations are not kept by this server", param="conversation")
+    try:
+        return (await asyncio.to_thread(conversations.get, conversation)).items
+    except ConversationNotFound:
+        raise ConversationNotFound(conversation, param="conversation") from None
+
+
+async def chat_request(service: Service, policy: MediaPolicy, body: wire.ResponseRequest, context: list[Item],
+                       own: list[Item], offered: ToolSet) -> ChatRequest:
+    try:
+        items = parse_items(context + own)
+    except ValidationError as exc:  # a stored record that no longer reads: say which
+        raise invalid_from_validation(exc.errors(include_url=False)) from None
+    messages, refs = to_messages(body.instructions, items, first_own=len(context), shown=offered.shown)
+    if any(refs):
+        service.generation.check_images(body.model, sum(map(len, refs)), param="input")
+        for message, data in zip(messages, await load_images(refs, policy), strict=True):
+            message.images = data
+    return to_chat_request(body, messages, offered)
+
+
+def saver(store: ResponseStore, conversations: ConversationStore | None, body: wire.ResponseRequest, own: list[Item],
+          context: list[Item]) -> Save:
+    async def save(response: dict[str, Any]) -> None:
+        if body.store is not False:
+            record = StoredResponse(response=response, input=own, context=context)
+            await asyncio.to_thread(store.save, record)
         conversation = conversation_id(body.conversation)
-        if conversation is None:
-            return []
-        if conversations is None:
-            raise InvalidRequest("conversations are not kept by this server", param="conversation")
+        if conversation is None or conversations is None:
+            return
         try:
-            return (await asyncio.to_thread(conversations.get, conversation)).items
+            await asyncio.to_thread(partial(conversations.add_items, skip_known=True), conversation,
+                                    own + response["output"])
         except ConversationNotFound:
-            raise ConversationNotFound(conversation, param="conversation") from None
+            log.warning("conversation %s was deleted before its response %s ended", conversation, response["id"])
 
-    async def chat_request(body: wire.ResponseRequest, context: list[Item], own: list[Item],
-                           offered: ToolSet) -> ChatRequest:
-        try:
-            items = parse_items(context + own)
-        except ValidationError as exc:  # a stored record that no longer reads: say which
-            raise invalid_from_validation(exc.errors(include_url=False)) from None
-        messages, refs = to_messages(body.instructions, items, first_own=len(context), shown=offered.shown)
-        if any(refs):
-            service.generation.check_images(body.model, sum(map(len, refs)), param="input")
-            for message, data in zip(messages, await load_images(refs, policy), strict=True):
-                message.images = data
-        return to_chat_request(body, messages, offered)
+    return save
 
-    def saver(body: wire.ResponseRequest, own: list[Item], context: list[Item]) -> Save:
-        async def save(response: dict[str, Any]) -> None:
-            if body.store is not False:
-                record = StoredResponse(response=response, input=own, context=context)
-                await asyncio.to_thread(store.save, record)
-            conversation = conversation_id(body.conversation)
-            if conversation is None or conversations is None:
-                return
-            try:
-                await asyncio.to_thread(partial(conversations.add_items, skip_known=True), conversation,
-                                        own + response["output"])
-            except ConversationNotFound:
-                log.warning("conversation %s was deleted before its response %s ended", conversation, response["id"])
 
-        return save
+@router.post("/responses", response_model=None)
+async def create(service: ServiceDep, policy: MediaDep, store: ResponsesDep, conversations: ConversationsDep,
+                 body: wire.ResponseRequest, request: Request) -> Response:
+    refuse_unserved(body)
+    offered = offered_tools(body.tools)
+    if offered.ignored:
+        log.warning("/v1/responses: tools of types lmserve does not run are left out: %s",
+                    ", ".join(dict.fromkeys(kind[:64] for kind in offered.ignored)))
+    context = await earlier(store, conversations, body)
+    own = input_records(body.input)
+    chat = await chat_request(service, policy, body, context, own, offered)
+    generation = await service.generation.chat(chat)
+    head = response_head(body, generation.model, generation.sampling, new_response_id(), int(time.time()))
+    save, builder = saver(store, conversations, body, own, context), OutputBuilder(offered.origin)
+    headers = ignored_header(offered.ignored)
+    if body.stream:
+        framer = Framer()
+        frames = stream_events(generation, head, framer, save, builder)
+        return GenerationResponse(generation, guarded_errors(frames, framer.error),
+                                  headers={**SSE_HEADERS, **headers})
+    final = await until_disconnect(run_whole(generation, builder), request.receive)
+    response = finished_response(head, builder, final, response_usage(generation, final))
+    await save(response)
+    return JSONResponse(response, headers=headers)
 
-    @router.post("/responses", response_model=None)
-    async def create(body: wire.ResponseRequest, request: Request) -> Response:
-        refuse_unserved(body)
-        offered = offered_tools(body.tools)
-        if offered.ignored:
-            log.warning("/v1/responses: tools of types lmserve does not run are left out: %s",
-                        ", ".join(dict.fromkeys(kind[:64] for kind in offered.ignored)))
-        context = await earlier(body)
-        own = input_records(body.input)
-        chat = await chat_request(body, context, own, offered)
-        generation = await service.generation.chat(chat)
-        head = response_head(body, generation.model, generation.sampling, new_response_id(), int(time.time()))
-        save, builder = saver(body, own, context), OutputBuilder(offered.origin)
-        headers = ignored_header(offered.ignored)
-        if body.stream:
-            framer = Framer()
-            frames = stream_events(generation, head, framer, save, builder)
-            return GenerationResponse(generation, guarded_errors(frames, framer.error),
-                                      headers={**SSE_HEADERS, **headers})
-        final = await until_disconnect(run_whole(generation, builder), request.receive)
-        response = finished_response(head, builder, final, response_usage(generation, final))
-        await save(response)
-        return JSONResponse(response, headers=headers)
 
-    @router.get("/responses/{response_id}")
-    async def retrieve(response_id: str, stream: bool = False) -> dict[str, Any]:
-        if stream:
-            raise InvalidRequest("streaming a stored response again is not supported", param="stream")
-        return (await asyncio.to_thread(store.get, response_id)).response
+@router.get("/responses/{response_id}")
+async def retrieve(store: ResponsesDep, response_id: str, stream: bool = False) -> dict[str, Any]:
+    if stream:
+        raise InvalidRequest("streaming a stored response again is not supported", param="stream")
+    return (await asyncio.to_thread(store.get, response_id)).response
 
-    @router.delete("/responses/{response_id}")
-    async def delete(response_id: str) -> dict[str, Any]:
-        await asyncio.to_thread(store.delete, response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    @router.get("/responses/{response_id}/input_items")
-    async def input_items(response_id: str, limit: int = 20, order: str = "desc",
-                          after: str | None = None) -> dict[str, Any]:
-        record = await asyncio.to_thread(store.get, response_id)
-        return input_item_page(record.input, limit=limit, order=order, after=after)
+@router.delete("/responses/{response_id}")
+async def delete(store: ResponsesDep, response_id: str) -> dict[str, Any]:
+    await asyncio.to_thread(store.delete, response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    return router
+
+@router.get("/responses/{response_id}/input_items")
+async def input_items(store: ResponsesDep, response_id: str, limit: int = 20, order: str = "desc",
+                      after: str | None = None) -> dict[str, Any]:
+    record = await asyncio.to_thread(store.get, response_id)
+    return input_item_page(record.input, limit=limit, order=order, after=after)

@@ -1,19 +1,14 @@
-"""Errors on the wire: the OpenAI body, the native body, and request-validation errors as InvalidRequest.
-
-OpenAI dialect (every other path):      {"error": {"message", "type", "param", "code"}}
-native dialect (/api/…):                {"error": "message"}
-Anthropic dialect (/v1/messages…):      {"type": "error", "error": {"type", "message"}}
-"""
+"""Errors on the wire that every dialect shares: the OpenAI error body (also that of the Responses dialect and of
+the routes that are no dialect), {"error": {"message", "type", "param", "code"}}, and request-validation errors as
+one InvalidRequest. Each dialect's own body is in its package; dialects/table.py picks one by path."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmserve.errors import ContextOverflow, InvalidRequest, LmserveError, ModelNotFound
+from lmserve.errors import InvalidRequest, LmserveError
 
-NATIVE_PREFIX = "/api/"
-ANTHROPIC_PATH = "/v1/messages"
 INTERNAL_ERROR = "The server had an error while processing your request."
 
 # pydantic adds the union member it tried to a location; these are not field names
@@ -22,51 +17,8 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", 
 _PART_LISTS = {"content": "content part"}
 
 
-def is_native_path(path: str) -> bool:
-    return path.startswith(NATIVE_PREFIX)
-
-
 def openai_error(err: LmserveError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-
-
-def native_error(err: LmserveError) -> dict[str, Any]:
-    return {"error": err.message}
-
-
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
-
-
-def anthropic_error(err: LmserveError) -> dict[str, Any]:
-    """The Anthropic error body; its type follows the HTTP status (e.g. 404 not_found_error, 500 api_error).
-
-    Where Anthropic's clients read the message (Claude Code falls back or compacts on these), it starts with
-    Anthropic's own wording: an unknown model is "model: NAME …", a prompt over the context "prompt is too long:
-    N tokens > M maximum …"."""
-    kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
-
-
-def anthropic_message(err: LmserveError) -> str:
-    """`err`'s message in Anthropic's wording where its clients match on it (see anthropic_error)."""
-    if isinstance(err, ModelNotFound):
-        return f"model: {err.name} ({err.message})"
-    if isinstance(err, ContextOverflow):
-        return f"prompt is too long: {err.num_prompt_tokens} tokens > {err.num_ctx} maximum. {err.message}"
-    return err.message
-
-
-def error_body(path: str, err: LmserveError) -> dict[str, Any]:
-    """The error body in the dialect of the route at `path`."""
-    if is_anthropic_path(path):
-        return anthropic_error(err)
-    return native_error(err) if is_native_path(path) else openai_error(err)
 
 
 def invalid_from_validation(errors: Sequence[Mapping[str, Any]], *, strip: int = 0) -> InvalidRequest:
