@@ -6,11 +6,10 @@ options: `model` is what `serve` takes, each keyword a `serve` option by its fie
 at once and stays loaded until `close()`.
 
 `chat`, `generate` and `embed` submit all their inputs together, so the engine's continuous batching runs them side
-by side (at most `parallel` + `max_queue` in flight). Requests are translated by the OpenAI dialect's own
-translators (lmserve/dialects/openai/routes.py): messages, tools, `response_format` and the sampling options (lmserve/options.py,
-by their OpenAI names) mean what they mean on /v1/chat/completions, and what the service refuses raises lmserve's
-errors (lmserve/errors.py). The service runs on an event loop in a thread of the object; the methods block.
-"""
+by side (at most `parallel` + `max_queue` in flight). Requests are translated by the OpenAI dialect's own translators
+(lmserve/dialects/openai/): messages, tools, `response_format` and the sampling options (lmserve/options.py, by their
+OpenAI names) mean what they mean on /v1/chat/completions, and what the service refuses raises lmserve's errors
+(lmserve/errors.py). The service runs on an event loop in a thread of the object; the methods block."""
 
 from __future__ import annotations
 
@@ -29,8 +28,9 @@ from typing import Any, TypeVar, cast, overload
 from pydantic import TypeAdapter
 
 from lmserve import options as opts
+from lmserve.chat.media import MediaPolicy
+from lmserve.config import OPTIONS, flag_dest, resolve
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.shared.logprobs import asked
 from lmserve.dialects.openai.routes import (
     collect,
     has_images,
@@ -39,8 +39,7 @@ from lmserve.dialects.openai.routes import (
     to_chat_request,
     to_completion_request,
 )
-from lmserve.chat.media import MediaPolicy
-from lmserve.config import OPTIONS, flag_dest, resolve
+from lmserve.dialects.shared.logprobs import asked
 from lmserve.errors import Overloaded
 from lmserve.server import build_service
 from lmserve.service import Generation, Service
