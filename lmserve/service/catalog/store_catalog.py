@@ -166,44 +166,32 @@ class StoreCatalog:
         adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
         projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
         full = replace(options, adapters=adapters, projector=projector)
-
-        def open_engine() -> Engine:
-            try:
-                self.store.model_path(manifest)  # a repository's links, laid out again if they went
-                if not manifest.files:  # a GGUF
-                    if not path.is_file():
-                        raise EngineFailure(f"its weights file {path.name} is missing from the store")
-                    check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
-                crash_guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-                if engine_of(path, self._engines).in_process:  # a native crash of its load ends this process
-                    crash_guard = self._load_crashes.loading(str(entry.name), path)
-                with crash_guard:
-                    return self._open_engine(path, full)
-            except LmserveError as exc:
-                if isinstance(exc, InvalidRequest) and exc.param == "model":  # the engine refuses this model here
-                    raise InvalidRequest(f"model '{entry.name}' cannot be served here: {exc.message}",
-                                         param="model") from exc
-                raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
-            except Exception as exc:
-                raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
-
-        def bind(engine: Engine) -> LoadedModel:
-            info = engine.info
-            template: Prompter
-            if manifest.template:
-                template = GoChatTemplate(manifest.template, system=manifest.system)
-            else:
-                template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
-            messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
-            return LoadedModel(
-                name=str(entry.name), engine=engine, template=template, system=manifest.system, messages=messages,
-                template_source=manifest.template or info.chat_template,
-                created=int(manifest.modified_at),
-            )
-
         header = partial(gguf_metadata, max_array=4096)  # per-layer values kept, the vocabulary left out
-        return LoadPlan(WeightsKey(str(path), full), open_engine, bind, binding=entry.digest,
-                        estimate=partial(estimate_memory, path, full, header, self._engines))
+        return LoadPlan(WeightsKey(str(path), full), partial(self._open, entry, path, full), partial(_bind, entry),
+                        binding=entry.digest, estimate=partial(estimate_memory, path, full, header, self._engines))
+
+    def _open(self, entry: ModelEntry, path: Path, options: LoadOptions) -> Engine:
+        """Open the engine of a stored model (blocking); a failure is EngineFailure, or InvalidRequest when the
+        engine refuses this model here."""
+        manifest = entry.manifest
+        try:
+            self.store.model_path(manifest)  # a repository's links, laid out again if they went
+            if not manifest.files:  # a GGUF
+                if not path.is_file():
+                    raise EngineFailure(f"its weights file {path.name} is missing from the store")
+                check_gguf(path)  # the file may have changed since it was created; llama.cpp must not see it
+            crash_guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if engine_of(path, self._engines).in_process:  # a native crash of its load ends this process
+                crash_guard = self._load_crashes.loading(str(entry.name), path)
+            with crash_guard:
+                return self._open_engine(path, options)
+        except LmserveError as exc:
+            if isinstance(exc, InvalidRequest) and exc.param == "model":  # the engine refuses this model here
+                raise InvalidRequest(f"model '{entry.name}' cannot be served here: {exc.message}",
+                                     param="model") from exc
+            raise EngineFailure(f"model '{entry.name}' failed to load: {exc.message}") from exc
+        except Exception as exc:
+            raise EngineFailure(f"model '{entry.name}' failed to load: {type(exc).__name__}: {exc}") from exc
 
     def _check_additions(self, manifest: Manifest, modelfile: Modelfile, quantize: bool) -> None:
         """InvalidRequest unless the engine of the model `manifest` holds takes what the Modelfile adds to it
@@ -295,6 +283,24 @@ class StoreCatalog:
             name=str(entry.name), created=int(entry.manifest.modified_at), size=entry.size, digest=entry.digest,
             details=dict(entry.manifest.details),
         )
+
+
+def _bind(entry: ModelEntry, engine: Engine) -> LoadedModel:
+    """A stored model bound to its engine: the Modelfile's TEMPLATE (Go) or else the model's own chat template, its
+    SYSTEM and MESSAGEs."""
+    manifest = entry.manifest
+    info = engine.info
+    template: Prompter
+    if manifest.template:
+        template = GoChatTemplate(manifest.template, system=manifest.system)
+    else:
+        template = ChatTemplate(info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token)
+    messages = [Message(role=role, content=text) for role, text in manifest.messages]  # type: ignore[arg-type]
+    return LoadedModel(
+        name=str(entry.name), engine=engine, template=template, system=manifest.system, messages=messages,
+        template_source=manifest.template or info.chat_template,
+        created=int(manifest.modified_at),
+    )
 
 
 def _shortest_float32(value: float) -> float:
