@@ -5,7 +5,6 @@ do: KV offloading, its CPU build, the models whose RoPE its CPU kernel computes 
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path

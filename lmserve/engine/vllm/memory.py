@@ -13,9 +13,7 @@ from typing import Any
 from lmserve.engine.context_size import ContextChoice, choose_context, machine_memory, memory_beside
 from lmserve.engine.memory_estimate import MemoryEstimate, available_memory
 from lmserve.engine.vllm.args import VllmOptions
-from lmserve.types import (
-    LoadOptions,
-)
+from lmserve.types import LoadOptions
 
 CPU_KV_FLOOR_BYTES = 64 * 2**20
 """The smallest KV cache given to vLLM's CPU build (a model's KV for --parallel x --ctx-size may be smaller)."""

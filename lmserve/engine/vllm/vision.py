@@ -5,7 +5,6 @@ the images as vLLM's processors take them.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import Any
 
 from lmserve.types import Bitmap
