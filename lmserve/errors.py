@@ -11,7 +11,7 @@
     ├── Unreachable                   502 upstream_error          (the model hub cannot be reached)
     └── EngineFailure                 500 server_error            (llama.cpp refused a batch, load failed …)
 
-The web layer maps these to a wire body once (api/app.py); nothing matches on message text.
+The web layer maps these to a wire body once (http/errors.py); nothing matches on message text.
 """
 
 from __future__ import annotations

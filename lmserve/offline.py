@@ -31,8 +31,8 @@ from lmserve import options as opts
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import OPTIONS, flag_dest, resolve
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.openai.routes import (
-    collect,
+from lmserve.dialects.openai.output import collect
+from lmserve.dialects.openai.translate import (
     has_images,
     load_images,
     response_grammar,

@@ -13,6 +13,11 @@ BASE = {"lmserve.types", "lmserve.errors", "lmserve.config", "lmserve.options", 
 SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory"}
 """What the service may know of engines: the protocol, and the factory that picks one (and quantizes GGUFs)."""
 
+DIALECT_NAMES = ("openai", "native", "anthropic", "responses")
+DIALECT = BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media",
+                  "lmserve.dialects.shared"}
+"""What a dialect may import: the service, the store's records, structured output and media, the shared helpers."""
+
 # module prefix → the lmserve modules it may import (besides itself and its own subpackage)
 ALLOWED: dict[str, set[str]] = {
     "lmserve.types": set(),
@@ -26,18 +31,31 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.store": BASE,
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
     "lmserve.service": BASE | SEAM | {"lmserve.store", "lmserve.chat"},
-    "lmserve.api": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media"},
+    # a dialect: the service below it and what every dialect shares, never another dialect or an engine
+    "lmserve.dialects.shared": BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.media"},
+    **{f"lmserve.dialects.{name}": DIALECT for name in DIALECT_NAMES},
+    # the one table of dialects reads each of them
+    "lmserve.dialects": set(),
+    "lmserve.dialects.table": BASE | {f"lmserve.dialects.{name}" for name in DIALECT_NAMES}
+                              | {"lmserve.dialects.shared"},
+    # the routes that are no dialect may reuse a dialect's translators
+    "lmserve.endpoints": DIALECT | {"lmserve.dialects"},
+    # the HTTP layer wires the dialects and endpoints over the service (metrics read engines' numbers: the protocol)
+    "lmserve.http": BASE | {"lmserve.dialects", "lmserve.endpoints", "lmserve.service", "lmserve.store",
+                            "lmserve.chat.media", "lmserve.engine.protocol"},
     "lmserve.client": BASE,
-    "lmserve.repl": BASE | {"lmserve.client"},
     "lmserve.listening": set(),
     "lmserve.supervisor": BASE | {"lmserve.listening", "lmserve.store.load_crashes"},
-    "lmserve.cli": BASE | {"lmserve.client", "lmserve.repl", "lmserve.server", "lmserve.listening",
-                           "lmserve.supervisor", "lmserve.replicas", "lmserve.batch_command"},
-    # `lmserve batch` runs the batch lines of the API layer, offline through `serve`'s app or over HTTP
-    "lmserve.batch_command": BASE | {"lmserve.api", "lmserve.server", "lmserve.store.batches"},
-    "lmserve.replicas": BASE | {"lmserve.api", "lmserve.server"},
+    "lmserve.cli": BASE | {"lmserve.client", "lmserve.server", "lmserve.listening", "lmserve.supervisor",
+                           "lmserve.replicas"},
+    "lmserve.cli.repl": BASE | {"lmserve.client"},
+    # `lmserve batch` runs the Batch API's lines, offline through `serve`'s app or over HTTP
+    "lmserve.cli.batch": BASE | {"lmserve.cli.command", "lmserve.service.batch_lines", "lmserve.dialects.table",
+                                 "lmserve.server", "lmserve.store.batches"},
+    "lmserve.replicas": BASE | {"lmserve.http", "lmserve.dialects.table", "lmserve.server"},
     # the offline engine composes `serve`'s service and reuses the OpenAI dialect's translators (no second one)
-    "lmserve.offline": BASE | {"lmserve.server", "lmserve.service", "lmserve.api", "lmserve.chat.media"},
+    "lmserve.offline": BASE | {"lmserve.server", "lmserve.service", "lmserve.dialects.openai",
+                               "lmserve.dialects.shared", "lmserve.chat.media"},
 }
 """lmserve.server (the composition root) and __main__ may import anything."""
 FORBIDDEN_THIRD_PARTY = {"lmserve.engine": {"fastapi", "starlette", "pydantic", "uvicorn"},
@@ -105,7 +123,7 @@ def test_the_service_and_the_dialects_never_name_an_engine() -> None:
     from lmserve.engine.registry import ENGINES
 
     names = {spec.name for spec in ENGINES}
-    for layer in ("service", "api", "chat", "store"):
+    for layer in ("service", "dialects", "endpoints", "http", "chat", "store"):
         for path in sorted((PACKAGE / layer).rglob("*.py")):
             found = {node.value for node in ast.walk(ast.parse(path.read_text()))
                      if isinstance(node, ast.Constant) and node.value in names}

@@ -1,5 +1,5 @@
 """End to end on the vLLM engine: a dedicated reranker (a tiny random BERT cross-encoder, tests/hf_repos.py) served
-by a real `lmserve serve` on vLLM's pooling runner, through the rerank routes (api/rerank.py).
+by a real `lmserve serve` on vLLM's pooling runner, through the rerank routes (endpoints/rerank.py).
 
 `relevance_score` is the head's logit through a sigmoid: transformers' logit of the same pair, squashed, within
 float32 noise. A reranker generates nothing: a chat request or a decision is a clear 400.

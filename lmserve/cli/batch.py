@@ -47,7 +47,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run `lmserve batch`; the exit status."""
-    from lmserve.endpoints.batch_lines import check_lines
+    from lmserve.dialects.table import batch_endpoints
+    from lmserve.service.batch_lines import check_lines
 
     flags = {key: value for key, value in vars(args).items() if key not in (*BATCH_FLAGS, "command", "run_command")}
     try:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"lmserve: cannot read {args.input}: {exc.strerror}", file=sys.stderr)
         return 2
-    checked = check_lines(raw.splitlines(), None)
+    checked = check_lines(raw.splitlines(), batch_endpoints())
     if checked.fatal or (not checked.is_jsonl and raw.strip()):
         print(f"lmserve: {args.input}: {checked.fatal or 'no JSONL request lines (one JSON object per line)'}",
               file=sys.stderr)
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 async def _run(checked: Any, config: ServerConfig, output: str, url: str | None, concurrency: int) -> int:
-    from lmserve.endpoints.batch_lines import BatchLine, run_lines
+    from lmserve.service.batch_lines import BatchLine, run_lines
     from lmserve.store.batches import ResultLog
 
     sink: ResultLog | _Stdout = _Stdout(sys.stdout) if output == "-" else ResultLog(Path(output).expanduser())
@@ -118,7 +119,7 @@ async def _sender(config: ServerConfig, url: str | None) -> tuple[Any, Callable[
     """The Send of the lines, its closer, and the model of lines that name none: over HTTP to `url` (the model
     `--model` names, or the default), else the app of `config` in process (its model loaded first, the service
     closed by the closer)."""
-    from lmserve.endpoints.batch_lines import asgi_send, http_send
+    from lmserve.service.batch_lines import asgi_send, http_send
 
     if url is not None:
         return *http_send(url if "://" in url else f"http://{url}", config.api_key), config.model

@@ -17,7 +17,7 @@ from typing import Any
 from lmserve.dialects.anthropic.errors import anthropic_error
 from lmserve.dialects.anthropic.output import error_event
 from lmserve.dialects.native.ndjson import NDJSON, error_line, native_error
-from lmserve.dialects.openai.routes import error_frame
+from lmserve.dialects.openai.output import error_frame
 from lmserve.dialects.responses.output import Framer
 from lmserve.dialects.shared.errors import openai_error
 from lmserve.errors import LmserveError

@@ -1,6 +1,6 @@
 """The routes HTTP gateways read from a model server, so SMG (the SGLang model gateway), llm-d's endpoint picker and
 KServe can front lmserve replicas as they front SGLang and vLLM (the vLLM-named gauges they scrape are on /metrics,
-api/metrics.py):
+http/metrics.py):
 
 - GET /v1/loads?include=…: SGLang's load report, which SMG polls (`include=core,disagg,queues,memory`) to balance
   by load. `include` is a comma-separated list of core, memory, spec, lora, disagg, queues, all (default all); any
@@ -32,7 +32,7 @@ from fastapi import APIRouter
 from lmserve import __version__
 from lmserve.config import OPTIONS, ServerConfig
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.openai.routes import has_images, to_chat_request, to_completion_request
+from lmserve.dialects.openai.translate import has_images, to_chat_request, to_completion_request
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.state import ConfigDep, ServedDep, ServiceDep
 from lmserve.errors import InvalidRequest

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve import options as opts
-from lmserve.dialects.openai.routes import error_frame
+from lmserve.dialects.openai.output import error_frame
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.state import ServiceDep
 from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, sse_json, until_disconnect

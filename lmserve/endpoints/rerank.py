@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from lmserve.dialects.native.routes import parse_keep_alive
 from lmserve.dialects.native.schemas import KeepAlive
+from lmserve.dialects.native.translate import parse_keep_alive
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.state import ServiceDep
 from lmserve.dialects.shared.streaming import until_disconnect

@@ -20,7 +20,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.openai.routes import to_chat_request
+from lmserve.dialects.openai.translate import to_chat_request
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.state import ServiceDep
 from lmserve.errors import InvalidRequest

@@ -37,7 +37,7 @@ API key set, a scraper must send it too (`authorization` / `bearer_token` in the
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.engine.protocol import Engine
 from lmserve.service import Service
 from lmserve.types import Chunk
 
@@ -138,57 +139,14 @@ class _ServiceCollector(Collector):
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
-        residents = self._service.models.running()
-        queue = GaugeMetricFamily("lmserve_queue_depth", "Requests waiting for a sequence slot.", labels=["model"])
-        running = GaugeMetricFamily("lmserve_running_sequences", "Sequences being generated.", labels=["model"])
-        step = CounterMetricFamily("lmserve_engine_step_seconds", "Engine thread time in decode steps (since load).",
-                                   labels=["model"])
-        decode = CounterMetricFamily("lmserve_engine_decode_seconds",
-                                     "Engine thread time in the backend's batch decode and sampling (since load).",
-                                     labels=["model"])
-        kv = GaugeMetricFamily("lmserve_kv_cache_usage", "Fraction of the KV cache in use (engines that report it).",
-                               labels=["model"])
-        queries = CounterMetricFamily("lmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels=["model"])
-        hits = CounterMetricFamily("lmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels=["model"])
-        preemptions = CounterMetricFamily("lmserve_preemptions", "Sequences evicted for room and recomputed.",
-                                          labels=["model"])
-        cache_hits = CounterMetricFamily("lmserve_prompt_cache_hits", "Prompts that reused a saved prefix, by where "
-                                         "it was kept (slot, ram, disk).", labels=["model", "tier"])
-        cache_tokens = CounterMetricFamily("lmserve_prompt_cache_tokens_saved", "Prompt tokens not computed again, "
-                                           "by where their state was kept (slot, ram, disk).", labels=["model", "tier"])
-        cache_misses = CounterMetricFamily("lmserve_prompt_cache_misses", "Prompts that found nothing to reuse.",
-                                           labels=["model"])
-        cache_model_bytes = GaugeMetricFamily("lmserve_prompt_cache_model_bytes", "RAM a model's saved prompt "
-                                              "states hold in the prompt cache.", labels=["model"])
+        engines = self._engines()
+        yield from _engine_families(engines)
+        yield from _prompt_cache_families(engines)
         gateway = _GatewayGauges()
-        seen: set[int] = set()
-        for resident in residents:  # names sharing one engine: its numbers once, under the most recent name
-            engine = resident.model.engine
-            if id(engine) in seen:
-                continue
-            seen.add(id(engine))
+        for name, engine in engines:
             stats = engine.stats
-            gateway.add(resident.model.name, engine.num_running, engine.num_waiting, stats.kv_cache_usage,
-                        stats.kv_block_size, stats.kv_num_blocks)
-            queue.add_metric([resident.model.name], engine.num_waiting)
-            running.add_metric([resident.model.name], engine.num_running)
-            step.add_metric([resident.model.name], stats.step_ns * _NS)
-            decode.add_metric([resident.model.name], stats.decode_ns * _NS)
-            if stats.kv_cache_usage is not None:
-                kv.add_metric([resident.model.name], stats.kv_cache_usage)
-            queries.add_metric([resident.model.name], stats.prefix_cache_queries)
-            hits.add_metric([resident.model.name], stats.prefix_cache_hits)
-            preemptions.add_metric([resident.model.name], stats.preemptions)
-            if stats.cache_hits:
-                cache_misses.add_metric([resident.model.name], stats.cache_misses)
-                cache_model_bytes.add_metric([resident.model.name], stats.cache_bytes)
-            for tier, count in stats.cache_hits.items():
-                cache_hits.add_metric([resident.model.name, tier], count)
-                cache_tokens.add_metric([resident.model.name, tier], stats.cache_tokens.get(tier, 0))
-        yield from (queue, running, step, decode, kv, queries, hits, preemptions, cache_hits, cache_tokens,
-                    cache_misses, cache_model_bytes)
+            gateway.add(name, engine.num_running, engine.num_waiting, stats.kv_cache_usage, stats.kv_block_size,
+                        stats.kv_num_blocks)
         yield from gateway.families()
         cache = self._service.prompt_cache
         if cache is not None:
@@ -200,8 +158,69 @@ class _ServiceCollector(Collector):
         yield GaugeMetricFamily("lmserve_loaded_models", "Engine instances in memory (names sharing weights count "
                                 "once).", value=self._service.residency.num_instances)
 
+    def _engines(self) -> list[tuple[str, Engine]]:
+        """Each engine in memory once, under its most recent name (names sharing one engine count once)."""
+        seen: set[int] = set()
+        engines = []
+        for resident in self._service.models.running():
+            engine = resident.model.engine
+            if id(engine) not in seen:
+                seen.add(id(engine))
+                engines.append((resident.model.name, engine))
+        return engines
+
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+_PER_ENGINE: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, Callable[[Engine], float | None]],
+                   ...] = (
+    (GaugeMetricFamily, "lmserve_queue_depth", "Requests waiting for a sequence slot.", lambda e: e.num_waiting),
+    (GaugeMetricFamily, "lmserve_running_sequences", "Sequences being generated.", lambda e: e.num_running),
+    (CounterMetricFamily, "lmserve_engine_step_seconds", "Engine thread time in decode steps (since load).",
+     lambda e: e.stats.step_ns * _NS),
+    (CounterMetricFamily, "lmserve_engine_decode_seconds",
+     "Engine thread time in the backend's batch decode and sampling (since load).", lambda e: e.stats.decode_ns * _NS),
+    (GaugeMetricFamily, "lmserve_kv_cache_usage", "Fraction of the KV cache in use (engines that report it).",
+     lambda e: e.stats.kv_cache_usage),
+    (CounterMetricFamily, "lmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda e: e.stats.prefix_cache_queries),
+    (CounterMetricFamily, "lmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda e: e.stats.prefix_cache_hits),
+    (CounterMetricFamily, "lmserve_preemptions", "Sequences evicted for room and recomputed.",
+     lambda e: e.stats.preemptions),
+)
+"""The families with one sample per engine: kind, name, help, the value (None: the engine does not report it)."""
+
+
+def _engine_families(engines: list[tuple[str, Engine]]) -> Iterator[Metric]:
+    for kind, name, text, value in _PER_ENGINE:
+        family = kind(name, text, labels=["model"])
+        for model, engine in engines:
+            if (number := value(engine)) is not None:
+                family.add_metric([model], number)
+        yield family
+
+
+def _prompt_cache_families(engines: list[tuple[str, Engine]]) -> Iterator[Metric]:
+    """The prompt cache's hits and tokens saved by tier, misses and RAM, per model (models that reuse prompts)."""
+    hits = CounterMetricFamily("lmserve_prompt_cache_hits", "Prompts that reused a saved prefix, by where it was kept "
+                               "(slot, ram, disk).", labels=["model", "tier"])
+    tokens = CounterMetricFamily("lmserve_prompt_cache_tokens_saved", "Prompt tokens not computed again, by where "
+                                 "their state was kept (slot, ram, disk).", labels=["model", "tier"])
+    misses = CounterMetricFamily("lmserve_prompt_cache_misses", "Prompts that found nothing to reuse.",
+                                 labels=["model"])
+    model_bytes = GaugeMetricFamily("lmserve_prompt_cache_model_bytes", "RAM a model's saved prompt states hold in "
+                                    "the prompt cache.", labels=["model"])
+    for model, engine in engines:
+        stats = engine.stats
+        if stats.cache_hits:
+            misses.add_metric([model], stats.cache_misses)
+            model_bytes.add_metric([model], stats.cache_bytes)
+        for tier, count in stats.cache_hits.items():
+            hits.add_metric([model, tier], count)
+            tokens.add_metric([model, tier], stats.cache_tokens.get(tier, 0))
+    yield from (hits, tokens, misses, model_bytes)
 
 
 class _GatewayGauges:

@@ -2,7 +2,7 @@
 one operationId per method and without FastAPI's 422 answers.
 
 A route serving GET and HEAD has one operationId for both in FastAPI's document (and FastAPI warns); `install`
-gives each method its own. Bad input is a 400 in the route's dialect (wire_errors.py), never FastAPI's 422, so the
+gives each method its own. Bad input is a 400 in the route's dialect (http/errors.py), never FastAPI's 422, so the
 422 responses FastAPI lists, and their schemas, are left out.
 """
 

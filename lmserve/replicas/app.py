@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from lmserve.config import OPTIONS, ConfigError, ServerConfig, resolve
 from lmserve.dialects.table import dialect_of
 from lmserve.errors import EngineStopped, LmserveError, Overloaded
-from lmserve.http.app import error_response
+from lmserve.http.errors import error_response
 from lmserve.http.health import HEALTH_PATH
 from lmserve.replicas.calls import Head, HttpCall, Whole, answer, prompt_text
 from lmserve.replicas.merging import merge

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from lmserve.endpoints.batch_lines import BatchLine, check_lines, run_lines
+from lmserve.dialects.table import batch_endpoints
+from lmserve.service.batch_lines import BatchLine, check_lines, run_lines
 from lmserve.types import BATCH_PRIORITY
 
 CHAT = "/v1/chat/completions"
@@ -39,7 +40,7 @@ def request(custom_id: str = "a", url: str = CHAT, **more: Any) -> dict[str, Any
 )
 def test_a_bad_line_is_refused_with_its_custom_id_and_why(line: dict[str, Any] | str, custom_id: str | None,
                                                            code: str, words: str) -> None:
-    checked = check_lines([raw(line), raw(request("ok"))], CHAT)
+    checked = check_lines([raw(line), raw(request("ok"))], (CHAT,))
     [refused] = checked.refused
     assert refused["custom_id"] == custom_id and refused["response"] is None
     assert refused["error"]["code"] == code and words in refused["error"]["message"]
@@ -49,25 +50,25 @@ def test_a_bad_line_is_refused_with_its_custom_id_and_why(line: dict[str, Any] |
 
 def test_any_endpoint_is_taken_without_a_batch_endpoint_but_not_others() -> None:
     checked = check_lines([raw(request("a")), raw(request("b", "/v1/embeddings")), raw(request("c", "/v1/files"))],
-                          None)
+                          batch_endpoints())
     assert [(line.custom_id, line.url) for line in checked.lines] == [("a", CHAT), ("b", "/v1/embeddings")]
     assert "must be one of" in checked.refused[0]["error"]["message"]
 
 
 def test_a_repeated_custom_id_makes_the_input_fatal_and_blank_lines_are_skipped() -> None:
-    checked = check_lines([raw(request("a")), b"", b"  ", raw(request("a"))], CHAT)
+    checked = check_lines([raw(request("a")), b"", b"  ", raw(request("a"))], (CHAT,))
     assert checked.fatal is not None and "line 4: custom_id 'a'" in checked.fatal
 
 
 @pytest.mark.parametrize(("lines", "is_jsonl"), [([b"a,b", b"1,2"], False), ([b"a,b", raw(request())], True),
                                                  ([raw({"no": "id"})], True)])
 def test_an_input_with_no_json_object_is_no_jsonl(lines: list[bytes], is_jsonl: bool) -> None:
-    assert check_lines(lines, CHAT).is_jsonl is is_jsonl
+    assert check_lines(lines, (CHAT,)).is_jsonl is is_jsonl
 
 
 def test_the_model_of_the_first_line_that_names_one_is_the_batchs() -> None:
     nameless = {**request("a"), "body": {"messages": []}}
-    assert check_lines([raw(nameless), raw(request("b"))], CHAT).model == "m"
+    assert check_lines([raw(nameless), raw(request("b"))], (CHAT,)).model == "m"
 
 
 def lines(count: int, url: str = CHAT) -> list[BatchLine]:

@@ -18,10 +18,10 @@ from fastapi import FastAPI
 
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.endpoints import batches as batches_module
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.http.app import create_app
+from lmserve.service import batch_runner as batches_module
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 
@@ -266,7 +266,7 @@ async def test_responses_and_completions_lines_run_as_their_routes_answer(engine
 async def test_lines_not_run_when_the_window_passes_go_to_the_error_file_and_the_batch_expires(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("lmserve.endpoints.batches.window_seconds", lambda window: 1)
+    monkeypatch.setattr("lmserve.service.batch_runner.window_seconds", lambda window: 1)
     expire = batches_module._expire
 
     def expire_once_a_line_is_done(run: Any) -> None:

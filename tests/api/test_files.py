@@ -19,7 +19,8 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig, env_name
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
-from lmserve.http.app import FORM_ALLOWANCE, create_app
+from lmserve.http.app import create_app
+from lmserve.http.guards import FORM_ALLOWANCE
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
 from lmserve.store.files import FileStore

@@ -11,7 +11,8 @@ import pytest
 from api_wire import API_KEY, assert_openai_error, sse_json
 
 from lmserve.config import DEFAULT_ORIGINS, ServerConfig, resolve
-from lmserve.http.app import create_app, is_loopback_host, origin_pattern, split_host_header
+from lmserve.http.app import create_app
+from lmserve.http.guards import is_loopback_host, origin_pattern, split_host_header
 from lmserve.service import Service
 
 CHAT = "/v1/chat/completions"

@@ -1,4 +1,4 @@
-"""The dialects' log-probability fields (api/logprobs.py): what is asked, and the shapes returned."""
+"""The dialects' log-probability fields (dialects/shared/logprobs.py): what is asked, and the shapes returned."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
-from lmserve.dialects.native.routes import parse_keep_alive, split_reasoning, to_messages, to_modelfile, to_options
+from lmserve.dialects.native.modelfiles import to_modelfile
 from lmserve.dialects.native.schemas import ChatMessage, CreateBody
+from lmserve.dialects.native.translate import parse_keep_alive, split_reasoning, to_messages, to_options
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service

@@ -126,7 +126,7 @@ def test_the_server_length_limit_is_the_last_layer(service: Service) -> None:
 def test_create_parameters_are_json_values_typed_by_the_table() -> None:
     """/api/create `parameters` are checked as JSON (2048.0 is an integer), not as text parsed again."""
     from lmserve.dialects.native import schemas as wire
-    from lmserve.dialects.native.routes import to_modelfile
+    from lmserve.dialects.native.modelfiles import to_modelfile
     from lmserve.errors import InvalidRequest
 
     def create(parameters: dict[str, Any]) -> dict[str, Any]:

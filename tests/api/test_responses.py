@@ -20,15 +20,9 @@ from pydantic import TypeAdapter
 
 from lmserve.chat.template import ChatTemplate
 from lmserve.config import ServerConfig
-from lmserve.dialects.responses.routes import (
-    Framer,
-    OutputBuilder,
-    parse_items,
-    stream_events,
-    to_messages,
-    to_sampling,
-)
+from lmserve.dialects.responses.routes import Framer, OutputBuilder, stream_events
 from lmserve.dialects.responses.schemas import ResponseRequest
+from lmserve.dialects.responses.translate import parse_items, to_messages, to_sampling
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.http.app import create_app

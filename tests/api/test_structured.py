@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from lmserve.chat.structured import json_object_grammar, schema_grammar
-from lmserve.dialects.native.routes import format_grammar
-from lmserve.dialects.native.routes import to_sampling_params as native_sampling
+from lmserve.dialects.native.translate import format_grammar
+from lmserve.dialects.native.translate import to_sampling_params as native_sampling
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.openai.routes import to_chat_request
+from lmserve.dialects.openai.translate import to_chat_request
 from lmserve.errors import InvalidRequest
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}

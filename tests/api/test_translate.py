@@ -9,7 +9,7 @@ import pytest
 
 from lmserve import options as opts
 from lmserve.dialects.openai import schemas
-from lmserve.dialects.openai.routes import to_chat_request, to_completion_request, to_options
+from lmserve.dialects.openai.translate import to_chat_request, to_completion_request, to_options
 from lmserve.dialects.shared.errors import invalid_from_validation, location
 from lmserve.errors import InvalidRequest
 from lmserve.types import SamplingParams, ToolCall

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from lmserve.dialects.anthropic.errors import anthropic_error
-from lmserve.dialects.anthropic.translate import STOP_REASONS, Head, log
+from lmserve.dialects.anthropic.translate import STOP_REASONS, Head
 from lmserve.dialects.shared.errors import INTERNAL_ERROR
 from lmserve.dialects.shared.streaming import dumps
 from lmserve.errors import EngineFailure, LmserveError
@@ -19,6 +20,8 @@ from lmserve.types import (
     ToolCall,
     Usage,
 )
+
+log = logging.getLogger(__name__)
 
 # ---- records → responses --------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens, and their translators.
 
-A body is parsed into a wire model (anthropic_schemas.py) and translated once into a `ChatRequest`
+A body is parsed into a wire model (schemas.py) and translated once into a `ChatRequest`
 (`to_chat_request`): `system` becomes the system message, content blocks become text with image placeholders,
 `tool_use` blocks become the assistant's tool calls, `tool_result` blocks become tool messages, and earlier
 thinking blocks the assistant turn's thinking (`Message.thinking`). The service's chunks are translated back into a

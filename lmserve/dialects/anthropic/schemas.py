@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmserve.dialects.openai.schemas import MAX_STOPS
+from lmserve.dialects.shared.limits import MAX_STOPS
 
 _WIRE = ConfigDict(extra="allow")
 

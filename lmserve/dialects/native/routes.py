@@ -1,54 +1,60 @@
-"""The native (local-runner) dialect: /api routes, NDJSON streaming, and its translators.
+"""The native (local-runner) dialect's routes: /api/generate, /api/chat, /api/embed, the model store's routes.
 
-Same pipeline as the OpenAI dialect: the body is parsed into a wire model (native_schemas.py), translated
-once into lmserve's records (`to_options`, `to_sampling_params`, `to_messages`), answered by the
-service, and its chunks written back as NDJSON lines with durations in nanoseconds.
+Same pipeline as the OpenAI dialect: the body is parsed into a wire model (schemas.py), translated once into
+lmserve's records (translate.py: `to_options`, `to_sampling_params`, `to_messages`), answered by the service, and its
+chunks written back as NDJSON lines with durations in nanoseconds (output.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve import __version__
-from lmserve import options as opts
-from lmserve.chat.media import MediaPolicy, decode_base64
-from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.native import schemas as wire
+from lmserve.dialects.native.modelfiles import _parameters_text, to_modelfile
 from lmserve.dialects.native.ndjson import NDJSON, error_line, line
+from lmserve.dialects.native.output import (
+    _past_the_manifest,
+    _until_the_end,
+    assistant_message,
+    final_fields,
+    logprobs_field,
+    ndjson_lines,
+    now_iso,
+    pull_line,
+    tag,
+)
+from lmserve.dialects.native.translate import (
+    decode_image,
+    parse_keep_alive,
+    split_reasoning,
+    to_messages,
+    to_options,
+    to_sampling_params,
+    to_think,
+)
 from lmserve.dialects.shared import logprobs as logprob_wire
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.state import MediaDep, ServiceDep
 from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.errors import InvalidRequest
-from lmserve.parsing import ParseError, chat_role, parse_duration
-from lmserve.service import Generation, ModelListing, Service
+from lmserve.service import Service
 from lmserve.store.manifest import check_digest
-from lmserve.store.modelfile import Modelfile
-from lmserve.store.modelfile import parse as parse_modelfile
 from lmserve.types import (
-    EFFORTS,
     ChatRequest,
     Chunk,
     CompletionRequest,
     Infill,
-    Message,
     RequestOptions,
-    SamplingParams,
-    ToolCall,
 )
-
-if TYPE_CHECKING:
-    from lmserve.store.pull import PullProgress
 
 LOCAL_RUNNER_VERSION = "0.12.11"
 """The local runner's release whose /api routes and fields these follow (the first with `logprobs` on chat and
@@ -63,200 +69,10 @@ BLOB_BODY = {
 """POST /api/blobs/{digest}'s body in the OpenAPI document (the route reads it as a stream, not as a parameter)."""
 
 
-# ---- requests → records ---------------------------------------------------------------------------
-
-
-def parse_keep_alive(value: wire.KeepAlive) -> float | None:
-    """Seconds from "5m", "1h30m", "300", 300 or -1 (negative: forever); None when not given."""
-    if value is None or value == "":
-        return None
-    try:
-        return parse_duration(value)
-    except ParseError:
-        raise InvalidRequest(f"keep_alive {value!r} is not a duration like '5m' or '1h30m' or a number of seconds",
-                             param="keep_alive") from None
-
-
-def to_options(options: wire.Options | None) -> RequestOptions:
-    """The request's `options` (lmserve/options.py checks them), sampling and load-time, over the native routes'
-    server defaults (the service puts them over the model's)."""
-    return RequestOptions(opts.from_native(options), "native")
-
-
-def to_sampling_params(format: str | dict[str, Any] | None, logprobs: int | None) -> SamplingParams:
-    """What the request asks beyond its options: `format` → grammar, and the log-probabilities."""
-    return SamplingParams(grammar=format_grammar(format), logprobs=logprobs)
-
-
-def format_grammar(format: str | dict[str, Any] | None) -> str | None:
-    """The grammar enforcing a request's `format`: "json" (any JSON object) or a JSON schema."""
-    if format is None or format == "":
-        return None
-    if format == "json":
-        return json_object_grammar()
-    if isinstance(format, dict):
-        return schema_grammar(format, param="format")
-    raise InvalidRequest(f"format {format!r} is not supported: use \"json\" or a JSON schema", param="format")
-
-
-def to_think(think: bool | str | None) -> bool | str | None:
-    """`think`: true/false, or an effort "low" | "medium" | "high" (on); None leaves it to the model."""
-    if think is None or isinstance(think, bool):
-        return think
-    level = think.strip().lower()
-    if level in ("true", "false"):
-        return level == "true"
-    if level not in ("low", "medium", "high"):
-        raise InvalidRequest(f"think {think!r} is not true, false, \"low\", \"medium\" or \"high\"", param="think")
-    return level
-
-
-def split_reasoning(options: wire.Options | None, think: bool | str | None
-                    ) -> tuple[wire.Options | None, int | None, bool | str | None]:
-    """The request's `options` without the two reasoning options the local runner's clients put there, and what
-    they ask: `reasoning_budget` (most thinking tokens, lmserve's own) and `reasoning_effort` (Open WebUI's
-    "Reasoning Effort", an OpenAI effort name read as `think` where the request's own `think` is absent)."""
-    if not options:
-        return options, None, think
-    rest = {name: value for name, value in options.items() if name not in ("reasoning_budget", "reasoning_effort")}
-    budget = options.get("reasoning_budget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        raise InvalidRequest("option 'reasoning_budget' must be a whole number of tokens, 0 or more",
-                             param="reasoning_budget")
-    effort = options.get("reasoning_effort")
-    if effort is not None and not (isinstance(effort, str) and effort.strip().lower() in EFFORTS):
-        raise InvalidRequest(f"option 'reasoning_effort' must be one of {', '.join(EFFORTS)}",
-                             param="reasoning_effort")
-    if think is None and isinstance(effort, str):
-        think = EFFORTS[effort.strip().lower()]
-    return rest, budget, think
-
-
-def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = None) -> list[Message]:
-    """The engine-neutral messages; their base64 `images` are decoded and checked under `media`."""
-    policy = media or MediaPolicy()
-    out = []
-    for i, m in enumerate(messages):
-        calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
-        images = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
-        role = chat_role(m.role)
-        out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name,
-                           thinking=m.thinking or ""))
-    return out
-
-
-def decode_image(data: str, where: str, policy: MediaPolicy) -> bytes:
-    """Checked image bytes from base64, with or without a data: prefix (size, format and pixel caps)."""
-    try:
-        return decode_base64(data, policy).data
-    except InvalidRequest as exc:
-        raise InvalidRequest(f"{where}: {exc.message}", param="images") from None
-
-
-# ---- records → NDJSON -----------------------------------------------------------------------------
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-def pull_line(record: PullProgress) -> dict[str, Any]:
-    """A pull's progress as a line of /api/pull: `{status, digest, total, completed}` without empty fields."""
-    fields = {"status": record.status, "digest": record.digest, "total": record.total, "completed": record.completed}
-    return {key: value for key, value in fields.items() if value is not None}
-
-
-async def _past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullProgress]:
-    """The records up to the first one past "pulling manifest" (the repository was found and its files chosen);
-    the pull's error if it ended before that."""
-    head: list[PullProgress] = []
-    async for record in records:
-        head.append(record)
-        if record.status != "pulling manifest":
-            break
-    return head
-
-
-async def _until_the_end(records: AsyncIterator[PullProgress]) -> None:
-    async for _ in records:
-        pass
-
-
-def final_fields(generation: Generation, final: Chunk, started_ns: int) -> dict[str, Any]:
-    usage, timings = final.usage, final.timings
-    fields: dict[str, Any] = {
-        "done": True,
-        "done_reason": "stop" if final.finish_reason == "tool_calls" else final.finish_reason,
-        "total_duration": time.perf_counter_ns() - started_ns,
-        "load_duration": generation.load_ns,
-        "prompt_eval_count": (usage.prompt_tokens - usage.cached_tokens) if usage else generation.num_prompt_tokens,
-        "prompt_eval_duration": timings.prompt_eval_ns if timings else 0,
-        "eval_count": usage.completion_tokens if usage else 0,
-        "eval_duration": timings.eval_ns if timings else 0,
-    }
-    if usage is not None and usage.draft_tokens:  # speculative decoding (lmserve's own fields)
-        fields.update(draft_count=usage.draft_tokens, draft_accepted_count=usage.draft_accepted_tokens)
-    return fields
-
-
-def logprobs_field(sampling: SamplingParams, chunk: Chunk) -> dict[str, Any]:
-    """`{"logprobs": [...]}` of a chunk (the whole reply's on a collected final chunk) when the request asked."""
-    return {"logprobs": logprob_wire.token_entries(chunk.logprobs)} if sampling.logprobs is not None else {}
-
-
-async def ndjson_lines(
-    generation: Generation, piece: Callable[[Chunk], dict[str, Any]], last: Callable[[Chunk], dict[str, Any]]
-) -> AsyncIterator[bytes]:
-    async for chunk in generation:
-        if chunk.is_failed:
-            yield line({"error": chunk.error or "the generation failed"})
-            return
-        if chunk.text or chunk.reasoning or chunk.tool_calls or chunk.logprobs:
-            yield line(piece(chunk))
-        if chunk.finish_reason is not None:
-            yield line(last(chunk))
-            return
-
-
-def assistant_message(text: str, chunk: Chunk) -> dict[str, Any]:
-    """The native assistant message (its `thinking` apart); tool calls carry `arguments` as an object, whole, in
-    one chunk."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if chunk.reasoning:
-        message["thinking"] = chunk.reasoning
-    if chunk.tool_calls:
-        message["content"] = text.strip()
-        message["tool_calls"] = [
-            {"function": {"name": call.name, "arguments": _arguments_object(call.arguments)}}
-            for call in chunk.tool_calls
-        ]
-    return message
-
-
-def _arguments_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return {}
-
-
-def tag(listing: ModelListing) -> dict[str, Any]:
-    return {
-        "name": listing.name,
-        "model": listing.name,
-        "modified_at": datetime.fromtimestamp(listing.created, UTC).isoformat().replace("+00:00", "Z"),
-        "size": listing.size,
-        "digest": listing.digest,
-        "details": listing.details,
-    }
-
-
 # ---- routes ---------------------------------------------------------------------------------------
 
 
 router = APIRouter(route_class=JsonBodyRoute)
-
-
 
 
 @router.api_route("/api/version", methods=["GET", "HEAD"])
@@ -495,41 +311,3 @@ async def _load_or_unload(
     return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "load"}
 
 
-def to_modelfile(body: wire.CreateBody) -> Modelfile:
-    """A Modelfile from /api/create: its `modelfile` text, or the `from`/`files` fields and the rest."""
-    if body.modelfile:
-        base = parse_modelfile(body.modelfile)
-    else:
-        source, projector = body.from_, None
-        if source is None and body.files:
-            ggufs = [digest for name, digest in body.files.items() if not name.lower().startswith("mmproj")]
-            projectors = [digest for name, digest in body.files.items() if name.lower().startswith("mmproj")]
-            if len(ggufs) != 1 or len(projectors) > 1:
-                raise InvalidRequest("files must name exactly one model GGUF (and at most one mmproj* projector)",
-                                     param="files")
-            source = "@" + check_digest(ggufs[0])
-            projector = "@" + check_digest(projectors[0]) if projectors else None
-        if source is None:
-            raise InvalidRequest("one of modelfile, from or files is required", param="from")
-        base = Modelfile(from_=source, projector=projector)
-    license = base.license if body.license is None else (
-        [body.license] if isinstance(body.license, str) else list(body.license))
-    return replace(
-        base,
-        adapters=[*base.adapters, *("@" + check_digest(digest) for digest in (body.adapters or {}).values())],
-        template=base.template if body.template is None else body.template,
-        system=base.system if body.system is None else body.system,
-        parameters={**base.parameters, **{name: opts.parameter_from_json(name, value)
-                                          for name, value in (body.parameters or {}).items()}},
-        messages=[*base.messages, *((m.role, m.content or "") for m in body.messages or ())],
-        license=license,
-    )
-
-
-def _parameters_text(parameters: dict[str, Any]) -> str:
-    rows = []
-    for name, value in parameters.items():
-        for item in value if isinstance(value, list) else [value]:
-            text = json.dumps(item) if isinstance(item, str) else str(item).lower() if isinstance(item, bool) else item
-            rows.append(f"{name:<30} {text}")
-    return "\n".join(rows)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
-MAX_STOPS = 16
+from lmserve.dialects.shared.limits import MAX_STOPS
 
 _WIRE = ConfigDict(extra="allow")
 
@@ -266,7 +266,7 @@ class CompletionRequest(SamplingFields):
     """Body of POST /v1/completions (legacy)."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    """A text, texts, one prompt's token ids or several prompts' (api/completions.py)."""
+    """A text, texts, one prompt's token ids or several prompts' (completions.py)."""
     suffix: str | None = None
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)

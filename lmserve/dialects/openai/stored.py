@@ -1,7 +1,7 @@
 """Stored chat completions (the `openai` client's `chat.completions.list / retrieve / update / delete /
 messages.list`): the routes over the completions store.
 
-A chat completion made with `store: true` is kept (api/chat_records.py, lmserve/store/completions.py); these
+A chat completion made with `store: true` is kept (chat_records.py, lmserve/store/completions.py); these
 routes read, list, re-label and delete what was kept:
 
     GET    /v1/chat/completions                     list: model, metadata[key]=value, after, limit, order

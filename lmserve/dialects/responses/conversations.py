@@ -13,7 +13,7 @@
 
 Items are kept as a response's input items are (each with an id and a status, messages' parts typed for their
 role). `POST /v1/responses` with `conversation` reads the items before its input and adds its input and output
-items after it (api/responses.py). `include` (extra data of hosted tools' items) is accepted and adds nothing: no
+items after it (translate.py). `include` (extra data of hosted tools' items) is accepted and adds nothing: no
 item here has such data. An unknown id is a 404, a bad body or parameter a 400, both in the OpenAI error shape.
 """
 
@@ -27,7 +27,7 @@ from fastapi import APIRouter
 
 from lmserve.config import ServerConfig
 from lmserve.dialects.responses import schemas as wire
-from lmserve.dialects.responses.routes import input_records
+from lmserve.dialects.responses.translate import input_records
 from lmserve.dialects.shared.json_body import JsonBodyRoute
 from lmserve.dialects.shared.pages import item_page, list_body
 from lmserve.dialects.shared.state import ConversationsDep

@@ -2,11 +2,11 @@
 (`/v1/conversations`).
 
 As in schemas.py these live at the edge only: the route parses a body into `ResponseRequest` and translates it once
-(api/responses.py). Unknown fields are accepted (`extra="allow"`). Input items are the shapes the `openai` client
+(translate.py). Unknown fields are accepted (`extra="allow"`). Input items are the shapes the `openai` client
 sends: messages (an `EasyInputMessage` may leave out `type`), function calls (with the `namespace` of a namespaced
 function) and their outputs, and reasoning items (read back from an earlier response, their text the thinking of the
 turn after them). Stored items are read back through the same models. A tool is a function, a namespace of
-functions, or any other type (`HostedTool`: left out by api/responses_tools.py); a tool choice is a mode, a
+functions, or any other type (`HostedTool`: left out by tools.py); a tool choice is a mode, a
 function, `allowed_tools`, or any other type (`HostedChoice`: refused).
 """
 

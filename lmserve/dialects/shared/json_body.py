@@ -5,7 +5,7 @@ FastAPI reads a body as JSON only when its Content-Type is JSON, but `curl -d` s
 runner and OpenAI's servers read the body as JSON anyway: so does `JsonBodyRoute`. The body is validated in
 pydantic's JSON mode (`Model.model_validate_json`: its own parser and its messages, "Input should be an object"),
 before FastAPI sees it; a problem is a RequestValidationError, which the app answers with a 400 in the route's
-dialect (app.py, wire_errors.invalid_from_validation).
+dialect (http/errors.py, shared/errors.invalid_from_validation).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ and its result is one output line:
     {"id": "batch_req_…", "custom_id": "q1", "response": {"status_code": 200, "request_id": …, "body": {…}},
      "error": null}
 
-A line the server answered with an error has that answer as its response; a line refused before it ran (not JSON,
-no custom_id, another url…) has `response: null` and `error: {code, message}`. The Batch API (api/batches.py) and
-`lmserve batch` (batch_command.py) share this module: `check_lines` reads a whole input, `run_lines` sends the lines
+A line the server answered with an error has that answer as its response; a line refused before it ran (not JSON, no
+custom_id, another url…) has `response: null` and `error: {code, message}`. The Batch API (service/batch_runner.py)
+and `lmserve batch` (cli/batch.py) share this module: `check_lines` reads a whole input, `run_lines` sends the lines
 to a `Send` (the app itself in process, or a server over HTTP) at the lowest priority, a bounded number at a time,
 and retries those refused as overloaded.
 """
@@ -22,19 +22,16 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from lmserve.dialects.table import batch_endpoints
 from lmserve.types import BATCH_PRIORITY
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = batch_endpoints()
-"""The routes a batch line may call."""
 PRIORITIZED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 """The routes whose requests take a `priority` (embeddings are computed between decode steps, not scheduled)."""
 RETRY_STATUSES = frozenset({429, 503})
@@ -79,9 +76,10 @@ def response_line(custom_id: str, status: int, body: Any) -> dict[str, Any]:
             "response": {"status_code": status, "request_id": request_id(), "body": body}, "error": None}
 
 
-def check_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> CheckedInput:
-    """Read an input file's lines. `endpoint`: the one url every line must name (the Batch API's), or None for any
-    of ENDPOINTS (`lmserve batch`). Blank lines are skipped; a custom_id used twice makes the input `fatal`."""
+def check_lines(raw_lines: Iterable[bytes], endpoints: Sequence[str]) -> CheckedInput:
+    """Read an input file's lines. `endpoints`: the urls a line may name: the batch's one endpoint (the Batch API), or
+    every dialect's batch endpoints (`lmserve batch`; lmserve/dialects/table.py). Blank lines are skipped; a custom_id
+    used twice makes the input `fatal`."""
     lines: list[BatchLine] = []
     refused: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -91,7 +89,7 @@ def check_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> CheckedInpu
     for number, raw in enumerate(raw_lines, 1):
         if not raw.strip():
             continue
-        line, custom_id, problem = _parse(raw, number, endpoint)
+        line, custom_id, problem = _parse(raw, number, endpoints)
         if custom_id is not None or problem != "invalid_json_line":
             is_jsonl = True
         if custom_id is not None and custom_id in seen:
@@ -111,7 +109,7 @@ def check_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> CheckedInpu
     return CheckedInput(lines, refused, is_jsonl, model, fatal)
 
 
-def _parse(raw: bytes, number: int, endpoint: str | None) -> tuple[BatchLine | None, str | None, str | None]:
+def _parse(raw: bytes, number: int, endpoints: Sequence[str]) -> tuple[BatchLine | None, str | None, str | None]:
     """(the line, its custom_id, None) or (None, its custom_id if any, what is wrong)."""
     if len(raw) > MAX_LINE_BYTES:
         return None, None, f"line {number} is longer than {MAX_LINE_BYTES} bytes"
@@ -127,10 +125,11 @@ def _parse(raw: bytes, number: int, endpoint: str | None) -> tuple[BatchLine | N
     method, url, body = data.get("method", "POST"), data.get("url"), data.get("body")
     if method != "POST":
         return None, custom_id, f"line {number}: method must be POST, not {str(method)[:20]!r}"
-    if endpoint is not None and url != endpoint:
-        return None, custom_id, f"line {number}: url must be the batch's endpoint {endpoint}, not {str(url)[:100]!r}"
-    if url not in ENDPOINTS:
-        return None, custom_id, f"line {number}: url must be one of {', '.join(ENDPOINTS)}, not {str(url)[:100]!r}"
+    if len(endpoints) == 1 and url != endpoints[0]:
+        return None, custom_id, (f"line {number}: url must be the batch's endpoint {endpoints[0]}, "
+                                 f"not {str(url)[:100]!r}")
+    if not isinstance(url, str) or url not in endpoints:
+        return None, custom_id, f"line {number}: url must be one of {', '.join(endpoints)}, not {str(url)[:100]!r}"
     if not isinstance(body, dict):
         return None, custom_id, f"line {number}: body must be a JSON object"
     if body.get("stream"):
