@@ -23,10 +23,10 @@ import referencing
 import yaml
 from kubernetes_validate.utils import schema_contents
 
-from lmserve.http.app import create_app
 from lmserve.cli import build_parser
 from lmserve.config import ServerConfig, resolve
 from lmserve.engine.vllm.options import VllmLaunch
+from lmserve.http.app import create_app
 from lmserve.service import static_service
 from tests.test_containers import exposed_port, final_stage, only
 

@@ -12,10 +12,10 @@ from typing import Any, NoReturn
 import httpx
 import pytest
 
-from lmserve.http.app import create_app
 from lmserve.config import ServerConfig
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.slots.batching import BatchingEngine
+from lmserve.http.app import create_app
 from lmserve.parsing import format_duration
 from lmserve.server import build_service
 from lmserve.service.healing import FAILURE_WINDOW, MAX_FAILURES, RESTART_BACKOFF, Healing, stopped

@@ -11,11 +11,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from lmserve.http.app import create_app
 from lmserve.config import ServerConfig
 from lmserve.engine.protocol import Engine
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.http.app import create_app
 from lmserve.service import Service
 from lmserve.service.catalog import ModelSettings, StoreCatalog
 from lmserve.service.precedence import Precedence
