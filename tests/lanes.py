@@ -25,7 +25,9 @@ from _pytest.mark.expression import Expression
 
 TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora",
                        "tests.tiny_reranker"})
-LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize"})
+LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize",
+                       "lmserve.engine.llamacpp.loading", "lmserve.engine.llamacpp.sampling",
+                       "lmserve.engine.llamacpp.vision", "lmserve.engine.llamacpp.embedding"})
 VLLM = frozenset({"vllm", "tests.hf_repos"})
 SERVER = frozenset({"subprocess", "pexpect", "tests.test_server", "tests.bench_quick"})
 SLOW = frozenset({"schemathesis"})

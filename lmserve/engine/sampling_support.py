@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lmserve.errors import InvalidRequest
+from lmserve.options import TABLE
 from lmserve.types import SamplingParams
 
 if TYPE_CHECKING:
     from lmserve.engine.spec import EngineSpec
 
-SAMPLING_OPTIONS: frozenset[str] = frozenset({
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-    "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "seed", "stop", "num_predict", "logit_bias",
-    "ignore_eos", "draft_max", "priority",
-})  # fmt: skip
-"""Every per-request sampling option, by the options table's names (draft_num_predict is draft_max by another name)."""
+SAMPLING_OPTIONS: frozenset[str] = frozenset(
+    name for name, option in TABLE.items() if option.lifetime == "sampling" and option.field is not None
+) - {"draft_num_predict"}
+"""Every per-request sampling option lmserve uses, by the options table's names (lmserve/options.py; its
+draft_num_predict is draft_max by another name)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def split_hostheader(value: str) -> str:
+def split_host_header(value: str) -> str:
     """The host part of a Host header: 'localhost:11434' → 'localhost', '[::1]:80' → '[::1]'."""
     if value.startswith("["):
         end = value.find("]")
@@ -89,7 +89,7 @@ class GuardMiddleware:
         method: str = scope["method"]
         if self._check_host and self._on_socket(scope):
             host = header(scope, b"host").decode("latin-1")
-            if host and not is_loopback_host(split_hostheader(host)):
+            if host and not is_loopback_host(split_host_header(host)):
                 await send_error(send, path, _denied(f"Host {host!r} is not allowed: the server listens on loopback."))
                 return
         origin = header(scope, b"origin").decode("latin-1")

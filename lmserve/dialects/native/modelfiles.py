@@ -46,7 +46,7 @@ def to_modelfile(body: wire.CreateBody) -> Modelfile:
     )
 
 
-def _parameters_text(parameters: dict[str, Any]) -> str:
+def parameters_text(parameters: dict[str, Any]) -> str:
     rows = []
     for name, value in parameters.items():
         for item in value if isinstance(value, list) else [value]:

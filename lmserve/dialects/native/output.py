@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ def pull_line(record: PullProgress) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-async def _past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullProgress]:
+async def past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullProgress]:
     """The records up to the first one past "pulling manifest" (the repository was found and its files chosen);
     the pull's error if it ended before that."""
     head: list[PullProgress] = []
@@ -44,7 +45,7 @@ async def _past_the_manifest(records: AsyncIterator[PullProgress]) -> list[PullP
     return head
 
 
-async def _until_the_end(records: AsyncIterator[PullProgress]) -> None:
+async def until_the_end(records: AsyncIterator[PullProgress]) -> None:
     async for _ in records:
         pass
 
@@ -116,3 +117,39 @@ def tag(listing: ModelListing) -> dict[str, Any]:
         "digest": listing.digest,
         "details": listing.details,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The lines of one /api/generate or /api/chat answer: a line per piece, the last line with the durations and
+    counts, or the whole answer as one object. `context`: /api/generate's (the prompt's and the reply's tokens,
+    which a later request may send back); None for chat, and where images made positions without tokens."""
+
+    model: str
+    generation: Generation
+    sampling: SamplingParams
+    started_ns: int
+    chat: bool
+    context: bool = False
+
+    def head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": now_iso()}
+
+    def piece(self, chunk: Chunk) -> dict[str, Any]:
+        return {**self.head(), **self._output(chunk.text, chunk), **logprobs_field(self.sampling, chunk),
+                "done": False}
+
+    def last(self, final: Chunk) -> dict[str, Any]:
+        empty = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
+        done = {**self.head(), **empty, **final_fields(self.generation, final, self.started_ns)}
+        if not self.context:
+            return done
+        return {**done, "context": self.generation.prompt_tokens + self.generation.output_tokens}
+
+    def whole(self, text: str, final: Chunk) -> dict[str, Any]:
+        return {**self.last(final), **self._output(text, final), **logprobs_field(self.sampling, final)}
+
+    def _output(self, text: str, chunk: Chunk) -> dict[str, Any]:
+        if self.chat:
+            return {"message": assistant_message(text, chunk)}
+        return {"response": text, **({"thinking": chunk.reasoning} if chunk.reasoning else {})}

@@ -19,18 +19,16 @@ from fastapi.responses import JSONResponse, Response
 
 from lmserve import __version__
 from lmserve.dialects.native import schemas as wire
-from lmserve.dialects.native.modelfiles import _parameters_text, to_modelfile
+from lmserve.dialects.native.modelfiles import parameters_text, to_modelfile
 from lmserve.dialects.native.ndjson import NDJSON, error_line, line
 from lmserve.dialects.native.output import (
-    _past_the_manifest,
-    _until_the_end,
-    assistant_message,
-    final_fields,
-    logprobs_field,
+    Reply,
     ndjson_lines,
     now_iso,
+    past_the_manifest,
     pull_line,
     tag,
+    until_the_end,
 )
 from lmserve.dialects.native.translate import (
     decode_image,
@@ -50,7 +48,6 @@ from lmserve.service import Service
 from lmserve.store.manifest import check_digest
 from lmserve.types import (
     ChatRequest,
-    Chunk,
     CompletionRequest,
     Infill,
     RequestOptions,
@@ -90,10 +87,9 @@ async def generate(service: ServiceDep, media: MediaDep, body: wire.GenerateBody
     options = to_options(body.options)
     if body.suffix and (body.images or body.context):
         raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
-    images: list[bytes] = []
     if body.images:
         service.generation.check_images(body.model, len(body.images), param="images")
-        images = [decode_image(img, f"images[{j}]", media) for j, img in enumerate(body.images)]
+    images = [decode_image(img, f"images[{j}]", media) for j, img in enumerate(body.images or ())]
     if not body.prompt and not body.context and not body.suffix:
         return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
     sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
@@ -103,27 +99,9 @@ async def generate(service: ServiceDep, media: MediaDep, body: wire.GenerateBody
                                keep_alive=keep_alive, infill=infill)
     generation = await service.generation.generate(record, system=body.system, template=body.template, raw=body.raw,
                                                    think=think, reasoning_budget=budget)
-
-    def head() -> dict[str, Any]:
-        return {"model": body.model, "created_at": now_iso()}
-
-    def last(final: Chunk) -> dict[str, Any]:
-        done = {**head(), "response": "", **final_fields(generation, final, started)}
-        if images:  # image positions hold placeholders, no tokens: such a context could not be sent back
-            return done
-        return {**done, "context": generation.prompt_tokens + generation.output_tokens}
-
-    def piece(chunk: Chunk) -> dict[str, Any]:
-        thinking = {"thinking": chunk.reasoning} if chunk.reasoning else {}
-        logprobs = logprobs_field(record.sampling, chunk)
-        return {**head(), "response": chunk.text, **thinking, **logprobs, "done": False}
-
-    if body.stream:
-        frames = ndjson_lines(generation, piece, last)
-        return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-    text, final = await until_disconnect(generation.collect(), request.receive)
-    thought = {"thinking": final.reasoning} if final.reasoning else {}
-    return JSONResponse({**last(final), "response": text, **thought, **logprobs_field(record.sampling, final)})
+    # image positions hold placeholders, no tokens: such a context could not be sent back
+    reply = Reply(body.model, generation, sampling, started, chat=False, context=not images)
+    return await _answer(reply, body.stream, request)
 
 
 @router.post("/api/chat", response_model=None)
@@ -142,24 +120,16 @@ async def chat(service: ServiceDep, media: MediaDep, body: wire.ChatBody, reques
                          tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
                          reasoning_budget=budget)
     generation = await service.generation.chat(record)
+    return await _answer(Reply(body.model, generation, sampling, started, chat=True), body.stream, request)
 
-    def head() -> dict[str, Any]:
-        return {"model": body.model, "created_at": now_iso()}
 
-    def last(final: Chunk) -> dict[str, Any]:
-        empty = {"role": "assistant", "content": ""}
-        return {**head(), "message": empty, **final_fields(generation, final, started)}
-
-    if body.stream:
-        frames = ndjson_lines(
-            generation, lambda chunk: {**head(), "message": assistant_message(chunk.text, chunk),
-                                       **logprobs_field(sampling, chunk), "done": False},
-            last,
-        )
-        return GenerationResponse(generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
-    text, final = await until_disconnect(generation.collect(), request.receive)
-    message = assistant_message(text, final)
-    return JSONResponse({**last(final), "message": message, **logprobs_field(sampling, final)})
+async def _answer(reply: Reply, stream: bool, request: Request) -> Response:
+    """The reply as NDJSON lines (`stream`, the default), or as one object."""
+    if stream:
+        frames = ndjson_lines(reply.generation, reply.piece, reply.last)
+        return GenerationResponse(reply.generation, guarded_errors(frames, error_line), media_type=NDJSON, headers={})
+    text, final = await until_disconnect(reply.generation.collect(), request.receive)
+    return JSONResponse(reply.whole(text, final))
 
 
 @router.post("/api/create", response_model=None)
@@ -202,9 +172,9 @@ async def pull(service: ServiceDep, body: wire.PullBody, request: Request) -> Re
     records = aiter(pulling)
     try:
         if not body.stream:
-            await until_disconnect(_until_the_end(records), request.receive)
+            await until_disconnect(until_the_end(records), request.receive)
             return JSONResponse({"status": "success"})
-        head = await _past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
+        head = await past_the_manifest(records)  # a bad name or an unknown repo fails here, as a 400/404 status
     except BaseException:  # the pull failed, or the client went: stop it (a no-op once it ended)
         pulling.abort()
         raise
@@ -229,7 +199,7 @@ async def show(service: ServiceDep, body: wire.ModelBody) -> dict[str, Any]:
         raise InvalidRequest("model is required", param="model")
     d = service.models.describe(body.target)
     return {
-        "license": d.license, "modelfile": d.modelfile, "parameters": _parameters_text(d.parameters),
+        "license": d.license, "modelfile": d.modelfile, "parameters": parameters_text(d.parameters),
         "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
         "capabilities": d.capabilities,
         "modified_at": datetime.fromtimestamp(d.listing.created, UTC).isoformat().replace("+00:00", "Z"),
