@@ -1,6 +1,7 @@
-"""DIALECTS: the one table of the API's dialects. Every place that asks "which dialect does this request speak?"
-reads it: the error body of a route (lmserve/http/app.py), the error that ends a broken stream (lmserve/replicas/),
-the body fields whose text replicas route on, and the endpoints a batch line may name (lmserve/endpoints/).
+"""DIALECTS: the one table of the API's dialects. Every place that asks "which dialect does this request speak?" reads
+it: the routes the app serves (lmserve/http/app.py), the error body of a route (lmserve/http/errors.py), the error
+that ends a broken stream (lmserve/replicas/), the body fields whose text replicas route on, and the endpoints a
+batch line may name (the batch runner, `lmserve batch`).
 
 A path belongs to the dialect with the longest root it starts with; a path under none is the OpenAI dialect's
 (its error body is also that of the routes that are no dialect: tokens, infill, judgments, health).
@@ -14,10 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import APIRouter
+
+from lmserve.dialects.anthropic import routes as anthropic_routes
 from lmserve.dialects.anthropic.errors import anthropic_error
 from lmserve.dialects.anthropic.output import error_event
+from lmserve.dialects.native import routes as native_routes
 from lmserve.dialects.native.ndjson import NDJSON, error_line, native_error
+from lmserve.dialects.openai import routes as openai_routes
+from lmserve.dialects.openai import stored
 from lmserve.dialects.openai.output import error_frame
+from lmserve.dialects.responses import conversations
+from lmserve.dialects.responses import routes as responses_routes
 from lmserve.dialects.responses.output import Framer
 from lmserve.dialects.shared.errors import openai_error
 from lmserve.errors import LmserveError
@@ -28,6 +37,8 @@ SSE = "text/event-stream"
 @dataclass(frozen=True, slots=True)
 class Dialect:
     name: str
+    routers: tuple[APIRouter, ...]
+    """Its routes (each package's module-level routers), as the app serves them."""
     roots: tuple[str, ...]
     """The paths it serves and everything under them ("/api" serves /api/chat, not /apichat)."""
     error_body: Callable[[LmserveError], dict[str, Any]]
@@ -47,14 +58,20 @@ def _responses_error(exc: Exception) -> bytes:
     return Framer().error(exc)
 
 
-OPENAI = Dialect("openai", ("/v1",), openai_error, SSE, error_frame, ("tools", "messages", "input", "prompt", "suffix"),
-                 ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
-NATIVE = Dialect("native", ("/api",), native_error, NDJSON, error_line,
-                 ("tools", "system", "messages", "input", "prompt", "suffix"))
-ANTHROPIC = Dialect("anthropic", ("/v1/messages",), anthropic_error, SSE, error_event,
-                    ("tools", "system", "messages"))
-RESPONSES = Dialect("responses", ("/v1/responses", "/v1/conversations"), openai_error, SSE, _responses_error,
-                    ("tools", "instructions", "input"), ("/v1/responses",))
+OPENAI = Dialect(
+    "openai", (openai_routes.router, stored.router), ("/v1",), openai_error, SSE, error_frame,
+    prompt_keys=("tools", "messages", "input", "prompt", "suffix"),
+    batch_endpoints=("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
+NATIVE = Dialect(
+    "native", (native_routes.router,), ("/api",), native_error, NDJSON, error_line,
+    prompt_keys=("tools", "system", "messages", "input", "prompt", "suffix"))
+ANTHROPIC = Dialect(
+    "anthropic", (anthropic_routes.router,), ("/v1/messages",), anthropic_error, SSE, error_event,
+    prompt_keys=("tools", "system", "messages"))
+RESPONSES = Dialect(
+    "responses", (responses_routes.router, conversations.router), ("/v1/responses", "/v1/conversations"),
+    openai_error, SSE, _responses_error, prompt_keys=("tools", "instructions", "input"),
+    batch_endpoints=("/v1/responses",))
 
 DIALECTS = (OPENAI, NATIVE, ANTHROPIC, RESPONSES)
 _BY_ROOT = sorted(((root, dialect) for dialect in DIALECTS for root in dialect.roots), key=lambda r: -len(r[0]))

@@ -13,16 +13,10 @@ from fastapi.responses import Response
 
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import ServerConfig
-from lmserve.dialects.anthropic import routes as anthropic_routes
-from lmserve.dialects.native import routes as native_routes
-from lmserve.dialects.openai import routes as openai_routes
-from lmserve.dialects.openai import stored
 from lmserve.dialects.openai.stored import completions_store
-from lmserve.dialects.responses import conversations
-from lmserve.dialects.responses import routes as responses_routes
 from lmserve.dialects.responses.conversations import conversations_store
 from lmserve.dialects.responses.routes import responses_store
-from lmserve.dialects.table import batch_endpoints
+from lmserve.dialects.table import DIALECTS, batch_endpoints
 from lmserve.endpoints import batches, decisions, files, gateway, infill, rerank, tokens
 from lmserve.endpoints.files import files_store
 from lmserve.http import health
@@ -46,10 +40,10 @@ def add_routes(app: FastAPI, router: APIRouter) -> None:
     app.router.routes.extend(router.routes)
 
 
-ROUTERS = (openai_routes.router, gateway.router, stored.router, native_routes.router, anthropic_routes.router,
-           responses_routes.router, conversations.router, files.router, batches.router, tokens.router, infill.router,
-           decisions.router, rerank.router)
-"""The module-level routers, in the order their routes are matched (and listed by /openapi.json)."""
+ROUTERS = (gateway.router, files.router, batches.router, tokens.router, infill.router, decisions.router,
+           rerank.router, *(router for dialect in DIALECTS for router in dialect.routers))
+"""The module-level routers, in the order their routes are matched (and listed by /openapi.json): the endpoints' fixed
+paths first (POST /v1/chat/completions/render before a stored completion's id), then every dialect's."""
 
 
 def _set_state(app: FastAPI, service: Service, config: ServerConfig, served: str | None) -> None:
