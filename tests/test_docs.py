@@ -54,3 +54,14 @@ def test_the_readme_links_every_page() -> None:
 
 def test_the_readme_is_a_short_front_door() -> None:
     assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
+
+
+NAMED_PATH = re.compile(r"(?<![\w./-])((?:lmserve|tests|bench|deploy)/[\w./-]*\w/?)")
+"""A path in the repository as the pages name it (`lmserve/dialects/table.py`, `bench/README.md`)."""
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    """Code moves; the pages that name where it lives move with it."""
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        missing = {path for path in NAMED_PATH.findall(page.read_text(encoding="utf-8")) if not (ROOT / path).exists()}
+        assert not missing, f"{page.name} names paths that do not exist: {sorted(missing)}"
