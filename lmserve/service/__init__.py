@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from lmserve.engine.factory import PromptCache
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
-from lmserve.service.generation import Generation, GenerationService
+from lmserve.service.generation import GenerationService
+from lmserve.service.generation_stream import Generation
 from lmserve.service.judging import JudgingService
 from lmserve.service.models import ModelService
 from lmserve.service.observers import Observers

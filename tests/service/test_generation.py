@@ -13,7 +13,7 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest
 from lmserve.service import static_service
-from lmserve.service.generation import stop_after
+from lmserve.service.generation_stream import stop_after
 from lmserve.service.residency import LoadedModel
 from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams
 
