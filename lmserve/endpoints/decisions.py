@@ -267,7 +267,6 @@ async def _images(groups: list[list[ImageRef]], policy: MediaPolicy) -> list[lis
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
 
-
 @router.post("/decisions")
 async def decisions(service: ServiceDep, policy: MediaDep, body: DecisionRequest, request: Request) -> dict[str, Any]:
     messages, message_refs = to_messages(body.input)

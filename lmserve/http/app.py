@@ -106,14 +106,3 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)  # outermost: sees every status
     install_access_log(app, service.observers)  # one line per request on the console, outside even the metrics
     return app
-
-
-# ---- error mapping --------------------------------------------------------------------------------
-
-
-# ---- middleware (pure ASGI: no buffering of streamed bodies, disconnects pass through) --------------
-
-
-# ---- guards: DNS rebinding, CORS, request size ------------------------------------------------------
-
-

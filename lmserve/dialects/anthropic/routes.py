@@ -47,7 +47,6 @@ from lmserve.types import (
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
 
-
 async def chat_request(service: Service, policy: MediaPolicy, body: wire.CountTokensRequest) -> ChatRequest:
     images = None
     if sources := image_sources(body):

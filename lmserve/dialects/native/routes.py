@@ -279,5 +279,3 @@ async def _load_or_unload(
         return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "unload"}
     name = await service.models.load(model, load, keep_alive)
     return {"model": name, "created_at": now_iso(), **empty, "done": True, "done_reason": "load"}
-
-

@@ -31,8 +31,8 @@ from lmserve.dialects.openai.output import (
     text_completion,
 )
 from lmserve.dialects.openai.translate import (
-    _image_urls,
     has_images,
+    image_urls,
     load_images,
     to_chat_request,
     to_completion_request,
@@ -45,8 +45,6 @@ from lmserve.dialects.shared.streaming import (
     until_disconnect,
 )
 from lmserve.service import ModelListing
-
-# ---- routes ---------------------------------------------------------------------------------------
 
 
 def model_card(model: ModelListing) -> dict[str, Any]:
@@ -61,7 +59,7 @@ async def chat_completions(service: ServiceDep, policy: MediaDep, completion_sto
                            body: schemas.ChatCompletionRequest, request: Request) -> Response:
     images = None
     if has_images(body):
-        service.generation.check_images(body.model, sum(map(len, _image_urls(body))))  # before fetching anything
+        service.generation.check_images(body.model, sum(map(len, image_urls(body))))  # before fetching anything
         images = await load_images(body, policy)
     chat_request = to_chat_request(body, images)
     if body.n is not None and body.n > 1:

@@ -142,7 +142,7 @@ def _content(content: str | list[schemas.ContentPart] | None) -> str:
     return out
 
 
-def _image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]]]:
+def image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]]]:
     """Per message, its image parts as (where, url)."""
     return [
         [(f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
@@ -153,7 +153,7 @@ def _image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]
 
 
 def has_images(req: schemas.ChatCompletionRequest) -> bool:
-    return any(_image_urls(req))
+    return any(image_urls(req))
 
 
 async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -> list[list[bytes]]:
@@ -161,7 +161,7 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
 
     Any refusal is a 400 naming the part and saying why (see chat/media.py).
     """
-    return await load_all([[(where, load_url(url, policy)) for where, url in parts] for parts in _image_urls(req)],
+    return await load_all([[(where, load_url(url, policy)) for where, url in parts] for parts in image_urls(req)],
                           param="messages")
 
 

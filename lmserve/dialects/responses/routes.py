@@ -71,7 +71,6 @@ def responses_store(config: ServerConfig) -> ResponseStore:
                          ttl=config.responses_ttl)
 
 
-
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
 
 
