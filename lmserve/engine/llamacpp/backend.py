@@ -13,6 +13,7 @@ sampler chains (sampling.py), images (vision.py), embeddings (embedding.py), rer
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 from pathlib import Path
@@ -36,6 +37,8 @@ from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, LoadOptions, SamplingParams
+
+log = logging.getLogger(__name__)
 
 LAUNCH_DEFAULTS = LlamaCppLaunch()
 
@@ -410,6 +413,8 @@ class LlamaCppBackend:
     def _set_threads(self, threads: int) -> None:
         """Compute the next steps with `threads` threads (ThreadGovernor's choice), the draft model's too."""
         if threads != self._step_threads:
+            log.debug("computing with %d of %d threads (outside load %.2f cores)", threads, self._num_threads,
+                     self._governor.outside_load if self._governor is not None else 0.0)
             lc.llama_set_n_threads(self._ctx, threads, threads)
             self._step_threads = threads
         if self._draft_model is not None:

@@ -17,7 +17,7 @@ import time
 
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
-from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, deliver
+from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, Work, deliver
 from lmserve.engine.slots.drafting import set_drafts
 from lmserve.engine.slots.jobs import Jobs, settle
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
@@ -67,6 +67,7 @@ class BatchingEngine:
         """The requests in flight (filled by the bridge; the same dict for the bridge's whole life)."""
         self._jobs = Jobs(backend, self._bridge)
         self._judged: set[int] = set()
+        self._idle_saved: set[int] = set()  # free slots offered to the prompt cache since they ended (_save_idle)
         """Slots whose last sequence only scored (SamplingParams.score_tokens): the tail it left is not worth saving
         in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
         self.step_ns = 0
@@ -83,8 +84,6 @@ class BatchingEngine:
         """Prompt tokens of the sequences admitted since load (what the prefix and prompt caches were asked for)."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
-
-    # ---- called from the event loop -------------------------------------------------------------
 
     # ---- called from the event loop -------------------------------------------------------------
 
@@ -220,7 +219,7 @@ class BatchingEngine:
             self._die(f"its engine thread failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
-        while (work := self._bridge.wait()) is not None:
+        while (work := self._next_work()) is not None:
             for seq in work.inbox:
                 self.scheduler.add(seq)
             for seq in work.aborts:
@@ -239,6 +238,23 @@ class BatchingEngine:
         self._fail_all("the server is shutting down")
         for job in self._bridge.take_jobs():
             settle(job, None, EngineFailure("the server is shutting down"))
+
+    def _next_work(self) -> Work | None:
+        """Wait for work; while there is none, save the free slots' states in the prompt cache one at a time."""
+        while not self.scheduler.has_work and self._bridge.is_idle and self._save_idle():
+            pass
+        return self._bridge.wait()
+
+    def _save_idle(self) -> bool:
+        """Save the state of one free slot not saved since its sequence ended (True: there was one), as llama-server
+        caches idle slots: the request that later takes the slot for another prompt then finds the state saved and
+        does not wait for the copy. Slots whose last sequence only scored are skipped (see `_judged`)."""
+        for slot in self.scheduler.free_slots:
+            if slot not in self._idle_saved and slot not in self._judged:
+                self._idle_saved.add(slot)
+                self._save(slot, self.scheduler.slot_tokens[slot], 0)
+                return True
+        return False
 
     def _step(self) -> None:
         outbox: Outbox = []
@@ -418,6 +434,7 @@ class BatchingEngine:
 
         A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
         restored after it would be overwritten (the backend refuses that)."""
+        self._idle_saved.discard(seq.slot)
         if seq.slot not in self._judged:
             self._save(seq.slot, seq.evicts, seq.num_cached)
         generated = seq.output[: seq.num_refill] if seq.num_refill else None  # back after a preemption

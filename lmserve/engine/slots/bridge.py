@@ -120,6 +120,11 @@ class Bridge:
         """Requests submitted and not yet taken by the engine thread."""
         return len(self._inbox)
 
+    @property
+    def is_idle(self) -> bool:
+        """Nothing is waiting for the engine thread (read without the lock: a hint, for work that can wait)."""
+        return not (self._inbox or self._aborts or self._jobs or self.is_closing or self._failure)
+
     def _check_open(self) -> None:
         if self.is_closing:
             raise InvalidRequest("the server is shutting down")

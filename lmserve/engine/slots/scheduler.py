@@ -43,7 +43,8 @@ running one has a lower priority (a higher value), that one is preempted (`preem
 keeps its tokens as any freed slot does (so the engine saves them in the prompt cache when the slot is taken), and
 it waits again ahead of its own priority, to prefill its prompt and output so far when it gets a slot, as a parked
 sequence does. While a sequence prefills, the work of sequences of lower priority waits (`schedule`), so an
-interactive request's first token is not slowed by a batch's decoding.
+interactive request's first token is not slowed by a batch's decoding; and while only such work runs, its steps
+prefill at most `BACKGROUND_PREFILL` tokens, so a request that arrives waits little for the step in flight.
 
 Each sequence is in one `Phase` at a time, and moves only along the edges of `MOVES` (`Sequence.move` asserts it).
 """
@@ -57,6 +58,9 @@ from enum import Enum
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.types import SamplingParams
+
+BACKGROUND_PREFILL = 64
+"""Prefill tokens of a step when every sequence is of lower than the default priority (a batch's lines)."""
 
 
 class Phase(Enum):
@@ -214,7 +218,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
         """Tokens whose state each free slot's memory holds, position by position."""
         self.can_copy = can_copy
@@ -241,11 +245,11 @@ class Scheduler:
         (still in its cells until another prompt takes the slot). Safe to read from another thread (an estimate
         while the engine thread moves sequences)."""
         running = sum(seq.num_held for seq in list(self.running))
-        return running + sum(len(self.slot_tokens[slot]) for slot in list(self._free_slots))
+        return running + sum(len(self.slot_tokens[slot]) for slot in list(self.free_slots))
 
     def can_admit(self) -> bool:
         """A sequence waits and a slot is free (and no parked sequence waits for room before it)."""
-        return bool(self.waiting and self._free_slots) and not any(
+        return bool(self.waiting and self.free_slots) and not any(
             seq.phase is Phase.PARKED for seq in self.running)
 
     def admit(self) -> Sequence:
@@ -258,7 +262,7 @@ class Scheduler:
         seq = self.waiting.popleft()
         tokens = seq.prefill_tokens
         index, length = self.choose_slot(tokens)
-        seq.slot = self._free_slots.pop(index)
+        seq.slot = self.free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
         seq.num_cached = seq.reusable(length)
         source = seq.fork_of
@@ -278,7 +282,7 @@ class Scheduler:
         """The running sequence to preempt for the first waiting one, or None: when no slot is free (and nothing is
         parked), the one of the lowest priority below the waiting one's, the newest of them; only a prefilling or
         decoding sequence (one that others wait for to copy or fork from stays)."""
-        if not self.waiting or self._free_slots or any(seq.phase is Phase.PARKED for seq in self.running):
+        if not self.waiting or self.free_slots or any(seq.phase is Phase.PARKED for seq in self.running):
             return None
         first = self.waiting[0].priority
         candidates = [seq for seq in self.running if seq.priority > first and seq.phase in (
@@ -290,7 +294,7 @@ class Scheduler:
         cache like any freed slot's) and queue it first among its priority. When it gets a slot again it prefills
         its prompt and its output so far and goes on (`num_refill`), as a parked sequence does."""
         self.running.remove(seq)
-        self._free_slots.append(seq.slot)
+        self.free_slots.append(seq.slot)
         self.slot_tokens[seq.slot] = seq.held
         seq.move(Phase.WAITING)
         seq.slot, seq.copy_from, seq.copy_len, seq.evicts = -1, -1, 0, []
@@ -311,16 +315,16 @@ class Scheduler:
         the order slots were freed).
         """
         best, best_len = -1, 0
-        for i, slot in enumerate(self._free_slots):
+        for i, slot in enumerate(self.free_slots):
             held = self.slot_tokens[slot]
             length = common_prefix_length(held, prompt)
             if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
                 best, best_len = i, length
         if best >= 0:
             return best, best_len
-        empty = [i for i, slot in enumerate(self._free_slots) if not self.slot_tokens[slot]]
+        empty = [i for i, slot in enumerate(self.free_slots) if not self.slot_tokens[slot]]
         index = empty[-1] if empty else 0
-        return index, common_prefix_length(self.slot_tokens[self._free_slots[index]], prompt)
+        return index, common_prefix_length(self.slot_tokens[self.free_slots[index]], prompt)
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
         return seq.reusable(common_prefix_length(tokens, seq.prompt))
@@ -328,7 +332,7 @@ class Scheduler:
     def _plan_sharing(self, seq: Sequence) -> None:
         """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""
         best = seq.num_cached
-        held = [(slot, self.slot_tokens[slot]) for slot in self._free_slots]
+        held = [(slot, self.slot_tokens[slot]) for slot in self.free_slots]
         held += [(other.slot, other.held) for other in self.running]
         for slot, tokens in held:
             length = self._usable(seq, tokens)
@@ -367,7 +371,7 @@ class Scheduler:
                     seq.move(Phase.PREFILLING)
                 continue
             seq.move(Phase.PREFILLING)
-            for slot in self._free_slots:
+            for slot in self.free_slots:
                 if self._usable(seq, self.slot_tokens[slot]) >= length:
                     ready.append((seq, slot, length))
                     break
@@ -414,7 +418,7 @@ class Scheduler:
             for other in self.forks(seq):
                 other.move(Phase.PREFILLING)  # it left before its prompt was done: they prefill their own
             self.running.remove(seq)
-            self._free_slots.append(seq.slot)
+            self.free_slots.append(seq.slot)
             self.slot_tokens[seq.slot] = seq.held  # its followers may still copy from it (ready_shares)
             seq.move(Phase.FINISHED)
             self._resume(1)
@@ -424,7 +428,7 @@ class Scheduler:
     def evict_idle(self) -> tuple[int, list[int]] | None:
         """Forget the prefix cache of the free slot that has held it longest; return that slot (its memory must be
         cleared) and the tokens it held, or None when no free slot holds anything."""
-        for slot in self._free_slots:
+        for slot in self.free_slots:
             tokens = self.slot_tokens[slot]
             if tokens:
                 self.slot_tokens[slot] = []
@@ -476,7 +480,8 @@ class Scheduler:
                 plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
                                              draft=len(draft))))
                 budget -= 1 + len(draft)
-        budget = min(budget, self.max_prefill_tokens)
+        background = all(seq.priority > 0 for seq in self.running)
+        budget = min(budget, self.max_prefill_tokens, BACKGROUND_PREFILL if background else budget)
         has_prefill = False
         for seq in self.running:
             if budget <= 0:
@@ -501,8 +506,4 @@ class Scheduler:
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -435,3 +435,33 @@ async def test_scoring_sequences_are_decoded_each_in_a_batch_of_its_own() -> Non
         assert len(scored) == 2 and all(len(step) == 1 for step in scored)  # never sharing a decode call
     finally:
         eng.close()
+
+
+async def test_a_free_slot_is_saved_while_the_engine_idles_not_on_the_path_of_the_request_that_takes_it() -> None:
+    """As llama-server caches idle slots: once a request ends and nothing waits, its slot's state goes to the prompt
+    cache; the next request with another prompt takes the slot without copying it first, and the first prompt,
+    back, is restored from the cache."""
+    backend = FakeBackend(num_ctx=512, num_parallel=1)
+    engine = BatchingEngine(backend)
+    saves: list[bool] = []  # per save: was a request running (the save on a request's path)?
+    save_state = backend.save_state
+
+    def recording_save(slot: int) -> bytes:
+        saves.append(bool(engine.scheduler.running))
+        return save_state(slot)
+
+    backend.save_state = recording_save  # type: ignore[method-assign]
+    first, other = "The first conversation. " * 8, "Another conversation entirely. " * 8
+    try:
+        await collect(engine, first, max_tokens=4)
+        for _ in range(200):
+            if saves:
+                break
+            await asyncio.sleep(0.01)
+        assert saves == [False]
+        await collect(engine, other, max_tokens=4)
+        assert saves[1:2] != [True]  # the slot's earlier prompt was saved already: no copy on this request's path
+        await collect(engine, first, max_tokens=4)
+        assert engine.cache_stats.hits["ram"] == 1
+    finally:
+        engine.close()

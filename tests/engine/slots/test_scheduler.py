@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmserve.engine.protocol import PromptImage
-from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
+from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, Phase, Scheduler, Sequence
 from lmserve.types import SamplingParams
 
 
@@ -517,3 +517,14 @@ def test_a_judged_sequence_copies_a_prefix_only_up_to_a_checkpoint_and_prefills_
         starts.append((entry.pos, len(entry.tokens)))
         scheduler.prefilled(seq, len(entry.tokens))
     assert starts == [(10, 10), (20, 10)]  # the opening in one piece, then the question's own tokens
+
+
+@pytest.mark.parametrize(("priorities", "chunk"), [((10,), BACKGROUND_PREFILL), ((10, 0), 256), ((0,), 256)])
+def test_steps_of_background_work_alone_prefill_little_so_an_arriving_request_waits_little(
+        priorities: tuple[int, ...], chunk: int) -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=512, max_prefill_tokens=256)
+    for priority in priorities:
+        scheduler.add(ranked(1000, priority))
+    admit_all(scheduler)
+    plan = scheduler.schedule()
+    assert sum(len(entry.tokens) for _, entry in plan) == chunk
