@@ -67,9 +67,9 @@ class BatchingEngine:
         """The requests in flight (filled by the bridge; the same dict for the bridge's whole life)."""
         self._jobs = Jobs(backend, self._bridge)
         self._judged: set[int] = set()
-        self._idle_saved: set[int] = set()  # free slots offered to the prompt cache since they ended (_save_idle)
         """Slots whose last sequence only scored (SamplingParams.score_tokens): the tail it left is not worth saving
         in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
+        self._idle_saved: set[int] = set()  # free slots offered to the prompt cache since they ended (_save_idle)
         self.step_ns = 0
         """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
         self.decode_ns = 0
