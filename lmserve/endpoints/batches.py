@@ -18,7 +18,7 @@ from lmserve.dialects.shared.pages import list_body
 from lmserve.service.batch_runner import BatchCreate, BatchService
 
 
-def app_batches(request: Request) -> BatchService:
+async def app_batches(request: Request) -> BatchService:
     return cast(BatchService, request.app.state.batches)
 
 

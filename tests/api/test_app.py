@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 from api_wire import API_KEY, assert_openai_error
+from fastapi import FastAPI
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 
 from lmserve.service import Service
 
@@ -215,3 +220,15 @@ async def test_authorized_chat(secured_client: httpx.AsyncClient) -> None:
     response = await secured_client.post(CHAT, json=chat(), headers={"Authorization": f"Key {API_KEY}"})
     assert response.status_code == 200
     assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_route_hops_to_a_worker_thread_for_its_handler_or_dependencies(app: FastAPI) -> None:
+    """FastAPI runs a plain function handler or dependency on a worker thread: a hop per request (and per
+    dependency) that cost more than the rest of a short request's handling. Every one is a coroutine."""
+    def calls(dependant: Dependant) -> list[Callable[..., Any]]:
+        return [dependant.call, *(call for dep in dependant.dependencies for call in calls(dep))] \
+            if dependant.call is not None else []
+
+    plain = [f"{route.path}: {call.__name__}" for route in app.routes if isinstance(route, APIRoute)
+             for call in calls(route.dependant) if not inspect.iscoroutinefunction(call)]
+    assert plain == []

@@ -1,7 +1,9 @@
 """What the routes take from the app, as FastAPI dependencies: the service, the media policy, the server's
 configuration and the stores. lmserve/http/app.py puts them on the app's state once (the names below); a handler
 names what it needs as a parameter (`service: ServiceDep`), so the routers are built once, at import, and each
-handler is a plain function a reader can follow and a test can import."""
+handler is a plain function a reader can follow and a test can import. The dependencies are coroutines: FastAPI
+runs a plain function dependency on a worker thread, a hop per dependency per request that cost more than the rest
+of a short request's handling (bench/token_cost.py's profile)."""
 
 from __future__ import annotations
 
@@ -18,36 +20,36 @@ from lmserve.store.files import FileStore
 from lmserve.store.responses import ResponseStore
 
 
-def app_service(request: Request) -> Service:
+async def app_service(request: Request) -> Service:
     return cast(Service, request.app.state.service)
 
 
-def app_media(request: Request) -> MediaPolicy:
+async def app_media(request: Request) -> MediaPolicy:
     return cast(MediaPolicy, request.app.state.media)
 
 
-def app_config(request: Request) -> ServerConfig:
+async def app_config(request: Request) -> ServerConfig:
     return cast(ServerConfig, request.app.state.config)
 
 
-def app_served(request: Request) -> str | None:
+async def app_served(request: Request) -> str | None:
     """The model the server was started with (GET /v1/models lists it first), or None."""
     return cast(str | None, request.app.state.served)
 
 
-def app_completions(request: Request) -> CompletionStore:
+async def app_completions(request: Request) -> CompletionStore:
     return cast(CompletionStore, request.app.state.completions)
 
 
-def app_responses(request: Request) -> ResponseStore:
+async def app_responses(request: Request) -> ResponseStore:
     return cast(ResponseStore, request.app.state.responses)
 
 
-def app_conversations(request: Request) -> ConversationStore:
+async def app_conversations(request: Request) -> ConversationStore:
     return cast(ConversationStore, request.app.state.conversations)
 
 
-def app_files(request: Request) -> FileStore:
+async def app_files(request: Request) -> FileStore:
     return cast(FileStore, request.app.state.files)
 
 
