@@ -20,9 +20,10 @@ from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
 from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, Work, deliver
 from lmserve.engine.slots.drafting import set_drafts
 from lmserve.engine.slots.jobs import Jobs, settle
+from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
-from lmserve.engine.slots.scheduler import Phase, Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Scheduler, Sequence
 from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
@@ -247,8 +248,7 @@ class BatchingEngine:
 
     def _save_idle(self) -> bool:
         """Save the state of one free slot not saved since its sequence ended (True: there was one), as llama-server
-        caches idle slots: the request that later takes the slot for another prompt then finds the state saved and
-        does not wait for the copy. Slots whose last sequence only scored are skipped (see `_judged`)."""
+        caches idle slots: the request that later takes the slot finds it saved. Skips slots in `_judged`."""
         for slot in self.scheduler.free_slots:
             if slot not in self._idle_saved and slot not in self._judged:
                 self._idle_saved.add(slot)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmserve.engine.protocol import PromptImage
-from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, Phase, Scheduler, Sequence
+from lmserve.engine.slots.phases import Phase
+from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, Scheduler, Sequence
 from lmserve.types import SamplingParams
 
 
@@ -519,12 +520,33 @@ def test_a_judged_sequence_copies_a_prefix_only_up_to_a_checkpoint_and_prefills_
     assert starts == [(10, 10), (20, 10)]  # the opening in one piece, then the question's own tokens
 
 
-@pytest.mark.parametrize(("priorities", "chunk"), [((10,), BACKGROUND_PREFILL), ((10, 0), 256), ((0,), 256)])
-def test_steps_of_background_work_alone_prefill_little_so_an_arriving_request_waits_little(
-        priorities: tuple[int, ...], chunk: int) -> None:
+@pytest.mark.parametrize(("recently", "priorities", "chunks"), [
+    (False, (10, 10), [256]),  # a batch alone, no user for a while: prefills at full speed
+    (True, (10, 10), [BACKGROUND_PREFILL]),  # a user was just served: the batch's share of a step is small
+    (True, (0, 10), [256]),  # the user's own prompt prefills first, the batch's waits for it
+    (True, (0,), [256]),
+])
+def test_a_batch_prefills_little_per_step_soon_after_an_interactive_request_so_the_next_one_waits_little(
+        recently: bool, priorities: tuple[int, ...], chunks: list[int]) -> None:
     scheduler = Scheduler(num_slots=2, max_batch_tokens=512, max_prefill_tokens=256)
+    if recently:
+        scheduler.add(ranked(3, 0))
+        admit_all(scheduler)
+        scheduler.schedule()
+        scheduler.remove(scheduler.running[0])
     for priority in priorities:
         scheduler.add(ranked(1000, priority))
     admit_all(scheduler)
-    plan = scheduler.schedule()
-    assert sum(len(entry.tokens) for _, entry in plan) == chunk
+    assert [len(entry.tokens) for _, entry in scheduler.schedule()] == chunks
+
+
+def test_the_batch_prefills_at_full_speed_again_once_no_user_was_served_for_recent_steps() -> None:
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+    scheduler.add(ranked(3, 0))
+    admit_all(scheduler)
+    scheduler.schedule()
+    scheduler.remove(scheduler.running[0])
+    scheduler.add(ranked(100_000, 10))
+    admit_all(scheduler)
+    sizes = [len(scheduler.schedule()[0][1].tokens) for _ in range(RECENT_STEPS + 1)]
+    assert sizes[0] == BACKGROUND_PREFILL and sizes[-1] == 64
