@@ -241,8 +241,8 @@ class BatchingEngine:
             settle(job, None, EngineFailure("the server is shutting down"))
 
     def _next_work(self) -> Work | None:
-        """Wait for work; while there is none, save the free slots' states in the prompt cache one at a time."""
-        while not self.scheduler.has_work and self._bridge.is_idle and self._save_idle():
+        """Wait for work; while none comes (Bridge.stays_quiet), save free slots' states one at a time."""
+        while not self.scheduler.has_work and self._bridge.stays_quiet() and self._save_idle():
             pass
         return self._bridge.wait()
 

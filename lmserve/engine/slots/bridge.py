@@ -93,6 +93,10 @@ class Work(NamedTuple):
     job: Job | None
 
 
+QUIET_S = 0.25
+"""How long nothing must come before the engine thread does work that can wait (saving free slots' states), so the
+next request of a client that answers at once (an agent's tool loop) does not wait for that work."""
+
 _NOTHING: tuple[Sequence, ...] = ()
 """Nothing submitted, or nothing aborted (a step then makes no new lists)."""
 
@@ -124,6 +128,11 @@ class Bridge:
     def is_idle(self) -> bool:
         """Nothing is waiting for the engine thread (read without the lock: a hint, for work that can wait)."""
         return not (self._inbox or self._aborts or self._jobs or self.is_closing or self._failure)
+
+    def stays_quiet(self) -> bool:
+        """True when nothing comes for the engine thread for QUIET_S seconds (it waits that long to know)."""
+        with self._cond:
+            return not self._cond.wait_for(lambda: not self.is_idle or self._has_work(), QUIET_S)
 
     def _check_open(self) -> None:
         if self.is_closing:
