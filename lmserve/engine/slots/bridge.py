@@ -126,7 +126,7 @@ class Bridge:
 
     @property
     def is_idle(self) -> bool:
-        """Nothing is waiting for the engine thread (read without the lock: a hint, for work that can wait)."""
+        """Nothing is waiting for the engine thread (submitted requests, aborts, jobs, a failure or the close)."""
         return not (self._inbox or self._aborts or self._jobs or self.is_closing or self._failure)
 
     def stays_quiet(self) -> bool:
