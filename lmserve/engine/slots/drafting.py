@@ -100,8 +100,19 @@ class NgramDrafter(DraftLength):
                 continue
             after = self._seen[n].get(tuple(tokens[-n:]))
             if after is not None:
-                return tokens[after:after + size]
+                return tokens[after:after + min(size, matched_since(tokens, after, n, size) - n + 1)]
         return []
+
+
+def matched_since(tokens: list[int], after: int, n: int, most: int) -> int:
+    """How many tokens before the end of `tokens` equal those before `after` (at least `n`, the n-gram looked up;
+    counted up to `most` + `n` - 1): a reply copying its context matches far back, a phrase repeated by chance in free
+    writing only for its n tokens, so a draft is as long as the evidence for it."""
+    matched = n
+    end = len(tokens)
+    while matched < most + n - 1 and matched < after and tokens[after - matched - 1] == tokens[end - matched - 1]:
+        matched += 1
+    return matched
 
 
 def set_drafts(decoding: list[Sequence], trackers: dict[Sequence, Tracker], backend: Backend, draft_max: int) -> None:
