@@ -24,7 +24,7 @@ def test_a_draft_is_as_long_as_the_match_behind_it() -> None:
     assert NgramDrafter([*text, 5, *text[:6]], most=16).draft(16) == [106, 107, 108]  # 6 matched: 3 drafted
     drafter = NgramDrafter([*text, 5, *text[:20]], most=16)
     drafter.length = 16
-    assert drafter.draft(16) == text[20:30] + [5] + text[:5]  # copying: the whole cap
+    assert drafter.draft(16) == [*text[20:30], 5, *text[:5]]  # copying: the whole cap
 
 
 def test_no_earlier_occurrence_of_three_tokens_no_draft() -> None:
