@@ -2,7 +2,9 @@
 
 A reply often repeats its context: a rewritten text, an extracted field, code that reuses names. `NgramDrafter`
 keeps, for each n-gram of 3 or 4 tokens of the prompt and the output so far, where it last occurred; the draft is
-what followed the latest earlier occurrence of the sequence's last n tokens (longest n first). The engine decodes
+what followed the latest earlier occurrence of the sequence's last n tokens (longest n first), no longer than the
+match behind it (`matched_since`: a 4-token match drafts 1 token, a reply copying its context for 19 tokens the
+whole cap of 16). The engine decodes
 the draft with the sequence's pending token in one step and keeps the longest prefix the model agrees with
 (engine/slots/batching.py), so a draft costs one wider step and never changes the output.
 
