@@ -4,9 +4,10 @@ A reply often repeats its context: a rewritten text, an extracted field, code th
 keeps, for each n-gram of 3 or 4 tokens of the prompt and the output so far, where it last occurred; the draft is
 what followed the latest earlier occurrence of the sequence's last n tokens (longest n first), no longer than the
 match behind it (`matched_since`: a 4-token match drafts 1 token, a reply copying its context for 19 tokens the
-whole cap of 16). The engine decodes
-the draft with the sequence's pending token in one step and keeps the longest prefix the model agrees with
-(engine/slots/batching.py), so a draft costs one wider step and never changes the output.
+whole cap of 16). The engine decodes the draft with the sequence's pending token in one step and keeps the longest
+prefix the model agrees with (engine/slots/batching.py), so a draft costs one wider step, and the output is plain
+decoding's wherever llama.cpp computes a wide step's rows as it computes one token (docs/serving.md: not always on
+long contexts, where the last bits can differ).
 
 The draft length adapts per sequence (`DraftLength`, which paces a draft model's drafts too): it doubles (up to
 the cap) after a draft is accepted whole, and shrinks to one more than what was accepted after a miss. A draft
