@@ -67,9 +67,9 @@ class BatchingEngine:
         self._trackers = self._bridge.trackers
         """The requests in flight (filled by the bridge; the same dict for the bridge's whole life)."""
         self._jobs = Jobs(backend, self._bridge)
-        self._judged: set[int] = set()
-        """Slots whose last sequence only scored (SamplingParams.score_tokens): the tail it left is not worth saving
-        in the prompt cache (its shared beginning is saved, or held by another slot, already)."""
+        self._unsaved: set[int] = set()
+        """Slots whose last sequence only scored (SamplingParams.score_tokens) or was a batch's line (priority > 0):
+        the tail it left is not worth the prompt cache's copy and disk write (its beginning is saved or held)."""
         self._idle_saved: set[int] = set()  # free slots offered to the prompt cache since they ended (_save_idle)
         self.step_ns = 0
         """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
@@ -248,9 +248,9 @@ class BatchingEngine:
 
     def _save_idle(self) -> bool:
         """Save the state of one free slot not saved since its sequence ended (True: there was one), as llama-server
-        caches idle slots: the request that later takes the slot finds it saved. Skips slots in `_judged`."""
+        caches idle slots: the request that later takes the slot finds it saved. Skips slots in `_unsaved`."""
         for slot in self.scheduler.free_slots:
-            if slot not in self._idle_saved and slot not in self._judged:
+            if slot not in self._idle_saved and slot not in self._unsaved:
                 self._idle_saved.add(slot)
                 self._save(slot, self.scheduler.slot_tokens[slot], 0)
                 return True
@@ -435,7 +435,7 @@ class BatchingEngine:
         A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
         restored after it would be overwritten (the backend refuses that)."""
         self._idle_saved.discard(seq.slot)
-        if seq.slot not in self._judged:
+        if seq.slot not in self._unsaved:
             self._save(seq.slot, seq.evicts, seq.num_cached)
         generated = seq.output[: seq.num_refill] if seq.num_refill else None  # back after a preemption
         kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached, generated)
@@ -486,10 +486,10 @@ class BatchingEngine:
     def _drop(self, seq: Sequence) -> None:
         if self.scheduler.remove(seq):
             self.backend.release(seq.slot)
-            if seq.sampling.score_tokens:
-                self._judged.add(seq.slot)
+            if seq.sampling.score_tokens or seq.priority > 0:
+                self._unsaved.add(seq.slot)
             else:
-                self._judged.discard(seq.slot)
+                self._unsaved.discard(seq.slot)
         self._trackers.pop(seq, None)
 
     def _fail_all(self, message: str) -> None:

@@ -465,3 +465,27 @@ async def test_a_free_slot_is_saved_while_the_engine_idles_not_on_the_path_of_th
         assert engine.cache_stats.hits["ram"] == 1
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("priority", "saves"), [(0, 1), (1000, 0)])
+async def test_a_batch_lines_state_is_not_saved_in_the_prompt_cache(priority: int, saves: int) -> None:
+    """A batch's lines (priority above the default) do not come back: the slot one leaves is neither saved while the
+    engine idles nor before the next prompt takes it, so a batch neither spends the engine's time on copies nor
+    pushes users' conversations out of the cache."""
+    backend = FakeBackend(num_ctx=512, num_parallel=1)
+    engine = BatchingEngine(backend)
+    saved: list[int] = []
+    save_state = backend.save_state
+
+    def recording_save(slot: int) -> bytes:
+        saved.append(slot)
+        return save_state(slot)
+
+    backend.save_state = recording_save  # type: ignore[method-assign]
+    try:
+        await collect(engine, "A line of the batch. " * 8, max_tokens=4, priority=priority)
+        await asyncio.sleep(0.5)  # past Bridge's quiet spell: an idle save happens here if any
+        await collect(engine, "Another prompt entirely. " * 8, max_tokens=4)  # takes the slot
+        assert len(saved) == saves
+    finally:
+        engine.close()
