@@ -430,13 +430,13 @@ class BatchingEngine:
 
     def _start(self, seq: Sequence) -> int:
         """Prepare the sequence's slot; return how many prompt positions it holds already (own slot, a copy from
-        another slot, or a saved state). What the slot held before and loses now is saved in the prompt cache.
-
-        A saved state is looked up before any copy: a copy between slots lands at the next decode, so a state
-        restored after it would be overwritten (the backend refuses that)."""
-        self._idle_saved.discard(seq.slot)
+        another slot, or a saved state). What the slot held before and loses now is saved in the prompt cache, unless
+        `_unsaved` (a preempted batch line's is). A saved state is looked up before any copy: a copy between slots
+        lands at the next decode, so a state restored after it would be overwritten (the backend refuses that)."""
         if seq.slot not in self._unsaved:
             self._save(seq.slot, seq.evicts, seq.num_cached)
+        self._idle_saved.discard(seq.slot)
+        self._unsaved.discard(seq.slot)
         generated = seq.output[: seq.num_refill] if seq.num_refill else None  # back after a preemption
         kept = self.backend.start(seq.slot, seq.sampling, seq.prompt, seq.num_cached, generated)
         copy = seq.copy_len if seq.copy_from >= 0 and seq.copy_len > kept else 0

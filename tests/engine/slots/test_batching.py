@@ -417,6 +417,7 @@ async def test_a_request_of_higher_priority_takes_the_slot_and_the_preempted_one
     assert low_chunks[-1].finish_reason == "length"
     assert low_chunks[-1].usage is not None and low_chunks[-1].usage.prompt_tokens == len("batch line")
     assert engine.stats.preemptions == 1
+    assert engine.cache_stats.hits["ram"] == 1  # it came back from its state, saved when the high one took the slot
     assert high_end.finish_reason == "length"
     engine.close()
 
