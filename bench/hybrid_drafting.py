@@ -56,7 +56,7 @@ from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.llamacpp.quantize import quantize
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
-from lmserve.engine.slots.scheduler import Sequence
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import LoadOptions, SamplingParams
 from tests.tiny_lfm2 import SMALL, write_tiny_lfm2
 

@@ -51,6 +51,15 @@ class Bitmap:
     rgb: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter a request runs with: its file (a GGUF LoRA, or a PEFT directory where the engine takes one) and
+    the scale its delta is added at (1.0: as trained; 0: off)."""
+
+    path: str
+    scale: float = 1.0
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling, resolved by lmserve/options.py (request → Modelfile → model → server → here).
@@ -112,6 +121,9 @@ class SamplingParams:
     round differently for different batch shapes). With checkpoints (`Engine.submit`), a reused prefix that reaches
     past the first is cut back to the last checkpoint it reaches: prefill never runs across a checkpoint, so each
     stretch between two is always computed in one piece. None: reuse all that matches."""
+    adapters: tuple[Adapter, ...] = ()
+    """Not sampling: the LoRA adapters the model runs this request with (a model made with ADAPTER, `--lora`, a
+    request's `lora`), applied per request over the base's loaded weights; (): the base alone."""
 
     @property
     def is_greedy(self) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from lmserve.errors import InvalidRequest
-from lmserve.types import MAX_SCORE_TOKENS, Bitmap, Chunk, SamplingParams
+from lmserve.types import MAX_SCORE_TOKENS, Adapter, Bitmap, Chunk, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,3 +265,10 @@ def check_score_tokens(sampling: SamplingParams, num_vocab: int) -> None:
         raise InvalidRequest(f"at most {MAX_SCORE_TOKENS} tokens can be scored at once", param="score_tokens")
     if any(not 0 <= token < num_vocab for token in sampling.score_tokens):
         raise InvalidRequest(f"score token ids must be in [0, {num_vocab}) for this model", param="score_tokens")
+
+
+def check_no_adapters(engine: str, adapters: tuple[Adapter, ...]) -> None:
+    """InvalidRequest (param "lora") for LoRA adapters on an engine that does not run them per request, naming it."""
+    if adapters:
+        raise InvalidRequest(f"the {engine} engine does not run LoRA adapters per request: serve this model with "
+                             "--engine llamacpp (GGUF weights and a GGUF LoRA) to use them", param="lora")

@@ -204,8 +204,19 @@ def _value(r: _Reader, kind: int, key: str, max_array: int) -> Any:
     return _SKIPPED
 
 
-def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> int:
-    """Check the tensor infos; the number of values in all the tensors."""
+def gguf_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's dimensions (ggml's order: the first is a row's length), read with `check_gguf`'s checks."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    with _open(path) as r:
+        tensor_count, alignment, _ = _header(r, max_array=-1)
+        _check_tensors(r, tensor_count, alignment, shapes)
+    return shapes
+
+
+def _check_tensors(r: _Reader, tensor_count: int, alignment: int,
+                   shapes: dict[str, tuple[int, ...]] | None = None) -> int:
+    """Check the tensor infos (each one's dimensions into `shapes`, if given); the number of values in all the
+    tensors."""
     tensors: list[tuple[int, int, str]] = []  # (offset, size, name)
     total = 0
     names: set[str] = set()
@@ -237,6 +248,8 @@ def _check_tensors(r: _Reader, tensor_count: int, alignment: int) -> int:
             raise r.fail(f"tensor {name!r} offset {offset} is not a multiple of the alignment {alignment}")
         tensors.append((offset, elements // block_size * type_size, name))
         total += elements
+        if shapes is not None:
+            shapes[name] = tuple(dims)
     data_start = -(-r.pos // alignment) * alignment
     end_of_previous, previous = 0, ""
     for offset, nbytes, name in sorted(tensors):

@@ -23,6 +23,7 @@ from lmserve.engine.slots.fake import FakeBackend
 from lmserve.http.app import create_app
 from lmserve.service import static_service
 from lmserve.service.residency import LoadedModel
+from lmserve.types import Adapter
 
 
 @pytest.fixture
@@ -156,10 +157,10 @@ class FailingBackend(FakeBackend):
         super().__init__(num_ctx=2048)
         self.num_ok_steps = num_ok_steps
 
-    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         if len(self.steps) >= self.num_ok_steps:
             raise RuntimeError("decode failed")
-        return super().step(entries)
+        return super().step(entries, adapters)
 
 
 @pytest_asyncio.fixture

@@ -8,7 +8,8 @@ import asyncio
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.engine.slots.phases import Phase
-from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Scheduler
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import Chunk, SamplingParams
 
 

@@ -22,6 +22,7 @@ import llama_cpp as lc
 import numpy as np
 
 from lmserve.engine.llamacpp import recurrent_state, rerank
+from lmserve.engine.llamacpp.adapters import DEFAULT_MAX_LOADED
 from lmserve.engine.llamacpp.cpu_load import ThreadGovernor
 from lmserve.engine.llamacpp.draft_model import DraftModel
 from lmserve.engine.llamacpp.embedding import Embedder
@@ -36,7 +37,7 @@ from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Bitmap, LoadOptions, SamplingParams
+from lmserve.types import Adapter, Bitmap, LoadOptions, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,13 @@ def default_threads() -> int:
 class LlamaCppBackend:
     """A GGUF model loaded in llama.cpp, decoding up to `num_parallel` sequences per batch."""
 
-    def __init__(self, path: str | Path, options: LoadOptions, launch: LlamaCppLaunch = LAUNCH_DEFAULTS) -> None:
+    def __init__(self, path: str | Path, options: LoadOptions, launch: LlamaCppLaunch = LAUNCH_DEFAULTS,
+                 adapter_limits: tuple[int, int] = (DEFAULT_MAX_LOADED, 0)) -> None:
         init_llama_backend()
         check_kv_options(launch)
         path = Path(path)
         threads = options.num_threads or default_threads()
-        loaded = self._loaded = LlamaModel(path, options, launch, threads)
+        loaded = self._loaded = LlamaModel(path, options, launch, threads, adapter_limits)
         self._model, self._vocab, self._ctx = loaded.model, loaded.vocab, loaded.ctx
         self._memory, self._batch, self._batch_capacity = loaded.memory, loaded.batch, loaded.batch_capacity
         self._num_vocab, self._eog = loaded.num_vocab, loaded.eog
@@ -281,8 +283,12 @@ class LlamaCppBackend:
         if sampler is not None:
             lc.llama_sampler_free(sampler)
 
-    def step(self, entries: list[BatchEntry]) -> list[int | None]:
-        self._redecode()
+    def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
+        self._loaded.adapters.check(adapters)
+
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
+        self._redecode()  # under the set of the step that rewound it
+        self._loaded.adapters.apply(self._ctx, adapters)
         images = [entry for entry in entries if entry.image is not None]
         self._decode_images(images)
         rewinds = {} if self.info.can_cut_memory else \

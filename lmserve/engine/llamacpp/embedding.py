@@ -19,7 +19,7 @@ from lmserve.errors import EngineFailure
 
 
 class Embedder:
-    """The embedding context of a loaded model (its LoRA adapters applied), made on the first `embed`."""
+    """The embedding context of a loaded model (the adapters it was loaded with applied), made on the first `embed`."""
 
     def __init__(self, loaded: LlamaModel, *, num_ctx: int, batch_capacity: int, threads: int) -> None:
         self._loaded = loaded
@@ -68,7 +68,7 @@ class Embedder:
         if not ctx:
             raise EngineFailure(f"llama.cpp could not create an embedding context of {cparams.n_ctx} tokens")
         try:
-            self._loaded.apply_adapters(ctx)
+            self._loaded.adapters.apply(ctx, ())
         except EngineFailure:
             lc.llama_free(ctx)
             raise
@@ -81,5 +81,6 @@ class Embedder:
             if self._batch is not None:
                 lc.llama_batch_free(self._batch)
                 self._batch = None
+            self._loaded.adapters.forget(self._ctx)
             lc.llama_free(self._ctx)
             self._ctx = None

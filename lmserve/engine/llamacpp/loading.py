@@ -21,6 +21,7 @@ from llama_cpp import mtmd_cpp as mtmd
 from lmserve.engine import fim
 from lmserve.engine.context_size import ContextChoice
 from lmserve.engine.llamacpp import rerank
+from lmserve.engine.llamacpp.adapters import DEFAULT_MAX_LOADED, AdapterPool
 from lmserve.engine.llamacpp.memory import context_choice
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.protocol import FimTokens, ModelInfo
@@ -126,10 +127,12 @@ def _slots_params(options: LoadOptions, launch: LlamaCppLaunch, num_ctx: int, th
 
 
 class LlamaModel:
-    """A GGUF loaded in llama.cpp: the model, its vocabulary, the slots' context with its batch, and the LoRA
-    adapters applied to it; `close` frees them in order."""
+    """A GGUF loaded in llama.cpp: the model, its vocabulary, the slots' context with its batch, and its LoRA
+    adapters (engine/llamacpp/adapters.py; `adapter_limits`: most loaded at once, highest rank, 0: any);
+    `close` frees them in order."""
 
-    def __init__(self, path: Path, options: LoadOptions, launch: LlamaCppLaunch, threads: int) -> None:
+    def __init__(self, path: Path, options: LoadOptions, launch: LlamaCppLaunch, threads: int,
+                 adapter_limits: tuple[int, int] = (DEFAULT_MAX_LOADED, 0)) -> None:
         model = _load_model(path, options)
         self.model: Any = model  # a llama_model pointer; None once closed
         self.vocab = lc.llama_model_get_vocab(model)
@@ -150,11 +153,12 @@ class LlamaModel:
                  f"{launch.flash_attn}" if (launch.cache_type_k, launch.cache_type_v) != ("f16", "f16") else ""
             raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}{kv}")
         self.ctx: Any = ctx  # a llama_context pointer; None once closed
-        self.adapters: list[Any] = []  # llama_adapter_lora pointers (the bindings annotate them as c_void_p)
+        self.adapters = AdapterPool(model, path, max_loaded=adapter_limits[0], max_rank=adapter_limits[1])
         try:
-            self._load_adapters(options.adapters)
+            self.adapters.load_defaults(options.adapters)
+            self.adapters.apply(ctx, ())
         except EngineFailure:
-            self._free_adapters()
+            self.adapters.close()
             lc.llama_free(ctx)
             lc.llama_model_free(model)
             raise
@@ -164,43 +168,14 @@ class LlamaModel:
         self.batch_capacity: int = cparams.n_batch if self.is_reranker else options.num_batch
         self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
 
-    def _load_adapters(self, paths: tuple[str, ...]) -> None:
-        """Load each LoRA adapter GGUF for the model and apply them all to the context at scale 1.0."""
-        for adapter_path in paths:
-            if not Path(adapter_path).is_file():
-                raise EngineFailure(f"LoRA adapter file not found: {adapter_path}")
-            adapter = lc.llama_adapter_lora_init(self.model, os.fsencode(adapter_path))
-            if not adapter:
-                raise EngineFailure(
-                    f"llama.cpp could not load the LoRA adapter {Path(adapter_path).name}: not a LoRA GGUF "
-                    "for this model"
-                )
-            self.adapters.append(adapter)
-        self.apply_adapters(self.ctx)
-
-    def apply_adapters(self, ctx: lc.llama_context_p) -> None:
-        """Apply the model's LoRA adapters to `ctx` (the slots' context, or the embedding one) at scale 1.0."""
-        if not self.adapters:
-            return
-        count = len(self.adapters)
-        adapters = (lc.llama_adapter_lora_p_ctypes * count)(*self.adapters)
-        scales = (ctypes.c_float * count)(*([1.0] * count))
-        rc = lc.llama_set_adapters_lora(ctx, adapters, count, scales)
-        if rc != 0:
-            raise EngineFailure(f"llama.cpp could not apply {count} LoRA adapter(s): code {rc}")
-
-    def _free_adapters(self) -> None:
-        for adapter in self.adapters:
-            lc.llama_adapter_lora_free(adapter)
-        self.adapters.clear()
-
     def close(self) -> None:
         """Free the slots' context, then the adapters, then the model (any other context of the model first)."""
         if self.ctx:
             lc.llama_batch_free(self.batch)
+            self.adapters.forget(self.ctx)
             lc.llama_free(self.ctx)
             self.ctx = None
-        self._free_adapters()  # after every context using them, before the model
+        self.adapters.close()  # after every context using them, before the model
         if self.model:
             lc.llama_model_free(self.model)
             self.model = None

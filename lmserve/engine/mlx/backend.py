@@ -43,11 +43,11 @@ from lmserve.engine.mlx.sampling import Sampler
 from lmserve.engine.mlx.states import copy_caches, cut_caches, read_caches, write_caches
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.prompt_logprobs import PromptLogprobs
-from lmserve.engine.protocol import ModelInfo, PromptImage
+from lmserve.engine.protocol import ModelInfo, PromptImage, check_no_adapters
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Bitmap, LoadOptions, SamplingParams
+from lmserve.types import Adapter, Bitmap, LoadOptions, SamplingParams
 
 log = logging.getLogger("lmserve.engine.mlx")
 
@@ -140,6 +140,9 @@ class MlxBackend:
 
     def check_grammar(self, grammar: str) -> None:
         self._grammars.compile(grammar)
+
+    def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
+        check_no_adapters("MLX", adapters)
 
     # ---- slots -------------------------------------------------------------------------------------------------
 
@@ -241,7 +244,7 @@ class MlxBackend:
     # ---- decoding ----------------------------------------------------------------------------------------------
 
     @computing
-    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         if any(entry.image is not None for entry in entries):
             raise EngineFailure("the MLX engine was given an image to decode")
         out: dict[int, int | None] = {}

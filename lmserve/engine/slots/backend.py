@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lmserve.engine.logprobs import Ranked
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.prompt_disk import SavedState
-from lmserve.types import Bitmap, SamplingParams
+from lmserve.types import Adapter, Bitmap, SamplingParams
+
+if TYPE_CHECKING:
+    from lmserve.engine.slots.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -82,7 +85,15 @@ class Backend(Protocol):
         """Raise InvalidRequest unless `grammar` (GBNF) can constrain sampling; callable from any thread."""
         ...
 
-    def step(self, entries: list[BatchEntry]) -> list[int | None]: ...
+    def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
+        """Raise InvalidRequest unless the model can run with these LoRA adapters (files that fit it, within its
+        limits); callable from any thread."""
+        ...
+
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
+        """Decode the entries, every one under the LoRA `adapters` (() the model's own; the scheduler gives a step
+        the sequences of one set)."""
+        ...
 
     def release(self, slot: int) -> None: ...
 
@@ -154,3 +165,24 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def step_plan(backend: Backend, plan: list[tuple[Sequence, BatchEntry]]) -> list[int | None]:
+    """Decode a step's plan (its sequences all of one adapter set): together, except that a scoring sequence's
+    entries (SamplingParams.score_tokens) go each in a batch of its own first, so its scores do not depend on what else
+    runs (batched kernels round differently for different batches). Not with a KV pool the slots share, where a later
+    batch could find no room after an earlier one changed memory."""
+    info = backend.info
+    alone = [i for i, (seq, _) in enumerate(plan) if seq.sampling.score_tokens]
+    shared_pool = 0 < info.num_kv_cells != info.num_ctx * info.num_parallel
+    adapters = plan[0][0].adapters
+    if not alone or len(plan) == 1 or shared_pool:
+        return backend.step([entry for _, entry in plan], adapters)
+    sampled: list[int | None] = [None] * len(plan)
+    for i in alone:
+        sampled[i] = backend.step([plan[i][1]], adapters)[0]
+    rest = [i for i in range(len(plan)) if i not in set(alone)]
+    if rest:
+        for i, token in zip(rest, backend.step([plan[i][1] for i in rest], adapters), strict=True):
+            sampled[i] = token
+    return sampled

@@ -16,18 +16,20 @@ import threading
 import time
 
 from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
-from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull
+from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull, step_plan
 from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, Work, deliver
 from lmserve.engine.slots.drafting import set_drafts
 from lmserve.engine.slots.jobs import Jobs, settle
 from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
-from lmserve.engine.slots.scheduler import Scheduler, Sequence
+from lmserve.engine.slots.scheduler import Scheduler
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
-from lmserve.types import Bitmap, Chunk, SamplingParams
+from lmserve.store.lora import adapters_identity
+from lmserve.types import Adapter, Bitmap, Chunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -326,11 +328,12 @@ class BatchingEngine:
         """Save the state of `seq`'s slot after the prompt positions it has prefilled (a model that cannot cut its
         memory shares prefixes so), unless the prompt cache holds that state already."""
         held = seq.prefill_tokens[: seq.num_prefilled]
-        if self.cache.covers(self.cache_key, held, False):
+        key = self._key(seq.adapters)
+        if self.cache.covers(key, held, False):
             return
         snapshot = self.backend.save_state(seq.slot)
         if snapshot is not None:
-            self.cache.put(self.cache_key, held, snapshot, can_cut=False)
+            self.cache.put(key, held, snapshot, can_cut=False)
 
     def _decode(
         self, outbox: Outbox
@@ -346,27 +349,9 @@ class BatchingEngine:
             if not plan:
                 return None
             try:
-                return plan, self._step_entries(plan)
+                return plan, step_plan(self.backend, plan)
             except PoolFull:
                 self._make_room(plan, outbox)
-
-    def _step_entries(self, plan: list[tuple[Sequence, BatchEntry]]) -> list[int | None]:
-        """Decode the plan's entries: together, except that a scoring sequence's (SamplingParams.score_tokens) go
-        each in a batch of its own first, so its scores do not depend on what else runs (batched kernels round
-        differently for different batches). Not with a KV pool the slots share, where a later batch could find no
-        room after an earlier one changed memory."""
-        alone = [i for i, (seq, _) in enumerate(plan) if seq.sampling.score_tokens]
-        shared_pool = 0 < self.info.num_kv_cells != self.info.num_ctx * self.info.num_parallel
-        if not alone or len(plan) == 1 or shared_pool:
-            return self.backend.step([entry for _, entry in plan])
-        sampled: list[int | None] = [None] * len(plan)
-        for i in alone:
-            sampled[i] = self.backend.step([plan[i][1]])[0]
-        rest = [i for i in range(len(plan)) if i not in set(alone)]
-        if rest:
-            for i, token in zip(rest, self.backend.step([plan[i][1] for i in rest]), strict=True):
-                sampled[i] = token
-        return sampled
 
     def _make_room(self, plan: list[tuple[Sequence, BatchEntry]], outbox: Outbox) -> None:
         """Free memory in the shared KV pool for a step it could not take (see `_decode`)."""
@@ -456,18 +441,24 @@ class BatchingEngine:
         lost = len(tokens) - num_kept if can_cut or num_kept < len(tokens) else 0
         if not self.cache.is_enabled or lost < self.scheduler.min_share or len(tokens) < self.scheduler.min_share:
             return
-        if self.cache.covers(self.cache_key, tokens, can_cut):
+        key = self._key(self.scheduler.slot_adapters[slot])
+        if self.cache.covers(key, tokens, can_cut):
             return
         state = self.backend.save_state(slot)
         if state is not None:
-            self.cache.put(self.cache_key, tokens, state, can_cut=can_cut, persist=persist)
+            self.cache.put(key, tokens, state, can_cut=can_cut, persist=persist)
+
+    def _key(self, adapters: tuple[Adapter, ...]) -> str:
+        """This model's name in the prompt cache for states computed under an adapter set (a prefix computed under
+        one set never serves another)."""
+        return f"{self.cache_key}+lora:{adapters_identity(adapters)}" if adapters else self.cache_key
 
     def _restore_cached(self, seq: Sequence, floor: int) -> tuple[int, Tier]:
         """Restore into the slot the saved state of the longest prefix of the prompt when it holds at least
         `min_share` more than `floor` positions: (the positions held now, where they came from), or (0, "slot")."""
         tokens = seq.prefill_tokens
         limit = len(tokens) - 1
-        hit = self.cache.lookup(self.cache_key, tokens, limit, self.info.can_cut_memory) \
+        hit = self.cache.lookup(self._key(seq.adapters), tokens, limit, self.info.can_cut_memory) \
             if self.cache.is_enabled and floor < limit else None
         if hit is None:
             return 0, "slot"

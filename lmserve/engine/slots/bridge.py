@@ -20,7 +20,7 @@ from lmserve.engine.detokenize import IncrementalDecoder
 from lmserve.engine.logprobs import LogprobAligner
 from lmserve.engine.slots.drafting import DraftLength
 from lmserve.engine.slots.jobs import Job
-from lmserve.engine.slots.scheduler import Sequence
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineStopped, InvalidRequest, Overloaded
 from lmserve.types import Chunk

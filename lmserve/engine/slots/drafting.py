@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lmserve.engine.slots.backend import Backend
     from lmserve.engine.slots.bridge import Tracker
-    from lmserve.engine.slots.scheduler import Sequence
+    from lmserve.engine.slots.sequence import Sequence
 
 NGRAM_SIZES = (4, 3)
 """The n-gram lengths looked up, longest first (a longer match predicts better; 2-token matches, common in free

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import InvalidRequest
-from lmserve.types import Bitmap, SamplingParams
+from lmserve.types import Adapter, Bitmap, SamplingParams
 
 EOG = 256
 EMBED_SIZE = 256
@@ -61,6 +62,9 @@ class FakeBackend:
         self.script = script.encode() if script is not None else None
         """When set, every sequence answers exactly these bytes, then ends."""
         self.steps: list[list[BatchEntry]] = []
+        self.step_adapters: list[tuple[Adapter, ...]] = []
+        """The adapter set of each step, in order (a sequence's adapters shift its text: `start`)."""
+        self.slot_adapters: dict[int, tuple[Adapter, ...]] = {}
         self.copies: list[tuple[int, int, int]] = []
         self.forks: list[tuple[int, list[int]]] = []
         self._slots: dict[int, tuple[int, int]] = {}
@@ -110,7 +114,9 @@ class FakeBackend:
 
     def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
               generated: list[int] | None = None) -> int:
-        self._slots[slot] = (len(prompt) + (sampling.seed or 0), len(prompt))
+        shift = sum(zlib.crc32(adapter.path.encode()) % 97 for adapter in sampling.adapters)  # an adapter's effect
+        self._slots[slot] = (len(prompt) + (sampling.seed or 0) + shift, len(prompt))
+        self.slot_adapters[slot] = sampling.adapters
         self._counts[slot] = len(generated or ())  # its text goes on where it stopped
         if sampling.score_tokens:
             self._score_tokens[slot] = (list(sampling.score_tokens), zlib.crc32(bytes(t % 256 for t in prompt)))
@@ -133,9 +139,18 @@ class FakeBackend:
         if "root ::=" not in grammar:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
-    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+    def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
+        """An adapter is any existing file; a path that does not exist is refused."""
+        for adapter in adapters:
+            if not Path(adapter.path).is_file():
+                raise InvalidRequest(f"LoRA adapter not found: {adapter.path}", param="lora")
+
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         if self.fault is not None:
             raise RuntimeError(self.fault)
+        if any(self.slot_adapters.get(entry.slot, ()) != adapters for entry in entries):
+            raise AssertionError("a step mixed sequences of different adapter sets")
+        self.step_adapters.append(adapters)
         after = dict(self.held)
         for entry in entries:
             after[entry.slot] = entry.pos + entry.num_positions

@@ -8,7 +8,7 @@ from __future__ import annotations
 from lmserve.engine.logprobs import LogprobAligner, token_logprob
 from lmserve.engine.slots.backend import Backend
 from lmserve.engine.slots.bridge import Outbox, Tracker
-from lmserve.engine.slots.scheduler import Sequence
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import Chunk, FinishReason, Timings, TokenLogprob, Usage
 
 

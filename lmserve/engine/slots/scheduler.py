@@ -53,128 +53,17 @@ Each sequence is in one `Phase` at a time, and moves only along the edges of `MO
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry
-from lmserve.engine.slots.phases import MOVES, Phase
-from lmserve.types import SamplingParams
+from lmserve.engine.slots.phases import Phase
+from lmserve.engine.slots.sequence import Sequence
+from lmserve.types import Adapter
 
 BACKGROUND_PREFILL = 16
 """Prefill tokens a step gives sequences of lower than default priority (a batch's lines) soon after an interactive
 request: on 2 cores, a chat's engine TTFT under a 600-line batch 0.8-0.9x idle with 16, 1.9-2.0x unlimited."""
 RECENT_STEPS = 256
 """Steps after the last one with a sequence of default or higher priority during which BACKGROUND_PREFILL holds."""
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """Engine-side state of one request."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    special: bool = False
-    slot: int = -1
-    num_prefilled: int = 0
-    num_cached: int = 0
-    output: list[int] = field(default_factory=list)
-    phase: Phase = Phase.WAITING
-    images: list[PromptImage] = field(default_factory=list)
-    """Images in the prompt, in order; their positions hold placeholder ids."""
-    copy_from: int = -1
-    """At admission: a slot holding a longer prefix of the prompt than this one's, to copy `copy_len` from."""
-    copy_len: int = 0
-    leader: Sequence | None = None
-    """While following: a sequence prefilling the first `share_len` tokens of this prompt, to copy them from."""
-    share_len: int = 0
-    checkpoints: list[int] = field(default_factory=list)
-    """Prompt positions where prefill pauses so the engine can snapshot the slot (models that cannot cut memory)."""
-    draft: list[int] = field(default_factory=list)
-    """Tokens the engine drafted to follow the pending one (speculative decoding), verified in the next step."""
-    fork_of: Sequence | None = None
-    """Another choice of the same prompt (the OpenAI `n`) that prefills it: admitted while that one still prefills,
-    this one is forking: it waits, then takes a whole copy of its memory and samples its first token from the same
-    logits."""
-    num_refill: int = 0
-    """Output tokens prefilled after the prompt, once parked or preempted: the prefill recomputes what was lost."""
-    evicts: list[int] = field(default_factory=list)
-    """At admission: the tokens the slot held before this sequence took it (it keeps `num_cached` of them)."""
-
-    @property
-    def priority(self) -> int:
-        return self.sampling.priority
-
-    def move(self, phase: Phase) -> None:
-        """Move to `phase`; AssertionError when `MOVES` has no such edge. Leaving following or forking forgets the
-        sequence waited for."""
-        if phase not in MOVES[self.phase]:
-            raise AssertionError(f"a sequence cannot move from {self.phase.name} to {phase.name}")
-        if self.phase is Phase.FOLLOWING:
-            self.leader, self.share_len = None, 0
-        elif self.phase is Phase.FORKING:
-            self.fork_of = None
-        self.phase = phase
-
-    @property
-    def held(self) -> list[int]:
-        """The tokens whose state this sequence's slot holds now."""
-        if self.num_prefilled < len(self.prompt) + self.num_refill:
-            return self.prefill_tokens[: self.num_prefilled]
-        return self.prompt + self.output[:-1]
-
-    @property
-    def num_held(self) -> int:
-        """How many tokens `held` has (without copying them)."""
-        if self.num_prefilled < len(self.prompt) + self.num_refill:
-            return self.num_prefilled
-        return len(self.prompt) + max(len(self.output) - 1, 0)
-
-    @property
-    def prefill_tokens(self) -> list[int]:
-        """What prefill puts in the slot: the prompt, and after a park the output tokens sampled before it."""
-        return self.prompt + self.output[: self.num_refill] if self.num_refill else self.prompt
-
-    def image_at(self, pos: int) -> PromptImage | None:
-        """The image starting at prompt position `pos`, if any."""
-        for image in self.images:
-            if image.start == pos:
-                return image
-        return None
-
-    def text_end(self, pos: int) -> int:
-        """Where the run of text tokens starting at `pos` ends: the next image or checkpoint, or the prompt's end."""
-        stops = [image.start for image in self.images if image.start >= pos]
-        stops += [checkpoint for checkpoint in self.checkpoints if checkpoint > pos]
-        return min(stops, default=len(self.prompt) + self.num_refill)
-
-    def cut_outside_images(self, pos: int) -> int:
-        """`pos`, moved back to an image's start when it falls inside that image (an image is decoded whole)."""
-        for image in self.images:
-            if image.start < pos < image.end:
-                return image.start
-        return pos
-
-    @property
-    def reuse_limit(self) -> int:
-        """The most prompt tokens computed before that this sequence may reuse (SamplingParams.reuse_limit)."""
-        limit = self.sampling.reuse_limit
-        return len(self.prompt) + self.num_refill if limit is None else limit
-
-    def reusable(self, length: int) -> int:
-        """How much of a `length`-token prefix computed before this sequence may reuse: at most all but the last
-        prefill token (decoded for the next token's logits) and `reuse_limit`, never part of an image; and with a
-        `reuse_limit`, a prefix reaching past the first checkpoint is cut back to the last checkpoint it reaches, so
-        each stretch between checkpoints is always computed in one piece (SamplingParams.reuse_limit)."""
-        pos = min(length, len(self.prefill_tokens) - 1, self.reuse_limit)
-        if self.sampling.reuse_limit is not None and self.checkpoints and pos > min(self.checkpoints):
-            pos = max(c for c in self.checkpoints if c <= pos)
-        return self.cut_outside_images(pos)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the slot's memory after this step's input (prompt + generated, minus the pending one)."""
-        return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
 class Scheduler:
@@ -194,6 +83,10 @@ class Scheduler:
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
         """Tokens whose state each free slot's memory holds, position by position."""
+        self.slot_adapters: list[tuple[Adapter, ...]] = [() for _ in range(num_slots)]
+        """The adapter set each slot's memory was computed under (set when a sequence takes the slot: `reused`)."""
+        self.last_adapters: tuple[Adapter, ...] = ()
+        """The adapter set of the last step (`schedule` takes turns between sets)."""
         self.can_copy = can_copy
         self.can_snapshot = can_snapshot
         """Followers may wait for a leader's checkpoint and restore its snapshot (when copies are impossible)."""
@@ -235,7 +128,7 @@ class Scheduler:
         """
         seq = self.waiting.popleft()
         tokens = seq.prefill_tokens
-        index, length = self.choose_slot(tokens)
+        index, length = self.choose_slot(tokens, seq.adapters)
         seq.slot = self.free_slots.pop(index)
         seq.evicts = self.slot_tokens[seq.slot]
         seq.num_cached = seq.reusable(length)
@@ -281,8 +174,14 @@ class Scheduler:
     def _followers(self, seq: Sequence) -> list[Sequence]:
         return [other for other in self.running if other.phase is Phase.FOLLOWING and other.leader is seq]
 
-    def choose_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """The index in the free list of the slot for `prompt`, and the prefix of it that slot holds.
+    def held_for(self, slot: int, adapters: tuple[Adapter, ...]) -> list[int]:
+        """The tokens `slot` holds that a sequence running with `adapters` may reuse: all, or none when the slot was
+        computed under another adapter set."""
+        return self.slot_tokens[slot] if self.slot_adapters[slot] == adapters else []
+
+    def choose_slot(self, prompt: list[int], adapters: tuple[Adapter, ...] = ()) -> tuple[int, int]:
+        """The index in the free list of the slot for `prompt` (run with `adapters`), and the prefix of it that slot
+        holds.
 
         The slot sharing the longest prefix, when that prefix is at least `slot_similarity` of the slot's tokens or
         the whole prompt (all it could reuse); else an empty slot; else the least recently freed (the free list is in
@@ -291,14 +190,14 @@ class Scheduler:
         best, best_len = -1, 0
         for i, slot in enumerate(self.free_slots):
             held = self.slot_tokens[slot]
-            length = common_prefix_length(held, prompt)
+            length = common_prefix_length(self.held_for(slot, adapters), prompt)
             if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
                 best, best_len = i, length
         if best >= 0:
             return best, best_len
         empty = [i for i, slot in enumerate(self.free_slots) if not self.slot_tokens[slot]]
         index = empty[-1] if empty else 0
-        return index, common_prefix_length(self.slot_tokens[self.free_slots[index]], prompt)
+        return index, common_prefix_length(self.held_for(self.free_slots[index], adapters), prompt)
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
         return seq.reusable(common_prefix_length(tokens, seq.prompt))
@@ -306,14 +205,14 @@ class Scheduler:
     def _plan_sharing(self, seq: Sequence) -> None:
         """Pick a slot to copy a longer prefix from now, or a prefilling leader to wait for and copy from later."""
         best = seq.num_cached
-        held = [(slot, self.slot_tokens[slot]) for slot in self.free_slots]
-        held += [(other.slot, other.held) for other in self.running]
+        held = [(slot, self.held_for(slot, seq.adapters)) for slot in self.free_slots]
+        held += [(other.slot, other.held) for other in self.running if other.adapters == seq.adapters]
         for slot, tokens in held:
             length = self._usable(seq, tokens)
             if length >= best + self.min_share:
                 seq.copy_from, seq.copy_len, best = slot, length, length
         for other in self.running:
-            if other.phase is Phase.PREFILLING:
+            if other.phase is Phase.PREFILLING and other.adapters == seq.adapters:
                 length = self._usable(seq, other.prompt)
                 if length >= best + self.min_share:
                     seq.leader, seq.share_len, best = other, length, length
@@ -322,7 +221,7 @@ class Scheduler:
         """Wait for a prefilling leader that will snapshot a checkpoint this prompt shares."""
         best = seq.num_cached
         for other in self.running:
-            if other.phase is not Phase.PREFILLING:
+            if other.phase is not Phase.PREFILLING or other.adapters != seq.adapters:
                 continue
             shared = self._usable(seq, other.prompt)
             for checkpoint in other.checkpoints:
@@ -346,7 +245,7 @@ class Scheduler:
                 continue
             seq.move(Phase.PREFILLING)
             for slot in self.free_slots:
-                if self._usable(seq, self.slot_tokens[slot]) >= length:
+                if self._usable(seq, self.held_for(slot, seq.adapters)) >= length:
                     ready.append((seq, slot, length))
                     break
         return ready
@@ -374,9 +273,10 @@ class Scheduler:
         return True
 
     def reused(self, seq: Sequence, num_reused: int) -> None:
-        """Record how much of the slot's memory the backend kept for `seq`."""
+        """Record how much of the slot's memory the backend kept for `seq` (computed under its adapter set)."""
         seq.num_cached = seq.num_prefilled = num_reused
         self.slot_tokens[seq.slot] = seq.prefill_tokens[:num_reused]
+        self.slot_adapters[seq.slot] = seq.adapters
 
     def forget(self, slot: int) -> None:
         """The slot's memory is no longer trusted (a failed decode): reuse nothing from it."""
@@ -446,9 +346,10 @@ class Scheduler:
         if all(seq.phase in (Phase.PARKED, Phase.FORKING) for seq in self.running):
             self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
         urgent = min((seq.priority for seq in self.running if seq.phase is Phase.PREFILLING), default=None)
+        group = self._adapter_turn(urgent)
         for seq in self.running:
-            if urgent is not None and seq.priority > urgent:
-                continue  # a prompt of higher priority is prefilling: this waits for it
+            if (urgent is not None and seq.priority > urgent) or seq.adapters != group:
+                continue  # a prompt of higher priority is prefilling (this waits for it), or another set's turn
             if seq.phase is Phase.DECODING and budget > 0:
                 draft = seq.draft[: budget - 1]
                 plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
@@ -462,7 +363,8 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.phase is not Phase.PREFILLING or (urgent is not None and seq.priority > urgent):
+            if seq.phase is not Phase.PREFILLING or (urgent is not None and seq.priority > urgent) or \
+                    seq.adapters != group:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)
@@ -480,6 +382,21 @@ class Scheduler:
                 spare -= len(chunk) if seq.priority > 0 else 0
             has_prefill = True
         return plan
+
+    def _adapter_turn(self, urgent: int | None) -> tuple[Adapter, ...]:
+        """The adapter set this step runs (llama.cpp applies one set to a whole step): with sequences of several sets
+        ready to decode or prefill (of the `urgent` priority or above, when one is prefilling), the next set after
+        the last step's, in the order of their oldest sequences, so each set gets a turn every few steps."""
+        sets: list[tuple[Adapter, ...]] = []
+        for seq in self.running:
+            if seq.phase in (Phase.PREFILLING, Phase.DECODING) and (urgent is None or seq.priority <= urgent) \
+                    and seq.adapters not in sets:
+                sets.append(seq.adapters)
+        if not sets:
+            return self.last_adapters
+        turn = (sets.index(self.last_adapters) + 1) % len(sets) if self.last_adapters in sets else 0
+        self.last_adapters = sets[turn]
+        return self.last_adapters
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from lmserve.engine.protocol import ModelInfo, PromptImage, check_choices, check_score_tokens, choice_sampling
 from lmserve.engine.slots.backend import Backend
-from lmserve.engine.slots.scheduler import Sequence
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.errors import ContextOverflow, InvalidRequest
 from lmserve.types import SamplingParams
 
@@ -35,6 +35,7 @@ def check_request(backend: Backend, prompt: list[int], sampling: SamplingParams,
     if any(not 0 <= token < num_vocab for token in sampling.logit_bias):
         raise InvalidRequest(f"logit_bias token ids must be in [0, {num_vocab}) for this model", param="logit_bias")
     check_score_tokens(sampling, num_vocab)
+    backend.check_adapters(sampling.adapters)
     if sampling.grammar is not None:
         if sampling.ignore_eos:  # the grammar ends the output; with the end token banned it could not
             raise InvalidRequest("ignore_eos cannot be combined with structured output", param="ignore_eos")

@@ -33,6 +33,7 @@ from lmserve.engine.protocol import (
     ModelInfo,
     PromptImage,
     check_choices,
+    check_no_adapters,
     check_score_tokens,
     choice_sampling,
 )
@@ -156,6 +157,7 @@ class VllmEngine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
                                  param="logit_bias")
         check_score_tokens(sampling, self.info.num_vocab)
+        check_no_adapters("vLLM", sampling.adapters)
 
     def submit_many(
         self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,

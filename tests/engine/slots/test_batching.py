@@ -15,7 +15,7 @@ from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import ContextOverflow, EngineStopped, InvalidRequest, Overloaded
-from lmserve.types import Bitmap, Chunk, SamplingParams
+from lmserve.types import Adapter, Bitmap, Chunk, SamplingParams
 
 
 @pytest.fixture
@@ -343,11 +343,11 @@ class StuckBackend(FakeBackend):
         self.stuck = threading.Event()
         self.release = threading.Event()
 
-    def step(self, entries: list[BatchEntry]) -> list[int | None]:
+    def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         if self.hold:
             self.stuck.set()
             self.release.wait(60)
-        return super().step(entries)
+        return super().step(entries, adapters)
 
 
 async def test_fail_all_ends_every_stream_at_once_even_while_a_step_is_still_running() -> None:

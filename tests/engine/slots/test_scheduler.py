@@ -6,7 +6,8 @@ import pytest
 
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.phases import Phase
-from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, Scheduler, Sequence
+from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, Scheduler
+from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import SamplingParams
 
 
