@@ -106,6 +106,17 @@ class ServerConfig:
     max_messages: int = option(1024, env="MAX_MESSAGES", kind="int", minimum=1,
                                help="most messages one chat request may carry")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
+    loras: tuple[str, ...] = option((), "--lora", "--lora-modules", env="LORA", kind="list", metavar="NAME=PATH",
+                                    help="serve the LoRA adapter at PATH (a GGUF LoRA) over the served model as the "
+                                    "model NAME, sharing its loaded weights; repeatable, or comma-separated")
+    max_loras: int = option(8, "--max-loras", env="MAX_LORAS", kind="int", minimum=1, metavar="N",
+                            help="LoRA adapters kept loaded per model at once (the least recently used idle one "
+                            "goes first)")
+    max_lora_rank: int = option(64, "--max-lora-rank", env="MAX_LORA_RANK", kind="int", minimum=1, metavar="N",
+                                help="highest LoRA rank accepted; an adapter of a higher rank is a 400")
+    runtime_lora: bool = option(False, "--runtime-lora", env="RUNTIME_LORA", kind="bool",
+                                help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime "
+                                "LoRA routes) while serving")
     image_allow_hosts: tuple[str, ...] = option((), "--image-allow-host", env="IMAGE_ALLOW_HOSTS", kind="list",
                                                 metavar="HOST",
                                                 help="let image URLs reach HOST (name, IP or host:port) even when it "

@@ -60,7 +60,27 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
                       max_images=config.max_images, n_predict=config.n_predict,
                       reasoning_parser=config.reasoning_parser, reasoning_budget=config.reasoning_budget,
                       prompt_cache=settings.prompt_cache)
-    return service, _served_name(config, service, catalog, name, settings)
+    name = _served_name(config, service, catalog, name, settings)
+    _register_loras(config, service, name)
+    return service, name
+
+
+def _register_loras(config: ServerConfig, service: Service, name: str) -> None:
+    """The adapters of `--lora NAME=PATH`, each made the model NAME over the served model `name` (a bad one stops the
+    start, naming it)."""
+    from lmserve.errors import ModelNotFound
+
+    service.loras.base, service.loras.runtime = name, config.runtime_lora
+    for item in config.loras:
+        lora_name, sep, path = item.partition("=")
+        if not sep or not lora_name.strip() or not path.strip():
+            raise InvalidRequest(f"--lora takes NAME=PATH, not '{item}'")
+        lora_name = lora_name.strip()
+        with contextlib.suppress(ModelNotFound):
+            if not service.catalog.settings(lora_name).adapters:
+                raise InvalidRequest(f"--lora {item}: the model '{lora_name}' exists and is no LoRA adapter")
+            service.catalog.delete(lora_name)  # an adapter model of an earlier start: made again from this file
+        service.loras.register(lora_name, path.strip())
 
 
 def _ensure_embedded(store: Store) -> None:
@@ -220,7 +240,8 @@ def prompt_cache(config: ServerConfig) -> PromptCache:
 def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
     return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
-                          prompt_cache=prompt_cache(config), launch=config.launch)
+                          prompt_cache=prompt_cache(config), max_loras=config.max_loras,
+                          max_lora_rank=config.max_lora_rank, launch=config.launch)
 
 
 class GracefulServer(uvicorn.Server):

@@ -191,6 +191,18 @@ class RequestOptions:
     """Option name → checked value (an options.py layer), sampling and load-time options alike."""
     defaults: Literal["openai", "native"] = "openai"
     """Whose server defaults lie under them: the native routes' (the local runner's) or SamplingParams' own."""
+    lora: tuple[LoraRef, ...] | None = None
+    """The LoRA adapters the request picked (llama-server's `lora`); None: the model's own."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A request's pick of a LoRA adapter: by id in the server's list (GET /lora-adapters) or by name (a registered
+    adapter, or any model made with ADAPTER), at a scale (1.0: as trained)."""
+
+    id: int | None = None
+    name: str | None = None
+    scale: float = 1.0
 
 
 @dataclass(slots=True)

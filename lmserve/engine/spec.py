@@ -32,6 +32,10 @@ class EngineSettings:
     prompt_cache: PromptCache | None = None
     """Saved prompt states beyond the slots, shared by every model of the slot engine (None: each engine keeps a
     small one)."""
+    max_loras: int = 8
+    """LoRA adapters kept loaded per model at once (--max-loras)."""
+    max_lora_rank: int = 64
+    """The highest LoRA rank accepted (--max-lora-rank)."""
     launch: tuple[object, ...] = ()
     """Each engine's launch record (its options as the server was started with them)."""
 
@@ -66,6 +70,9 @@ class EngineSpec:
     lmserve/supervisor.py, starts it again); False: in processes of its own (vLLM's engine core)."""
     takes: frozenset[str] = frozenset()
     """What a Modelfile may add to a model it serves: "adapters", "projector", "quantize"."""
+    adapters_per_request: bool = False
+    """It applies LoRA adapters per request (SamplingParams.adapters) over one loaded base: a model made with ADAPTER
+    shares its base's engine. False: adapters are load options (an instance of their own), or refused."""
     sampling: frozenset[str] = SAMPLING_OPTIONS
     """The per-request sampling options it honours, by the options table's names; a request that sets another to
     anything but its neutral value is refused, naming it (engine/sampling_support.py)."""

@@ -4,6 +4,7 @@
     judging     decisions, reranking, classifying: exact probabilities of answers (service/judging.py)
     models      list, show, create, copy, delete, pull; load, unload, ps (service/models.py)
     residency   which engine instance serves each model name; shared weights; keep-alive (service/residency/)
+    loras       LoRA adapters registered by name, and a request's picks among them (service/adapters.py)
     precedence  the options a request runs with: its own over the model's over the server's (service/precedence.py)
     observers   registered listeners of finished generations and loads, e.g. metrics (service/observers.py)
 
@@ -14,6 +15,7 @@ Residency given to the Service (whose observers they share).
 from __future__ import annotations
 
 from lmserve.engine.factory import PromptCache
+from lmserve.service.adapters import LoraRegistry
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing, StaticCatalog
 from lmserve.service.generation import GenerationService
 from lmserve.service.generation_stream import Generation
@@ -49,7 +51,10 @@ class Service:
         self.prompt_cache = prompt_cache
         """The llama.cpp models' prompt cache beyond the slots (closed last: engines save their slots into it)."""
         self.observers: Observers = residency.observers
-        self.precedence = Precedence(load_options, n_predict)
+        self.loras = LoraRegistry(catalog)
+        """The LoRA adapters registered by name (`serve --lora`, /v1/load_lora_adapter); its `base` is set by the
+        server to the model it serves."""
+        self.precedence = Precedence(load_options, n_predict, self.loras)
         self.generation = GenerationService(catalog, residency, self.precedence, self.observers,
                                             tool_call_parser=tool_call_parser, max_messages=max_messages,
                                             max_images=max_images, reasoning_parser=reasoning_parser,

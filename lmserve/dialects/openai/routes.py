@@ -48,7 +48,9 @@ from lmserve.service import ModelListing
 
 
 def model_card(model: ModelListing) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
+    """A model as /v1/models lists it; a LoRA adapter model also names its base (`parent`, as vLLM lists them)."""
+    card = {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by}
+    return card if model.parent is None else {**card, "parent": model.parent}
 
 
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)

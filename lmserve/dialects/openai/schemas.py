@@ -165,6 +165,15 @@ REFUSED_OUTPUTS: dict[str, str] = {
 """Chat fields OpenAI defines for outputs lmserve cannot make: any value but null (and modalities ["text"]) is a 400."""
 
 
+class LoraPick(BaseModel):
+    """One item of `lora`."""
+
+    model_config = _WIRE
+    id: int | None = Field(default=None, ge=0)
+    name: str | None = None
+    scale: float = Field(default=1.0, ge=-16.0, le=16.0, allow_inf_nan=False)
+
+
 class SamplingFields(BaseModel):
     """Sampling fields common to chat and legacy completions (plus the non-standard llama.cpp ones)."""
 
@@ -190,6 +199,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    lora: list[LoraPick] | None = Field(default=None, max_length=16)
+    """llama-server's per-request LoRA adapters: each by `id` (GET /lora-adapters) or `name`, at a `scale`."""
 
     @field_validator("stop")
     @classmethod

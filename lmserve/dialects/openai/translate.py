@@ -22,6 +22,7 @@ from lmserve.types import (
     IMAGE_PLACEHOLDER,
     ChatRequest,
     Infill,
+    LoraRef,
     Message,
     RequestOptions,
     SamplingParams,
@@ -41,7 +42,8 @@ def to_options(req: schemas.SamplingFields) -> RequestOptions:
     """The body's sampling fields (lmserve/options.py names and checks them; the service puts them over the model's
     and the server's). Fields that would change the reply but that lmserve does not do (best_of, load-time options
     …) are refused with a 400 naming them. `n` is the dialect's own (`chat_choices`, `completion_choices`)."""
-    return RequestOptions(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n"})))
+    lora = None if req.lora is None else tuple(LoraRef(pick.id, pick.name, pick.scale) for pick in req.lora)
+    return RequestOptions(opts.from_openai(req.model_dump(exclude_unset=True, exclude={"n", "lora"})), lora=lora)
 
 
 def to_chat_request(req: schemas.ChatCompletionRequest, images: list[list[bytes]] | None = None, *,

@@ -31,7 +31,7 @@ def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> En
 
     launch = settings.of(LlamaCppLaunch)
     chunk = settings.max_prefill_tokens or PREFILL_CHUNK
-    backend = LlamaCppBackend(path, options, launch)
+    backend = LlamaCppBackend(path, options, launch, (settings.max_loras, settings.max_lora_rank))
     return BatchingEngine(backend, max_batch_tokens=options.num_batch,
                           max_prefill_tokens=backend.info.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, prompt_cache=settings.prompt_cache,
@@ -68,5 +68,6 @@ def prompt_cache_key(path: Path, options: LoadOptions, launch: LlamaCppLaunch, n
 SPEC = EngineSpec(
     name="llamacpp", label="llama.cpp", serves="GGUF files", launch=LlamaCppLaunch, claims=claims, open=open_model,
     estimate=estimate, in_process=True, takes=frozenset({"adapters", "projector", "quantize"}),
+    adapters_per_request=True,
     sampling=SAMPLING_OPTIONS,
 )

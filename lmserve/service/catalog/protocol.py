@@ -14,7 +14,7 @@ from lmserve.options import Layer
 from lmserve.service.residency import LoadPlan
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.store import Store
-from lmserve.types import LoadOptions
+from lmserve.types import Adapter, LoadOptions
 
 EngineOpener = Callable[[Path, LoadOptions], Engine]
 """Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
@@ -56,6 +56,8 @@ class ModelListing:
     size: int = 0
     digest: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    parent: str | None = None
+    """The model a LoRA adapter model runs over (its FROM); None for any other model."""
 
 
 @dataclass(slots=True)
@@ -86,6 +88,9 @@ class ModelSettings:
     """Whether it can see images (a vision projector, or a vision config)."""
     plan: Callable[[LoadOptions], LoadPlan]
     """How it is loaded with given load options (cheap: nothing is loaded yet)."""
+    adapters: tuple[Adapter, ...] = ()
+    """The LoRA adapters (its Modelfile's ADAPTERs) its requests run with, on an engine that applies them per request
+    over the base's loaded weights (EngineSpec.adapters_per_request); elsewhere they are load options."""
 
 
 class Catalog(Protocol):

@@ -30,11 +30,12 @@ from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKe
 from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.load_crashes import LoadCrashes
+from lmserve.store.lora import check_lora
 from lmserve.store.manifest import Manifest, ModelEntry
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import ModelName, is_gguf_path, parse_name
 from lmserve.store.store import Store
-from lmserve.types import LoadOptions, Message
+from lmserve.types import Adapter, LoadOptions, Message
 
 
 class StoreCatalog:
@@ -82,9 +83,19 @@ class StoreCatalog:
             vision = repository.has_vision(repository.read_json(self.store.blob_path(manifest.model)))
         else:
             vision = manifest.projector is not None
+        path = self.store.model_path(manifest)
+        adapters = tuple(Adapter(str(self.store.blob_path(digest))) for digest in manifest.adapters) \
+            if self._per_request(path) else ()
         return ModelSettings(name=str(entry.name), parameters=opts.from_parameters(manifest.parameters),
                              recommended=self._recommended(manifest), has_vision=vision,
-                             plan=partial(self._plan, entry, self.store.model_path(manifest)))
+                             plan=partial(self._plan, entry, path), adapters=adapters)
+
+    def _per_request(self, path: Path) -> bool:
+        """Whether the engine of the model at `path` applies adapters per request (else they are load options)."""
+        try:
+            return engine_of(path, self._engines).adapters_per_request
+        except LmserveError:
+            return False
 
     def describe(self, name: str) -> ModelDescription:
         entry = self.store.find(name)
@@ -163,7 +174,8 @@ class StoreCatalog:
 
     def _plan(self, entry: ModelEntry, path: Path, options: LoadOptions) -> LoadPlan:
         manifest = entry.manifest
-        adapters = tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
+        adapters = () if self._per_request(path) else \
+            tuple(str(self.store.blob_path(digest)) for digest in manifest.adapters)
         projector = str(self.store.blob_path(manifest.projector)) if manifest.projector else None
         full = replace(options, adapters=adapters, projector=projector)
         header = partial(gguf_metadata, max_array=4096)  # per-layer values kept, the vocabulary left out
@@ -230,7 +242,7 @@ class StoreCatalog:
             families = list(manifest.details.get("families") or [])
             manifest.details = {**manifest.details, "families": [*families, "clip"] if "clip" not in families
                                 else families}  # as the local runner lists a model with a projector
-        manifest.adapters += [self._blob(a, base_dir) for a in modelfile.adapters]
+        manifest.adapters += [self._adapter_blob(a, base_dir, manifest) for a in modelfile.adapters]
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
             manifest.template = modelfile.template
@@ -252,6 +264,14 @@ class StoreCatalog:
         path = _local_path(source, base_dir)
         check_gguf(path)
         return self.store.import_file(path)
+
+    def _adapter_blob(self, source: str, base_dir: Path | None, manifest: Manifest) -> str:
+        """The digest of an ADAPTER's file, checked against the GGUF it goes over (a 400 naming what is wrong)."""
+        if not manifest.files:  # checked where it lies, before it is imported
+            path = self.store.blob_path(source.lstrip("@")) if source.startswith(("@sha256:", "sha256:")) \
+                else _local_path(source, base_dir)
+            check_lora(path, self.store.blob_path(manifest.model), param="modelfile")
+        return self._blob(source, base_dir)
 
     def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
         if source.startswith(("@sha256:", "sha256:")):
@@ -279,9 +299,10 @@ class StoreCatalog:
         return Manifest(model=digests[repository.CONFIG], files=digests, details=repository.details(directory))
 
     def _listing(self, entry: ModelEntry) -> ModelListing:
+        manifest = entry.manifest
         return ModelListing(
-            name=str(entry.name), created=int(entry.manifest.modified_at), size=entry.size, digest=entry.digest,
-            details=dict(entry.manifest.details),
+            name=str(entry.name), created=int(manifest.modified_at), size=entry.size, digest=entry.digest,
+            details=dict(manifest.details), parent=(manifest.parent or None) if manifest.adapters else None,
         )
 
 
