@@ -8,8 +8,8 @@ import pytest
 
 from lmserve.engine.llamacpp.backend import LlamaCppBackend
 from lmserve.engine.slots.batching import BatchingEngine
-from lmserve.errors import EngineFailure
-from lmserve.types import LoadOptions, SamplingParams
+from lmserve.errors import EngineFailure, InvalidRequest
+from lmserve.types import Adapter, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lora import tiny_llama_shapes, write_tiny_lora
 
@@ -88,3 +88,58 @@ def test_a_bad_adapter_is_an_engine_failure_naming_the_file(
         LlamaCppBackend(base, options(files[1], bad))
     assert bad.name in info.value.message
     LlamaCppBackend(base, options(files[1])).close()  # what the failed load created was freed
+
+
+async def per_request(engine: BatchingEngine, *adapters: Adapter) -> list[str]:
+    """Greedy continuations of PROMPTS, one after another, with the adapters on each request."""
+    texts = []
+    for prompt in PROMPTS:
+        sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, adapters=adapters)
+        texts.append("".join([chunk.text async for chunk in engine.submit(engine.tokenize(prompt), sampling,
+                                                                         special=True)]))
+    return texts
+
+
+async def test_an_adapter_per_request_is_the_adapter_loaded_with_the_model(files: tuple[Path, Path],
+                                                                           tmp_path: Path) -> None:
+    base, lora = files
+    other = write_tiny_lora(tmp_path / "other.gguf", base, seed=7)
+    engine = BatchingEngine(LlamaCppBackend(base, options()))
+    try:
+        assert await per_request(engine, Adapter(str(lora))) == (await greedy(base, lora))[0]
+        assert await per_request(engine) == (await greedy(base))[0]  # the next request without: the base
+        assert await per_request(engine, Adapter(str(other))) == (await greedy(base, other))[0]
+        assert await per_request(engine, Adapter(str(lora), 0.0)) == (await greedy(base))[0]  # scale 0: off
+        assert await per_request(engine, Adapter(str(lora)), Adapter(str(lora))) == \
+            (await greedy(base, lora, lora))[0]
+    finally:
+        engine.close()
+
+
+async def test_adapters_beyond_the_limit_free_the_least_recently_used(files: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    base, lora = files
+    others = [write_tiny_lora(tmp_path / f"{seed}.gguf", base, seed=seed) for seed in (2, 3)]
+    backend = LlamaCppBackend(base, options(), adapter_limits=(2, 0))
+    engine = BatchingEngine(backend)
+    try:
+        first = await per_request(engine, Adapter(str(lora)))
+        for path in others:
+            await per_request(engine, Adapter(str(path)))
+        assert backend._loaded.adapters.loaded == [str(others[0]), str(others[1])]
+        assert await per_request(engine, Adapter(str(lora))) == first  # loaded again on its next use
+    finally:
+        engine.close()
+
+
+def test_a_bad_adapter_on_a_request_is_a_400_naming_it(files: tuple[Path, Path], tmp_path: Path) -> None:
+    base, _ = files
+    engine = BatchingEngine(LlamaCppBackend(base, options(), adapter_limits=(2, 2)))
+    try:
+        with pytest.raises(InvalidRequest, match=r"other\.gguf is for a qwen2 model"):
+            engine.submit(engine.tokenize("hi"), SamplingParams(
+                adapters=(Adapter(str(write_tiny_lora(tmp_path / "other.gguf", base, architecture="qwen2"))),)))
+        with pytest.raises(InvalidRequest, match=r"rank 4, over this server's limit of 2"):
+            engine.submit(engine.tokenize("hi"), SamplingParams(adapters=(Adapter(str(files[1])),)))
+    finally:
+        engine.close()

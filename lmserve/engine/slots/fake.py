@@ -114,7 +114,7 @@ class FakeBackend:
 
     def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
               generated: list[int] | None = None) -> int:
-        shift = sum(zlib.crc32(adapter.path.encode()) % 97 for adapter in sampling.adapters)  # an adapter's effect
+        shift = sum(zlib.crc32(f"{a.path}|{a.scale}".encode()) % 97 for a in sampling.adapters)  # their effect
         self._slots[slot] = (len(prompt) + (sampling.seed or 0) + shift, len(prompt))
         self.slot_adapters[slot] = sampling.adapters
         self._counts[slot] = len(generated or ())  # its text goes on where it stopped
