@@ -290,7 +290,7 @@ def run(config: ServerConfig) -> int:
 
     Returns the exit status: 1, with one `lmserve: …` line, when the port cannot be bound or the model not found.
     """
-    from lmserve.engine.llamacpp.backend import default_threads
+    from lmserve.engine.llamacpp.cpu_load import default_threads
     from lmserve.parsing import Address
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -128,6 +128,8 @@ class EngineStats:
     """Prompts that found nothing to reuse."""
     cache_bytes: int = 0
     """RAM this model's entries hold in the prompt cache beyond the slots."""
+    adapter_bytes: int = 0
+    """RAM the LoRA adapters loaded for requests hold (engines that load them per request)."""
 
 
 class GenerationStream(Protocol):

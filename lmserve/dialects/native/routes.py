@@ -227,9 +227,10 @@ async def ps(service: ServiceDep) -> dict[str, Any]:
         listing = service.models.get(resident.model.name)
         expires = resident.expires_at
         until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
+        stats = resident.model.engine.stats
         models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
                        "context_length": resident.model.engine.info.num_ctx,
-                       "prompt_cache_bytes": resident.model.engine.stats.cache_bytes})
+                       "prompt_cache_bytes": stats.cache_bytes, "adapter_bytes": stats.adapter_bytes})
     body: dict[str, Any] = {"models": models}
     cache = service.prompt_cache
     if cache is not None:  # an lmserve addition: the prompt cache beyond the slots, all models together

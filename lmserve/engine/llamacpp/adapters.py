@@ -40,6 +40,8 @@ class AdapterPool:
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         """Path → llama_adapter_lora pointer, least recently used first."""
         self._applied: dict[int, tuple[Adapter, ...]] = {}
+        self.num_bytes = 0
+        """The loaded adapters' files' sizes: what they hold in memory, near enough (read from any thread)."""
         """Context address → the set applied to it."""
         self.defaults: tuple[Adapter, ...] = ()
         """The set of requests that name none: the adapters the model was loaded with."""
@@ -84,11 +86,6 @@ class AdapterPool:
         self._applied.pop(ctypes.cast(ctx, ctypes.c_void_p).value or 0, None)
 
     @property
-    def num_bytes(self) -> int:
-        """The loaded adapters' files' sizes: what they hold in memory, near enough."""
-        return sum(_size(path) for path in self._loaded)
-
-    @property
     def loaded(self) -> list[str]:
         return list(self._loaded)
 
@@ -101,6 +98,7 @@ class AdapterPool:
         if not pointer:
             raise EngineFailure(f"llama.cpp could not load the LoRA adapter {Path(path).name}")
         self._loaded[path] = pointer
+        self.num_bytes += _size(path)
         self._evict({adapter.path for adapter in keep})
         return pointer
 
@@ -111,6 +109,7 @@ class AdapterPool:
             if len(self._loaded) <= self.max_loaded:
                 return
             lc.llama_adapter_lora_free(self._loaded.pop(path))
+            self.num_bytes -= _size(path)
 
     def close(self) -> None:
         """Free every adapter (after every context that used them, before the model)."""
@@ -118,6 +117,7 @@ class AdapterPool:
             lc.llama_adapter_lora_free(pointer)
         self._loaded.clear()
         self._applied.clear()
+        self.num_bytes = 0
 
 
 def _size(path: str) -> int:

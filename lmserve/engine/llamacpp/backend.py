@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 from pathlib import Path
 
 import llama_cpp as lc
@@ -23,7 +22,7 @@ import numpy as np
 
 from lmserve.engine.llamacpp import recurrent_state, rerank
 from lmserve.engine.llamacpp.adapters import DEFAULT_MAX_LOADED
-from lmserve.engine.llamacpp.cpu_load import ThreadGovernor
+from lmserve.engine.llamacpp.cpu_load import ThreadGovernor, default_threads
 from lmserve.engine.llamacpp.draft_model import DraftModel
 from lmserve.engine.llamacpp.embedding import Embedder
 from lmserve.engine.llamacpp.loading import LlamaModel, check_kv_options, init_llama_backend
@@ -51,14 +50,6 @@ def _state_buffer(size: int) -> SavedState:
     if not populate or size == 0:
         return bytearray(size)
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-
-
-def default_threads() -> int:
-    """One thread per core this process may run on (its affinity: a container's or `taskset`'s cores, not every core
-    of the machine); the machine's count where the platform cannot say."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 class LlamaCppBackend:
@@ -285,6 +276,10 @@ class LlamaCppBackend:
 
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
         self._loaded.adapters.check(adapters)
+
+    @property
+    def adapter_bytes(self) -> int:
+        return self._loaded.adapters.num_bytes
 
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         self._redecode()  # under the set of the step that rewound it

@@ -93,3 +93,11 @@ class ThreadGovernor:
         free = self._cores - max(0.0, self._outside - MARGIN)
         self._threads = max(1, min(self.most, math.floor(free + 0.5)))
         return self._threads
+
+
+def default_threads() -> int:
+    """One thread per core this process may run on (its affinity: a container's or `taskset`'s cores, not every core
+    of the machine); the machine's count where the platform cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

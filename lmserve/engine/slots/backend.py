@@ -90,6 +90,11 @@ class Backend(Protocol):
         limits); callable from any thread."""
         ...
 
+    @property
+    def adapter_bytes(self) -> int:
+        """RAM the LoRA adapters it has loaded for requests hold (readable from any thread)."""
+        ...
+
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         """Decode the entries, every one under the LoRA `adapters` (() the model's own; the scheduler gives a step
         the sequences of one set)."""

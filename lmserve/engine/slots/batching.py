@@ -197,7 +197,8 @@ class BatchingEngine:
                            prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
                            cache_hits={str(k): v for k, v in cache.hits.items()},
                            cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,
-                           cache_bytes=self.cache.model_bytes(self.cache_key))
+                           cache_bytes=self.cache.model_bytes(self.cache_key),
+                           adapter_bytes=self.backend.adapter_bytes)
 
     def close(self) -> None:
         self._bridge.close()

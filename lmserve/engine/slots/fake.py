@@ -139,6 +139,8 @@ class FakeBackend:
         if "root ::=" not in grammar:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
+    adapter_bytes = 0
+
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
         """An adapter is any existing file; a path that does not exist is refused."""
         for adapter in adapters:

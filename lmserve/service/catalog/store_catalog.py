@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from lmserve import options as opts
 from lmserve.chat.gotemplate import GoChatTemplate
@@ -110,6 +111,7 @@ class StoreCatalog:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
             vision = bool(manifest.projector)
+            metadata |= self._adapter_info(manifest)
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
@@ -124,6 +126,15 @@ class StoreCatalog:
 
     def has_vision(self, name: str) -> bool:
         return self.settings(name).has_vision
+
+    def _adapter_info(self, manifest: Manifest) -> dict[str, Any]:
+        """What `show` says of a GGUF model's LoRA adapters: their count, base and ranks (as checked against it)."""
+        if not manifest.adapters:
+            return {}
+        base = self.store.blob_path(manifest.model)
+        facts = [check_lora(self.store.blob_path(digest), base) for digest in manifest.adapters]
+        return {"lora.count": len(facts), "lora.base_model": manifest.parent or "",
+                "lora.ranks": [fact.rank for fact in facts], "lora.alphas": [fact.alpha for fact in facts]}
 
     def modelfile(self, entry: ModelEntry) -> Modelfile:
         m = entry.manifest

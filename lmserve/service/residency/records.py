@@ -93,7 +93,9 @@ class Instance:
     @property
     def ram_bytes(self) -> int:
         """The RAM it holds by its estimate (0: on a GPU, or not estimated)."""
-        return self.memory.total if self.memory is not None and not self.memory.on_gpu else 0
+        if self.memory is None or self.memory.on_gpu:
+            return 0
+        return self.memory.total + self.engine.stats.adapter_bytes  # adapters loaded per request since
 
 
 @dataclass(slots=True, eq=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from lmserve.engine.llamacpp.backend import default_threads
+from lmserve.engine.llamacpp.cpu_load import default_threads
 
 
 def test_default_threads_are_the_cores_this_process_may_use_not_the_machines() -> None:
