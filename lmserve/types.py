@@ -58,6 +58,8 @@ class Adapter:
 
     path: str
     scale: float = 1.0
+    name: str = field(default="", compare=False)
+    """What metrics and logs call it (its model's or registered name); not part of what it is."""
 
 
 @dataclass(slots=True)

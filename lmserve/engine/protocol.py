@@ -130,6 +130,11 @@ class EngineStats:
     """RAM this model's entries hold in the prompt cache beyond the slots."""
     adapter_bytes: int = 0
     """RAM the LoRA adapters loaded for requests hold (engines that load them per request)."""
+    max_adapters: int = 0
+    """LoRA adapters it keeps loaded at once (--max-loras); 0: it runs none per request."""
+    running_adapters: tuple[str, ...] = ()
+    """The names of the adapters of the requests running now, and of those waiting (vLLM's lora_requests_info)."""
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class GenerationStream(Protocol):

@@ -25,9 +25,10 @@ engine index):
   (num_ctx per slot times the slots, or num_ctx with --kv-unified); a hybrid model (LFM2) counts its attention cells so.
 - vllm:cache_config_info{block_size, num_gpu_blocks}: an info gauge (always 1). On llama.cpp a block is one cell
   (block_size 1) and num_gpu_blocks is the number of cells, so capacity in tokens is their product on both engines.
-- vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}: lmserve applies a model's LoRA
-  adapters when it loads (a Modelfile's ADAPTER), never per request, so the adapter lists are empty and max_lora
-  is 0; the value is the time of the scrape (vLLM's is the time of its last step).
+- vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}: the adapters an engine keeps loaded
+  at once (--max-loras; 0 on an engine that runs none per request) and the names of the adapters of its running and
+  waiting requests, comma-separated (what LoRA-aware gateways route by); the value is the time of the scrape (vLLM's
+  is the time of its last step).
 
 The engine knows nothing of this: `Metrics.attach` registers observers with the service (`Service.observers`,
 service/observers.py), beside any others. /metrics is not in OPEN_PATHS: with an
@@ -45,7 +46,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lmserve.engine.protocol import Engine
+from lmserve.engine.protocol import Engine, EngineStats
 from lmserve.service import Service
 from lmserve.types import Chunk
 
@@ -145,8 +146,7 @@ class _ServiceCollector(Collector):
         gateway = _GatewayGauges()
         for name, engine in engines:
             stats = engine.stats
-            gateway.add(name, engine.num_running, engine.num_waiting, stats.kv_cache_usage, stats.kv_block_size,
-                        stats.kv_num_blocks)
+            gateway.add(name, engine.num_running, engine.num_waiting, stats)
         yield from gateway.families()
         cache = self._service.prompt_cache
         if cache is not None:
@@ -236,23 +236,22 @@ class _GatewayGauges:
         self.cache_config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig "
                                               "(on llama.cpp a block is one cell).",
                                               labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks"])
-        self.lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests (lmserve applies "
-                                      "adapters at load, never per request).",
+        self.lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                       labels=[*VLLM_LABELS, "max_lora", "running_lora_adapters",
                                               "waiting_lora_adapters"])
         self._now = time.time()
 
-    def add(self, model: str, num_running: int, num_waiting: int, kv_usage: float | None, block_size: int,
-            num_blocks: int) -> None:
-        """One engine's series (engine/protocol.py `EngineStats` says what the KV numbers are)."""
+    def add(self, model: str, num_running: int, num_waiting: int, stats: EngineStats) -> None:
+        """One engine's series (engine/protocol.py `EngineStats` says what the numbers are)."""
         labels = [model, ENGINE_INDEX]
         self.running.add_metric(labels, num_running)
         self.waiting.add_metric(labels, num_waiting)
-        if kv_usage is not None:
-            self.kv_usage.add_metric(labels, kv_usage)
-        if num_blocks:
-            self.cache_config.add_metric([*labels, str(block_size), str(num_blocks)], 1)
-        self.lora.add_metric([*labels, "0", "", ""], self._now)
+        if stats.kv_cache_usage is not None:
+            self.kv_usage.add_metric(labels, stats.kv_cache_usage)
+        if stats.kv_num_blocks:
+            self.cache_config.add_metric([*labels, str(stats.kv_block_size), str(stats.kv_num_blocks)], 1)
+        self.lora.add_metric([*labels, str(stats.max_adapters), ",".join(stats.running_adapters),
+                              ",".join(stats.waiting_adapters)], self._now)
 
     def families(self) -> Iterator[Metric]:
         yield from (self.running, self.waiting, self.kv_usage, self.cache_config, self.lora)

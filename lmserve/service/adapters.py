@@ -87,7 +87,7 @@ class LoraRegistry:
         """The adapters at their global scales for a request to `model` that names none: the served model's only."""
         if model != self.base:
             return ()
-        return tuple(Adapter(entry.path, entry.scale) for entry in self.entries() if entry.scale != 0.0)
+        return tuple(Adapter(entry.path, entry.scale, entry.name) for entry in self.entries() if entry.scale != 0.0)
 
     def resolve(self, refs: tuple[LoraRef, ...]) -> tuple[Adapter, ...]:
         """The adapters a request's `lora` names, each at its scale; a 400 naming an unknown id or name."""
@@ -99,9 +99,10 @@ class LoraRegistry:
                 if entry is None:
                     raise InvalidRequest(f"no LoRA adapter has id {ref.id} (GET /lora-adapters lists them)",
                                          param="lora")
-                adapters.append(Adapter(entry.path, ref.scale))
+                adapters.append(Adapter(entry.path, ref.scale, entry.name))
             elif ref.name is not None:
-                adapters += [Adapter(adapter.path, ref.scale) for adapter in self._model_adapters(ref.name)]
+                named = self._model_adapters(ref.name)
+                adapters += [Adapter(adapter.path, ref.scale, adapter.name) for adapter in named]
             else:
                 raise InvalidRequest("each item of lora needs an id or a name", param="lora")
         return tuple(adapters)

@@ -158,6 +158,6 @@ async def test_the_gateways_gauges_have_vllms_names_types_and_labels(client: htt
     held = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # its slot keeps them; the last was never decoded
     assert value(parsed, "vllm:kv_cache_usage_perc", **engine) == pytest.approx(held / (2048 * 4))
     assert value(parsed, "vllm:cache_config_info", **engine, block_size="1", num_gpu_blocks=str(2048 * 4)) == 1
-    stamp = value(parsed, "vllm:lora_requests_info", **engine, max_lora="0", running_lora_adapters="",
+    stamp = value(parsed, "vllm:lora_requests_info", **engine, max_lora="4", running_lora_adapters="",
                   waiting_lora_adapters="")
     assert stamp is not None and stamp > 1.7e9  # a time, as vLLM's

@@ -281,6 +281,10 @@ class LlamaCppBackend:
     def adapter_bytes(self) -> int:
         return self._loaded.adapters.num_bytes
 
+    @property
+    def max_adapters(self) -> int:
+        return self._loaded.adapters.max_loaded
+
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         self._redecode()  # under the set of the step that rewound it
         self._loaded.adapters.apply(self._ctx, adapters)

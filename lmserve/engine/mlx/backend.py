@@ -141,7 +141,7 @@ class MlxBackend:
     def check_grammar(self, grammar: str) -> None:
         self._grammars.compile(grammar)
 
-    adapter_bytes = 0
+    adapter_bytes = max_adapters = 0
 
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
         check_no_adapters("MLX", adapters)

@@ -95,6 +95,11 @@ class Backend(Protocol):
         """RAM the LoRA adapters it has loaded for requests hold (readable from any thread)."""
         ...
 
+    @property
+    def max_adapters(self) -> int:
+        """The most LoRA adapters it keeps loaded at once (0: it runs none)."""
+        ...
+
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         """Decode the entries, every one under the LoRA `adapters` (() the model's own; the scheduler gives a step
         the sequences of one set)."""

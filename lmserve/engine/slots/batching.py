@@ -24,7 +24,7 @@ from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
 from lmserve.engine.slots.scheduler import Scheduler
-from lmserve.engine.slots.sequence import Sequence
+from lmserve.engine.slots.sequence import Sequence, adapter_names
 from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
@@ -198,7 +198,9 @@ class BatchingEngine:
                            cache_hits={str(k): v for k, v in cache.hits.items()},
                            cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,
                            cache_bytes=self.cache.model_bytes(self.cache_key),
-                           adapter_bytes=self.backend.adapter_bytes)
+                           adapter_bytes=self.backend.adapter_bytes, max_adapters=self.backend.max_adapters,
+                           running_adapters=adapter_names(list(self.scheduler.running)),
+                           waiting_adapters=adapter_names(list(self.scheduler.waiting)))
 
     def close(self) -> None:
         self._bridge.close()

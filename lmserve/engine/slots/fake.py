@@ -140,6 +140,7 @@ class FakeBackend:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
     adapter_bytes = 0
+    max_adapters = 4
 
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
         """An adapter is any existing file; a path that does not exist is refused."""

@@ -10,6 +10,11 @@ from lmserve.engine.slots.phases import MOVES, Phase
 from lmserve.types import Adapter, SamplingParams
 
 
+def adapter_names(sequences: list[Sequence]) -> tuple[str, ...]:
+    """The names of the LoRA adapters these sequences run with, each once, sorted."""
+    return tuple(sorted({adapter.name for seq in sequences for adapter in seq.adapters if adapter.name}))
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Engine-side state of one request."""

@@ -85,7 +85,9 @@ class StoreCatalog:
         else:
             vision = manifest.projector is not None
         path = self.store.model_path(manifest)
-        adapters = tuple(Adapter(str(self.store.blob_path(digest))) for digest in manifest.adapters) \
+        short = str(entry.name).removesuffix(":latest")
+        adapters = tuple(Adapter(str(self.store.blob_path(digest)), name=short if len(manifest.adapters) == 1
+                                 else f"{short}#{i}") for i, digest in enumerate(manifest.adapters)) \
             if self._per_request(path) else ()
         return ModelSettings(name=str(entry.name), parameters=opts.from_parameters(manifest.parameters),
                              recommended=self._recommended(manifest), has_vision=vision,

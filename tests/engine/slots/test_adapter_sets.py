@@ -11,7 +11,7 @@ import pytest
 
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
-from lmserve.engine.slots.scheduler import Scheduler
+from lmserve.engine.slots.scheduler import ADAPTER_TURN, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.errors import InvalidRequest
 from lmserve.types import Adapter, SamplingParams
@@ -49,7 +49,7 @@ async def test_each_set_answers_as_alone_when_mixed_and_no_step_mixes_sets(
         engine.close()
 
 
-def test_sets_take_turns_step_by_step() -> None:
+def test_sets_take_turns_of_a_few_steps() -> None:
     scheduler = Scheduler(4, 64, 32)
     one, two = (Adapter("one.gguf"),), (Adapter("two.gguf"),)
     for adapter_set in (one, two, one):
@@ -57,11 +57,11 @@ def test_sets_take_turns_step_by_step() -> None:
     while scheduler.can_admit():
         scheduler.reused(scheduler.admit(), 0)
     turns = []
-    for _ in range(4):
+    for _ in range(3 * ADAPTER_TURN):
         plan = scheduler.schedule()
         assert len({seq.adapters for seq, _ in plan}) == 1
         turns.append((plan[0][0].adapters, len(plan)))
-    assert turns == [(one, 2), (two, 1), (one, 2), (two, 1)]
+    assert turns == [(one, 2)] * ADAPTER_TURN + [(two, 1)] * ADAPTER_TURN + [(one, 2)] * ADAPTER_TURN
 
 
 def test_a_slot_computed_under_another_set_lends_no_prefix() -> None:
@@ -105,5 +105,24 @@ async def test_an_adapter_the_backend_refuses_is_a_400_before_anything_is_queued
         with pytest.raises(InvalidRequest, match="not found"):
             engine.submit(engine.tokenize("hi"), SamplingParams(adapters=(Adapter(str(tmp_path / "none.gguf")),)))
         assert engine.num_waiting == 0
+    finally:
+        engine.close()
+
+
+async def test_stats_name_the_adapters_running_and_waiting(tmp_path: Path) -> None:
+    (tmp_path / "a.gguf").write_bytes(b"lora")
+    backend = FakeBackend(num_ctx=256, num_parallel=1, step_delay=0.01)
+    engine = BatchingEngine(backend)
+    try:
+        running = SamplingParams(max_tokens=200, adapters=(Adapter(str(tmp_path / "a.gguf"), name="sea"),))
+        waiting = SamplingParams(max_tokens=1, adapters=(Adapter(str(tmp_path / "a.gguf"), 0.5, name="half"),))
+        first = engine.submit(engine.tokenize("one"), running)
+        second = engine.submit(engine.tokenize("two"), waiting)
+        async for _ in first:
+            stats = engine.stats
+            break
+        assert (stats.max_adapters, stats.running_adapters, stats.waiting_adapters) == (4, ("sea",), ("half",))
+        first.abort()
+        assert [chunk async for chunk in second][-1].finish_reason == "length"
     finally:
         engine.close()
