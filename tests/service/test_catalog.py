@@ -36,9 +36,9 @@ def catalog(tmp_path: Path) -> StoreCatalog:
     (Modelfile(from_="base", messages=[("user", "hi"), ("assistant", "hello")]), True),
     (Modelfile(from_="base", parameters={"temperature": 0.1, "stop": ["\n"]}), True),
     (Modelfile(from_="base", parameters={"num_ctx": 256}), False),
-    (Modelfile(from_="base", adapters=["lora.gguf"]), False),
+    (Modelfile(from_="base", adapters=["lora.gguf"]), True),  # llama.cpp applies it per request (issue 44)
 ])  # fmt: skip
-def test_only_weights_adapters_projector_and_load_options_make_another_instance(
+def test_only_weights_projector_and_load_options_make_another_instance(
     catalog: StoreCatalog, tmp_path: Path, modelfile: Modelfile, shares: bool
 ) -> None:
     catalog.create("derived", modelfile, base_dir=tmp_path)
@@ -47,6 +47,7 @@ def test_only_weights_adapters_projector_and_load_options_make_another_instance(
     base = catalog.plan("base:latest", precedence.load(catalog.settings("base"), RequestOptions()))
     assert (derived.key == base.key) is shares
     assert derived.binding != base.binding  # each name binds its own settings
+    assert len(catalog.settings("derived").adapters) == len(modelfile.adapters)  # its requests carry its adapter
 
 
 def test_a_model_created_again_changes_its_binding_not_its_instance(catalog: StoreCatalog) -> None:

@@ -190,7 +190,7 @@ class BatchingEngine:
     def stats(self) -> EngineStats:
         cache = self.cache_stats
         cells = self.info.num_kv_cells or self.info.num_ctx * self.info.num_parallel
-        usage = min(1.0, self.scheduler.num_held_tokens() / cells)
+        usage = min(1.0, self.scheduler.num_held_tokens() / cells) if cells else None
         return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns,
                            preemptions=self.num_parked + self.num_preempted,
                            kv_cache_usage=usage, kv_block_size=1, kv_num_blocks=cells,

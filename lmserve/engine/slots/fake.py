@@ -114,7 +114,7 @@ class FakeBackend:
 
     def start(self, slot: int, sampling: SamplingParams, prompt: list[int], num_reused: int,
               generated: list[int] | None = None) -> int:
-        shift = sum(zlib.crc32(f"{a.path}|{a.scale}".encode()) % 97 for a in sampling.adapters)  # their effect
+        shift = sum(round(Path(a.path).read_bytes()[0] * a.scale * 2) for a in sampling.adapters)  # their effect
         self._slots[slot] = (len(prompt) + (sampling.seed or 0) + shift, len(prompt))
         self.slot_adapters[slot] = sampling.adapters
         self._counts[slot] = len(generated or ())  # its text goes on where it stopped
@@ -143,7 +143,8 @@ class FakeBackend:
     max_adapters = 4
 
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
-        """An adapter is any existing file; a path that does not exist is refused."""
+        """An adapter is any existing file: its first byte times its scale times 2 shifts a sequence's text; a path that
+        does not exist is refused."""
         for adapter in adapters:
             if not Path(adapter.path).is_file():
                 raise InvalidRequest(f"LoRA adapter not found: {adapter.path}", param="lora")

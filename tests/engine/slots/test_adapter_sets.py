@@ -21,10 +21,11 @@ PROMPT = "The system prompt all the users share, long enough to be worth a copy.
 
 @pytest.fixture
 def adapters(tmp_path: Path) -> list[tuple[Adapter, ...]]:
-    """The base and three adapter sets (files the fake accepts)."""
+    """The base and three adapter sets (files the fake accepts: each shifts the text by twice its first byte times its
+    scale, here 10, 22 and 5 of the sentence's 45 characters)."""
     sets: list[tuple[Adapter, ...]] = [()]
-    for name in ("a", "b"):
-        (tmp_path / f"{name}.gguf").write_bytes(b"lora")
+    for name, effect in (("a", 5), ("b", 11)):
+        (tmp_path / f"{name}.gguf").write_bytes(bytes([effect]))
         sets.append((Adapter(str(tmp_path / f"{name}.gguf")),))
     sets.append((Adapter(str(tmp_path / "a.gguf"), 0.5),))
     return sets
@@ -110,7 +111,7 @@ async def test_an_adapter_the_backend_refuses_is_a_400_before_anything_is_queued
 
 
 async def test_stats_name_the_adapters_running_and_waiting(tmp_path: Path) -> None:
-    (tmp_path / "a.gguf").write_bytes(b"lora")
+    (tmp_path / "a.gguf").write_bytes(b"\x01")
     backend = FakeBackend(num_ctx=256, num_parallel=1, step_delay=0.01)
     engine = BatchingEngine(backend)
     try:
