@@ -93,6 +93,16 @@ def test_every_dialect_takes_an_adapter_model(server: Server, models: list[str])
     assert message.content[0].text == ask(server, "sea")  # type: ignore[union-attr]
 
 
+def test_an_adapter_models_embeddings_are_the_adapters(server: Server, models: list[str]) -> None:
+    with server.client() as client:
+        vectors = {model: client.embeddings.create(model=model, input="the sea",
+                                                   encoding_format="float").data[0].embedding
+                   for model in (BASE, "sea", BASE)}
+    assert vectors[BASE] != vectors["sea"]
+    with ollama.Client(host=server.base_url) as native:
+        assert native.embed(model="sea", input="the sea").embeddings[0] == pytest.approx(vectors["sea"], abs=1e-5)
+
+
 def test_a_request_picks_adapters_by_id_or_name_at_a_scale(server: Server, models: list[str]) -> None:
     listed = httpx.get(server.base_url + "/lora-adapters", timeout=30).json()
     assert [(entry["id"], entry["name"], entry["scale"]) for entry in listed] == \

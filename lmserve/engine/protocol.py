@@ -207,8 +207,10 @@ class Engine(Protocol):
         """`text` tokenized for embedding: cut to the context when `truncate`, else ContextOverflow."""
         ...
 
-    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
-        """One pooled vector per token list (unit length unless `normalize` is false)."""
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True,
+                           adapters: tuple[Adapter, ...] = ()) -> list[list[float]]:
+        """One pooled vector per token list (unit length unless `normalize` is false), computed with the LoRA
+        `adapters` (a model made with ADAPTER)."""
         ...
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:

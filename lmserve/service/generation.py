@@ -276,14 +276,15 @@ class GenerationService:
         embeddings.check_inputs(inputs)
         if dimensions is not None and dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-        resident = await self.acquire(model, options, keep_alive)
+        settings, resident = await self.lease(model, options or RequestOptions(), keep_alive)
         try:
             engine = resident.model.engine
             if not engine.info.can_embed:
                 raise InvalidRequest(f"model '{resident.model.name}' cannot make embeddings", param="model")
             inputs_tokens = [embeddings.embedding_prompt(engine, item, i, truncate=truncate)
                              for i, item in enumerate(inputs)]
-            vectors = await engine.embed_tokens(inputs_tokens, normalize=normalize and dimensions is None)
+            vectors = await engine.embed_tokens(inputs_tokens, normalize=normalize and dimensions is None,
+                                                adapters=settings.adapters)
         finally:
             self.residency.release(resident)
         if dimensions is not None:

@@ -16,7 +16,7 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.bridge import RequestStream
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest
-from lmserve.types import Chunk, LoadOptions, SamplingParams
+from lmserve.types import Adapter, Chunk, LoadOptions, SamplingParams
 
 NUM_CTX = 256
 
@@ -90,10 +90,10 @@ async def _drain(stream: RequestStream) -> list[Chunk]:
 
 
 class FailingBackend(FakeBackend):
-    def embed(self, tokens: list[int]) -> list[float]:
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
         if tokens == list(b"boom"):
             raise RuntimeError("kaboom")
-        return super().embed(tokens)
+        return super().embed(tokens, adapters)
 
 
 @pytest.fixture
@@ -141,9 +141,9 @@ async def test_a_cancelled_embedding_leaves_the_engine_working(engine: BatchingE
 
 
 class SlowBackend(FakeBackend):
-    def embed(self, tokens: list[int]) -> list[float]:
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
         time.sleep(0.01)
-        return super().embed(tokens)
+        return super().embed(tokens, adapters)
 
 
 async def test_close_fails_waiting_embeddings_and_refuses_new_ones() -> None:

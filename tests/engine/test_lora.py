@@ -143,3 +143,16 @@ def test_a_bad_adapter_on_a_request_is_a_400_naming_it(files: tuple[Path, Path],
             engine.submit(engine.tokenize("hi"), SamplingParams(adapters=(Adapter(str(files[1])),)))
     finally:
         engine.close()
+
+
+async def test_embeddings_follow_the_adapters_asked(files: tuple[Path, Path]) -> None:
+    base, lora = files
+    engine = BatchingEngine(LlamaCppBackend(base, options()))
+    try:
+        tokens = [engine.embedding_tokens(PROMPTS[0])]
+        adapted = (await engine.embed_tokens(tokens, adapters=(Adapter(str(lora)),)))[0]
+        plain = (await engine.embed_tokens(tokens))[0]
+        assert plain == pytest.approx((await greedy(base))[1], abs=1e-4)
+        assert adapted == pytest.approx((await greedy(base, lora))[1], abs=1e-4)
+    finally:
+        engine.close()

@@ -467,11 +467,11 @@ class LlamaCppBackend:
 
     # ---- embeddings and reranking ---------------------------------------------------------------
 
-    def embed(self, tokens: list[int]) -> list[float]:
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
         """Mean of the final hidden states over `tokens`, decoded in a context of its own that never touches the
         slots (engine/llamacpp/embedding.py)."""
         assert self._embedder is not None
-        return self._embedder.embed(tokens)
+        return self._embedder.embed(tokens, adapters)
 
     def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:
         """The (query, document) pair as this reranker reads it, as llama-server forms it (engine/llamacpp/rerank.py);

@@ -16,6 +16,7 @@ import numpy as np
 from lmserve.engine.llamacpp import batch_rows
 from lmserve.engine.llamacpp.loading import LlamaModel
 from lmserve.errors import EngineFailure
+from lmserve.types import Adapter
 
 
 class Embedder:
@@ -29,13 +30,15 @@ class Embedder:
         self._ctx: lc.llama_context_p | None = None
         self._batch: Any = None  # a llama_batch (untyped in the bindings)
 
-    def embed(self, tokens: list[int]) -> list[float]:
-        """Mean of the final hidden states over `tokens` (see the module's docstring)."""
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
+        """Mean of the final hidden states over `tokens`, with the LoRA `adapters` (() the model's own; see the
+        module's docstring)."""
         if not tokens:
             raise EngineFailure("cannot embed an empty token list")
         if len(tokens) > self._num_ctx:
             raise EngineFailure(f"cannot embed {len(tokens)} tokens in a context of {self._num_ctx}")
         ctx, batch = self._context()
+        self._loaded.adapters.apply(ctx, adapters)
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
         num_embd = lc.llama_model_n_embd(self._loaded.model)
         total = np.zeros(num_embd, dtype=np.float64)

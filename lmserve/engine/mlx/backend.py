@@ -396,7 +396,8 @@ class MlxBackend:
     # ---- embeddings and closing --------------------------------------------------------------------------------
 
     @computing
-    def embed(self, tokens: list[int]) -> list[float]:
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
+        check_no_adapters("MLX", adapters)
         mx = self._mx
         if not self.info.can_embed:
             raise InvalidRequest("this model cannot embed on the MLX engine", param="model")

@@ -159,8 +159,9 @@ class Backend(Protocol):
         into the slot waits for the next decode (it would overwrite the state, or read it)."""
         ...
 
-    def embed(self, tokens: list[int]) -> list[float]:
-        """The mean of the model's last hidden states over `tokens` (not normalized); uses no slot."""
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
+        """The mean of the model's last hidden states over `tokens` (not normalized), with the LoRA `adapters`; uses no
+        slot."""
         ...
 
     def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:

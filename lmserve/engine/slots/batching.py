@@ -151,9 +151,11 @@ class BatchingEngine:
         prompts = [self.embedding_tokens(text, truncate=truncate) for text in texts]
         return await self.embed_tokens(prompts, normalize=normalize)
 
-    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True,
+                           adapters: tuple[Adapter, ...] = ()) -> list[list[float]]:
         """One vector per token list; each list must be non-empty and fit in one sequence's context."""
-        return await self._jobs.embed_tokens(prompts, normalize=normalize)
+        self.backend.check_adapters(adapters)
+        return await self._jobs.embed_tokens(prompts, normalize=normalize, adapters=adapters)
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
         """A dedicated reranker's relevance logit of each document to `query` (see the Engine protocol), computed on

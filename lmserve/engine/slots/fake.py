@@ -257,11 +257,13 @@ class FakeBackend:
         self.held[slot] = length
         return True
 
-    def embed(self, tokens: list[int]) -> list[float]:
-        """A histogram of the token (byte) values: texts with the same bytes point the same way."""
+    def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
+        """A histogram of the token (byte) values, shifted by the adapters' effect (as their text: `start`): texts with
+        the same bytes point the same way."""
+        shift = sum(round(Path(a.path).read_bytes()[0] * a.scale * 2) for a in adapters)
         counts = [0.0] * EMBED_SIZE
         for token in tokens:
-            counts[token % EMBED_SIZE] += 1.0
+            counts[(token + shift) % EMBED_SIZE] += 1.0
         return counts
 
     def rank_tokens(self, query: str, document: str, limit: int | None) -> list[int]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from lmserve.engine.protocol import ModelInfo, unit_vector
 from lmserve.engine.slots.backend import Backend
 from lmserve.errors import ContextOverflow, EngineFailure, InvalidRequest, LmserveError
+from lmserve.types import Adapter
 
 if TYPE_CHECKING:
     from lmserve.engine.slots.bridge import Bridge
@@ -30,6 +31,7 @@ class EmbedJob:
     tokens: list[int]
     future: asyncio.Future[list[float]]
     loop: asyncio.AbstractEventLoop
+    adapters: tuple[Adapter, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -67,15 +69,17 @@ class Jobs:
             tokens = tokens[:num_ctx]
         return tokens
 
-    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
-        """One vector per token list; each list must be non-empty and fit in one sequence's context."""
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True,
+                           adapters: tuple[Adapter, ...] = ()) -> list[list[float]]:
+        """One vector per token list, with the LoRA `adapters`; each list must be non-empty and fit in one
+        sequence's context."""
         for tokens in prompts:
             if not tokens:
                 raise InvalidRequest("the input to embed is empty", param="input")
             if len(tokens) > self.info.num_ctx:
                 raise input_overflow(len(tokens), self.info.num_ctx, self.info.num_ctx_train)
         loop = asyncio.get_running_loop()
-        jobs = [EmbedJob(list(tokens), loop.create_future(), loop) for tokens in prompts]
+        jobs = [EmbedJob(list(tokens), loop.create_future(), loop, adapters) for tokens in prompts]
         self._bridge.add_jobs(jobs)
         try:
             vectors = await asyncio.gather(*(job.future for job in jobs))
@@ -121,7 +125,8 @@ class Jobs:
         if job.future.cancelled():  # the caller is gone (a benign race: at worst one wasted embedding)
             return
         try:
-            vector = self.backend.embed(job.tokens) if isinstance(job, EmbedJob) else self.backend.rank(job.pairs)
+            vector = self.backend.embed(job.tokens, job.adapters) if isinstance(job, EmbedJob) \
+                else self.backend.rank(job.pairs)
         except LmserveError as exc:
             settle(job, None, exc)
         except Exception as exc:  # a failed embedding fails its request, never the thread

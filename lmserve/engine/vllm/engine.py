@@ -49,7 +49,7 @@ from lmserve.engine.vllm.vision import find_all, image_marker, pil_image, vision
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.engine.vllm.workers import environment, worker_environment
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
-from lmserve.types import Bitmap, SamplingParams
+from lmserve.types import Adapter, Bitmap, SamplingParams
 
 
 class VllmEngine:
@@ -181,7 +181,8 @@ class VllmEngine:
         raise InvalidRequest("embeddings are not available on the vLLM engine for this model; serve a GGUF with "
                              "llama.cpp for /api/embed and /v1/embeddings", param="model")
 
-    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True) -> list[list[float]]:
+    async def embed_tokens(self, prompts: list[list[int]], *, normalize: bool = True,
+                           adapters: tuple[Adapter, ...] = ()) -> list[list[float]]:
         raise InvalidRequest("embeddings are not available on the vLLM engine for this model", param="model")
 
     async def rank(self, query: str, documents: list[str], *, truncate: bool = True) -> list[float]:
