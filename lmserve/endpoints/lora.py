@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -57,14 +58,14 @@ async def set_scales(service: ServiceDep, body: list[ScaleItem]) -> list[dict[st
 @router.post("/v1/load_lora_adapter")
 async def load_adapter(service: ServiceDep, body: LoadAdapter) -> PlainTextResponse:
     _check_runtime(service)
-    entry = service.loras.register(body.lora_name, body.lora_path)
+    entry = await asyncio.to_thread(service.loras.register, body.lora_name, body.lora_path)  # reads and copies it
     return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_adapter(service: ServiceDep, body: UnloadAdapter) -> PlainTextResponse:
     _check_runtime(service)
-    service.loras.unregister(body.lora_name)
+    await asyncio.to_thread(service.loras.unregister, body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -43,6 +43,7 @@ class LoraRegistry:
         self.runtime = runtime
         self._entries: list[LoraEntry] = []
         self._lock = threading.Lock()
+        self._registering = threading.Lock()
 
     def entries(self) -> list[LoraEntry]:
         with self._lock:
@@ -53,15 +54,16 @@ class LoraRegistry:
         what is wrong) and list it."""
         if not self.base:
             raise InvalidRequest("this server has no base model to put LoRA adapters over", param="lora_name")
-        if any(entry.name == name for entry in self.entries()):
-            raise InvalidRequest(f"a LoRA adapter named '{name}' is loaded already", param="lora_name")
-        given = str(Path(path).expanduser().resolve())
-        self._catalog.create(name, Modelfile(from_=self.base, adapters=[given]))
-        stored = self._catalog.settings(name).adapters  # the store's copy, which the model runs with
-        with self._lock:
-            entry = LoraEntry(max((e.id for e in self._entries), default=-1) + 1, name,
-                              stored[0].path if stored else given)
-            self._entries.append(entry)
+        with self._registering:  # one at a time: the name is checked and taken together
+            if any(entry.name == name for entry in self.entries()):
+                raise InvalidRequest(f"a LoRA adapter named '{name}' is loaded already", param="lora_name")
+            given = str(Path(path).expanduser().resolve())
+            self._catalog.create(name, Modelfile(from_=self.base, adapters=[given]))
+            stored = self._catalog.settings(name).adapters  # the store's copy, which the model runs with
+            with self._lock:
+                entry = LoraEntry(max((e.id for e in self._entries), default=-1) + 1, name,
+                                  stored[0].path if stored else given)
+                self._entries.append(entry)
         return entry
 
     def unregister(self, name: str) -> None:

@@ -391,13 +391,16 @@ class Scheduler:
         return plan
 
     def _adapter_turn(self, urgent: int | None) -> tuple[Adapter, ...]:
-        """The adapter set this step runs (llama.cpp applies one set to a whole step): with sequences of several sets
-        ready to decode or prefill (of the `urgent` priority or above, when one is prefilling), the last step's set
-        for up to ADAPTER_TURN steps in a row, then the next set after it in the order of their oldest sequences."""
+        """The adapter set this step runs (llama.cpp applies one set to a whole step): among the sets of the sequences
+        of the best priority ready to decode or prefill (a batch's lines wait while a user's request of another set
+        runs), the last step's set for up to ADAPTER_TURN steps in a row, then the next set after it in the order of
+        their oldest sequences."""
+        ready = [seq for seq in self.running if seq.phase in (Phase.PREFILLING, Phase.DECODING)
+                 and (urgent is None or seq.priority <= urgent)]
+        best = min((seq.priority for seq in ready), default=0)
         sets: list[tuple[Adapter, ...]] = []
-        for seq in self.running:
-            if seq.phase in (Phase.PREFILLING, Phase.DECODING) and (urgent is None or seq.priority <= urgent) \
-                    and seq.adapters not in sets:
+        for seq in ready:
+            if seq.priority == best and seq.adapters not in sets:
                 sets.append(seq.adapters)
         if not sets:
             return self.last_adapters

@@ -11,6 +11,7 @@ import pytest
 
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.scheduler import ADAPTER_TURN, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.errors import InvalidRequest
@@ -50,19 +51,32 @@ async def test_each_set_answers_as_alone_when_mixed_and_no_step_mixes_sets(
         engine.close()
 
 
+def step(scheduler: Scheduler) -> set[tuple[Adapter, ...]]:
+    """Plan a step and take it as the engine would (prefill done, one token sampled); the sets it ran."""
+    plan = scheduler.schedule()
+    for seq, entry in plan:
+        if seq.phase is Phase.PREFILLING:
+            scheduler.prefilled(seq, entry.num_positions)
+        if entry.wants_sample:
+            seq.output.append(7)
+    return {seq.adapters for seq, _ in plan}
+
+
+def admitted(scheduler: Scheduler, *sequences: Sequence) -> None:
+    for seq in sequences:
+        scheduler.add(seq)
+    while scheduler.can_admit():
+        scheduler.reused(scheduler.admit(), 0)
+
+
 def test_sets_take_turns_of_a_few_steps() -> None:
     scheduler = Scheduler(4, 64, 32)
     one, two = (Adapter("one.gguf"),), (Adapter("two.gguf"),)
-    for adapter_set in (one, two, one):
-        scheduler.add(Sequence(prompt=[1, 2, 3], sampling=SamplingParams(adapters=adapter_set), max_new_tokens=4))
-    while scheduler.can_admit():
-        scheduler.reused(scheduler.admit(), 0)
-    turns = []
-    for _ in range(3 * ADAPTER_TURN):
-        plan = scheduler.schedule()
-        assert len({seq.adapters for seq, _ in plan}) == 1
-        turns.append((plan[0][0].adapters, len(plan)))
-    assert turns == [(one, 2)] * ADAPTER_TURN + [(two, 1)] * ADAPTER_TURN + [(one, 2)] * ADAPTER_TURN
+    admitted(scheduler, *(Sequence(prompt=[1, 2, 3], sampling=SamplingParams(adapters=adapter_set), max_new_tokens=99)
+                          for adapter_set in (one, two, one)))
+    turns = [step(scheduler) for _ in range(3 * ADAPTER_TURN)]
+    assert turns == [{one}] * ADAPTER_TURN + [{two}] * ADAPTER_TURN + [{one}] * ADAPTER_TURN
+    assert max(len(seq.output) for seq in scheduler.running) == 2 * ADAPTER_TURN
 
 
 def test_a_slot_computed_under_another_set_lends_no_prefix() -> None:
@@ -127,3 +141,16 @@ async def test_stats_name_the_adapters_running_and_waiting(tmp_path: Path) -> No
         assert [chunk async for chunk in second][-1].finish_reason == "length"
     finally:
         engine.close()
+
+
+def test_a_batch_line_of_another_set_waits_for_a_users_request() -> None:
+    scheduler = Scheduler(4, 64, 32)
+    user, line = (Adapter("user.gguf"),), (Adapter("line.gguf"),)
+    admitted(scheduler, Sequence(prompt=[1, 2, 3], sampling=SamplingParams(adapters=line, priority=1000),
+                                 max_new_tokens=99),
+             Sequence(prompt=[4, 5, 6], sampling=SamplingParams(adapters=user), max_new_tokens=99),
+             Sequence(prompt=[7, 8, 9], sampling=SamplingParams(adapters=user, priority=1000), max_new_tokens=99))
+    assert all(step(scheduler) == {user} for _ in range(3 * ADAPTER_TURN))  # the line of the user's set rides along
+    [first] = [seq for seq in scheduler.running if seq.priority == 0]
+    scheduler.remove(first)
+    assert {line} in [step(scheduler) for _ in range(ADAPTER_TURN + 1)]  # both batch lines now: turns again
