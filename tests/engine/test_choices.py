@@ -15,7 +15,7 @@ from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.bridge import RequestStream
 from lmserve.engine.slots.fake import FakeBackend
 from lmserve.errors import InvalidRequest, Overloaded
-from lmserve.types import Chunk, LoadOptions, SamplingParams
+from lmserve.types import Adapter, Chunk, LoadOptions, SamplingParams
 from tests.tiny_gguf import write_tiny_llama
 from tests.tiny_lfm2 import write_tiny_lfm2
 
@@ -109,9 +109,9 @@ def recording_steps(engine: BatchingEngine) -> list[list[BatchEntry]]:
     steps: list[list[BatchEntry]] = []
     step = engine.backend.step
 
-    def recorded(entries: list[BatchEntry]) -> list[int | None]:
+    def recorded(entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         steps.append(list(entries))
-        return step(entries)
+        return step(entries, adapters)
 
     engine.backend.step = recorded  # type: ignore[method-assign]
     return steps
