@@ -60,16 +60,23 @@ def check_lora(adapter: Path, base: Path, *, max_rank: int = 0, param: str = "lo
     return facts
 
 
+def file_identity(path: str | Path) -> str:
+    """What a cache keys a file by: a store blob's name (its digest), else its resolved path, size and modification
+    time (a missing file: its path alone)."""
+    path = Path(path)
+    if path.name.startswith("sha256-"):
+        return path.name
+    try:
+        size, mtime = _stamp(path)
+    except OSError:
+        return str(path)
+    return f"{path.resolve()}:{size}:{mtime}"
+
+
 def adapters_identity(adapters: tuple[Adapter, ...]) -> str:
-    """A short name for an adapter set as its files are now (paths, sizes, modification times, scales): what a state
-    computed under it is keyed by in the prompt cache, on disk across restarts too."""
-    parts = []
-    for adapter in adapters:
-        try:
-            size, mtime = _stamp(Path(adapter.path))
-        except OSError:
-            size, mtime = -1, -1
-        parts.append(f"{adapter.path}|{size}|{mtime}|{adapter.scale!r}")
+    """A short name for an adapter set as its files are now, with its scales: what a state computed under it is keyed
+    by in the prompt cache, on disk across restarts too."""
+    parts = [f"{file_identity(adapter.path)}|{adapter.scale!r}" for adapter in adapters]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -52,12 +52,7 @@ def prompt_cache_key(path: Path, options: LoadOptions, launch: LlamaCppLaunch, n
     build. States saved under another key are never restored."""
     import llama_cpp
 
-    def identity(file: str | Path) -> str:
-        file = Path(file)
-        if file.name.startswith("sha256-"):
-            return file.name
-        stat = file.stat()
-        return f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    from lmserve.store.lora import file_identity as identity
 
     parts = [identity(path), *(identity(adapter) for adapter in options.adapters),
              identity(options.projector) if options.projector else "", launch.cache_type_k, launch.cache_type_v,
