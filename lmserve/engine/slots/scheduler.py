@@ -64,11 +64,6 @@ BACKGROUND_PREFILL = 16
 request: on 2 cores, a chat's engine TTFT under a 600-line batch 0.8-0.9x idle with 16, 1.9-2.0x unlimited."""
 RECENT_STEPS = 256
 """Steps after the last one with a sequence of default or higher priority during which BACKGROUND_PREFILL holds."""
-WHOLE_PROMPT_REUSE = 64
-"""A free slot holding a prompt's whole prefix but mostly other tokens (its earlier reply) is taken for it only from
-this many tokens: llama.cpp attends over the KV streams from the lowest slot of a step to the highest, so four
-sequences on slots 0, 3, 5 and 7 decode as slowly as eight (45.7 ms a step on SmolLM2, 2 cores; 24.9 on 0-3), and
-a short prompt is cheaper to prefill than to decode spread out (bench/README.md, plain decoding at 4 streams)."""
 ADAPTER_TURN = 8
 """Steps in a row one LoRA adapter set runs while others wait (llama.cpp applies one set to a whole step). Changing
 the set costs llama.cpp a new graph reservation (~7 ms a change on SmolLM2, 2 cores), and its LoRA products are slow
@@ -203,8 +198,7 @@ class Scheduler:
         for i, slot in enumerate(self.free_slots):
             held = self.slot_tokens[slot]
             length = common_prefix_length(self.held_for(slot, adapters), prompt)
-            whole = length >= len(prompt) - 1 and length >= WHOLE_PROMPT_REUSE  # all it could reuse, worth a spread
-            if length > best_len and (length >= self.slot_similarity * len(held) or whole):
+            if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
                 best, best_len = i, length
         if best >= 0:
             return best, best_len

@@ -6,7 +6,7 @@ import pytest
 
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.phases import Phase
-from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, WHOLE_PROMPT_REUSE, Scheduler
+from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import SamplingParams
 
@@ -551,16 +551,3 @@ def test_the_batch_prefills_at_full_speed_again_once_no_user_was_served_for_rece
     admit_all(scheduler)
     sizes = [len(scheduler.schedule()[0][1].tokens) for _ in range(RECENT_STEPS + 1)]
     assert sizes[0] == BACKGROUND_PREFILL and sizes[-1] == 64
-
-
-def test_a_short_prompt_does_not_take_a_slot_for_a_prefix_that_is_mostly_another_reply() -> None:
-    """A free slot holding a prompt's whole prefix, then a long reply, is taken only for a prompt of WHOLE_PROMPT_REUSE
-    tokens or more: a short one goes where it keeps the decoding slots together (llama.cpp's step costs the range of
-    slots it touches)."""
-    scheduler = Scheduler(4, 512, 256)
-    for length in (WHOLE_PROMPT_REUSE - 8, WHOLE_PROMPT_REUSE + 8):
-        prompt = list(range(1, length + 1))
-        scheduler.slot_tokens = [[], [], [], prompt + list(range(500, 700))]  # slot 3: the prompt, then its reply
-        scheduler.free_slots = [3, 2, 1, 0]
-        index, reused = scheduler.choose_slot(prompt)
-        assert (scheduler.free_slots[index], reused) == ((0, 0) if length < WHOLE_PROMPT_REUSE else (3, length))
