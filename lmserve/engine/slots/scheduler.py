@@ -64,6 +64,12 @@ BACKGROUND_PREFILL = 16
 request: on 2 cores, a chat's engine TTFT under a 600-line batch 0.8-0.9x idle with 16, 1.9-2.0x unlimited."""
 RECENT_STEPS = 256
 """Steps after the last one with a sequence of default or higher priority during which BACKGROUND_PREFILL holds."""
+SPREAD_REUSE = 128
+"""While other sequences run, a free slot widening their slots' range more than the nearest free slot would is
+taken for its prefix only from this many tokens. llama.cpp attends over the KV streams from a step's lowest slot to
+its highest, so four sequences on slots 0, 3, 5 and 7 decode as slowly as eight (45.7 ms a step on SmolLM2, 2 cores;
+24.9 on 0-3): a short prefix is cheaper to compute again (or to copy from that slot, `_plan_sharing`) than to decode
+spread out (bench/README.md, plain decoding at 4 streams). Alone, a sequence reuses its slot wherever it is."""
 ADAPTER_TURN = 8
 """Steps in a row one LoRA adapter set runs while others wait (llama.cpp applies one set to a whole step). Changing
 the set costs llama.cpp a new graph reservation (~7 ms a change on SmolLM2, 2 cores), and its LoRA products are slow
@@ -191,20 +197,35 @@ class Scheduler:
         holds.
 
         The slot sharing the longest prefix, when that prefix is at least `slot_similarity` of the slot's tokens or
-        the whole prompt (all it could reuse); else an empty slot; else the least recently freed (the free list is in
-        the order slots were freed).
+        the whole prompt (all it could reuse), and, while others run, either widening their slots' range no more than
+        the nearest free slot would or at least SPREAD_REUSE long; else the slot nearest that range: an empty one,
+        else the least recently freed (the free list is in the order slots were freed).
         """
+        span = self._running_span()
+        least = min(_widening(span, slot) for slot in self.free_slots)
         best, best_len = -1, 0
         for i, slot in enumerate(self.free_slots):
             held = self.slot_tokens[slot]
             length = common_prefix_length(self.held_for(slot, adapters), prompt)
-            if length > best_len and (length >= self.slot_similarity * len(held) or length >= len(prompt) - 1):
+            if length <= best_len or (length < SPREAD_REUSE and _widening(span, slot) > least):
+                continue
+            if length >= self.slot_similarity * len(held) or length >= len(prompt) - 1:
                 best, best_len = i, length
         if best >= 0:
             return best, best_len
-        empty = [i for i, slot in enumerate(self.free_slots) if not self.slot_tokens[slot]]
-        index = empty[-1] if empty else 0
+        index = min(range(len(self.free_slots)), key=lambda i: self._fallback_rank(i, span))
         return index, common_prefix_length(self.held_for(self.free_slots[index], adapters), prompt)
+
+    def _running_span(self) -> tuple[int, int] | None:
+        slots = [seq.slot for seq in self.running if seq.slot >= 0]
+        return (min(slots), max(slots)) if slots else None
+
+    def _fallback_rank(self, index: int, span: tuple[int, int] | None) -> tuple[int, int, int]:
+        """Nearest the running range first; then empty slots (the last in the free list first), then the least
+        recently freed."""
+        slot = self.free_slots[index]
+        empty = not self.slot_tokens[slot]
+        return _widening(span, slot), 0 if empty else 1, -index if empty else index
 
     def _usable(self, seq: Sequence, tokens: list[int]) -> int:
         return seq.reusable(common_prefix_length(tokens, seq.prompt))
@@ -414,3 +435,8 @@ class Scheduler:
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _widening(span: tuple[int, int] | None, slot: int) -> int:
+    """How many slots taking `slot` adds to the range of running slots `span`."""
+    return 0 if span is None else max(span[0] - slot, slot - span[1], 0)

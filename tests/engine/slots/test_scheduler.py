@@ -6,7 +6,7 @@ import pytest
 
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.phases import Phase
-from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, Scheduler
+from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, SPREAD_REUSE, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import SamplingParams
 
@@ -551,3 +551,22 @@ def test_the_batch_prefills_at_full_speed_again_once_no_user_was_served_for_rece
     admit_all(scheduler)
     sizes = [len(scheduler.schedule()[0][1].tokens) for _ in range(RECENT_STEPS + 1)]
     assert sizes[0] == BACKGROUND_PREFILL and sizes[-1] == 64
+
+
+@pytest.mark.parametrize("others_run", [False, True])
+@pytest.mark.parametrize("length", [SPREAD_REUSE - 8, SPREAD_REUSE + 8])
+def test_a_short_prefix_does_not_spread_the_running_slots(others_run: bool, length: int) -> None:
+    """Alone, a prompt takes the slot holding its prefix wherever it is; while another sequence runs on slot 0, a slot
+    further away than a free neighbour is taken only for SPREAD_REUSE tokens or more (llama.cpp's step costs the range
+    of slots it touches), else the nearest slot."""
+    scheduler = Scheduler(4, 512, 256)
+    prompt = list(range(1, length + 1))
+    if others_run:
+        scheduler.add(seq(4))
+        scheduler.admit()
+    scheduler.slot_tokens[3] = prompt + list(range(500, 700))  # slot 3: the prompt, then its reply
+    s = Sequence(prompt=prompt, sampling=SamplingParams(), max_new_tokens=4)
+    scheduler.add(s)
+    scheduler.admit()
+    spread = others_run and length < SPREAD_REUSE
+    assert (s.slot, s.num_cached) == ((1, 0) if spread else (3, length - 1))
