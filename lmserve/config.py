@@ -107,8 +107,12 @@ class ServerConfig:
                                help="most messages one chat request may carry")
     max_images: int = option(16, env="MAX_IMAGES", kind="int", minimum=1, help="most images one request may carry")
     loras: tuple[str, ...] = option((), "--lora", "--lora-modules", env="LORA", kind="list", metavar="NAME=PATH",
-                                    help="serve the LoRA adapter at PATH (a GGUF LoRA) over the served model as the "
-                                    "model NAME, sharing its loaded weights; repeatable, or comma-separated")
+                                    help="serve the LoRA adapter at PATH (a GGUF LoRA over a GGUF, a PEFT directory "
+                                    "over a repository) over the served model as the model NAME, sharing its loaded "
+                                    "weights; repeatable, or comma-separated")
+    enable_lora: bool = option(False, "--enable-lora", env="ENABLE_LORA", kind="bool",
+                               help="load vLLM models ready for LoRA adapters per request (vLLM's flag; implied by "
+                               "--lora and --runtime-lora; llama.cpp and MLX need no preparing)")
     max_loras: int = option(8, "--max-loras", env="MAX_LORAS", kind="int", minimum=1, metavar="N",
                             help="LoRA adapters kept loaded per model at once (the least recently used idle one "
                             "goes first)")

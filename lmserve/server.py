@@ -241,7 +241,9 @@ def engine_settings(config: ServerConfig) -> EngineSettings:
     """The engine settings of `serve`'s options."""
     return EngineSettings(engine=config.engine, max_prefill_tokens=config.prefill_chunk, max_queue=config.max_queue,
                           prompt_cache=prompt_cache(config), max_loras=config.max_loras,
-                          max_lora_rank=config.max_lora_rank, launch=config.launch)
+                          max_lora_rank=config.max_lora_rank,
+                          enable_lora=config.enable_lora or bool(config.loras) or config.runtime_lora,
+                          launch=config.launch)
 
 
 class GracefulServer(uvicorn.Server):

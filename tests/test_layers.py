@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.config": {"lmserve.types", "lmserve.errors", "lmserve.parsing", "lmserve.option_table",
                        "lmserve.engine.registry"},
     # an engine reads the files a request names (LoRA adapters) through the store's checked GGUF readers, never raw
-    "lmserve.engine": BASE | {"lmserve.store.gguf_check", "lmserve.store.lora"},
+    "lmserve.engine": BASE | {"lmserve.store.gguf_check", "lmserve.store.lora",
+                       "lmserve.store.safetensors_header"},
     "lmserve.store": BASE,
     "lmserve.chat": {"lmserve.types", "lmserve.errors"},
     "lmserve.service": BASE | SEAM | {"lmserve.store", "lmserve.chat"},

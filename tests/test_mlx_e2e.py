@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
+from tests.lora_adapters import smollm2_peft
 from tests.test_context_e2e import check_num_ctx_reloads_nothing
 from tests.test_logprobs_e2e import check_prompt_logprobs_score_the_greedy_reply
 from tests.test_server import QUESTION as QUESTION_DICTS
@@ -70,7 +71,8 @@ class KeyedServer(Server):
 def server() -> Iterator[KeyedServer]:
     # SmolLM2's template names no tool-call format: hermes, as tests/test_tools_e2e.py gives it on llama.cpp
     srv = KeyedServer("--model", str(smollm2_repo()), "--engine", "mlx", "--api-key", KEY,
-                      "--tool-call-parser", "hermes", env={"LMSERVE_MAX_QUEUE": str(MAX_QUEUE)})
+                      "--tool-call-parser", "hermes", "--lora", f"sea={smollm2_peft(1)}",
+                      env={"LMSERVE_MAX_QUEUE": str(MAX_QUEUE)})
     yield srv
     srv.stop()
 
@@ -414,3 +416,26 @@ def test_a_chat_model_reranks_on_mlx(server: KeyedServer, model: str) -> None:
             "documents": ["Bananas are yellow.", "Paris is the capital of France."]}
     ranked = httpx.post(server.base_url + "/v1/rerank", json=body, headers=AUTH, timeout=120).json()
     assert [r["index"] for r in ranked["results"]] == [1, 0]
+
+
+def test_a_lora_adapter_is_a_model_over_the_repository_and_a_request_field(server: KeyedServer,
+                                                                          client: openai.OpenAI, model: str) -> None:
+    """`--lora sea=<PEFT directory>` (issue 44): the model `sea`, listed with its parent, answering otherwise than the
+    base over the same loaded weights; llama-server's `lora` field picks it by id on the base's name."""
+    cards = {card.id: card for card in client.models.list()}
+    assert getattr(cards["sea:latest"], "parent", None) == model
+
+    def ask(name: str, **extra: Any) -> str:
+        reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=12,
+                                               extra_body={**GREEDY, **extra})
+        return reply.choices[0].message.content or ""
+
+    sea = ask("sea")
+    assert sea != ask(model) and ask(model, lora=[{"id": 0, "scale": 1.0}]) == sea
+    with server.native() as native:
+        assert native.show("sea").modelinfo["lora.ranks"] == [8]
+        greedy = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}  # the native defaults penalize
+        assert native.chat(model="sea", messages=QUESTION, options=greedy).message.content == sea
+    ps = httpx.get(server.base_url + "/api/ps", headers=AUTH).json()["models"]
+    assert {entry["name"] for entry in ps} == {model, "sea:latest"}
+    assert len({entry["adapter_bytes"] for entry in ps}) == 1 and ps[0]["adapter_bytes"] > 0  # names of one instance

@@ -80,9 +80,11 @@ class Server:
                     raise
 
     def repository_model(self, headers: dict[str, str] | None = None) -> str:
-        """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF)."""
+        """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF, and
+        LoRA adapters over the repository are models with a parent)."""
         tags = httpx.get(self.base_url + "/api/tags", headers=headers).json()["models"]
-        [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"]
+        [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"
+                  and not m["details"].get("parent_model")]
         return str(name)
 
     def client(self, api_key: str = "placeholder") -> openai.OpenAI:

@@ -36,6 +36,8 @@ class EngineSettings:
     """LoRA adapters kept loaded per model at once (--max-loras)."""
     max_lora_rank: int = 64
     """The highest LoRA rank accepted (--max-lora-rank)."""
+    enable_lora: bool = False
+    """Engines that must be readied for adapters when they load (vLLM) are (--enable-lora, --lora, --runtime-lora)."""
     launch: tuple[object, ...] = ()
     """Each engine's launch record (its options as the server was started with them)."""
 

@@ -7,6 +7,11 @@ here with a 400 naming what is wrong, so a wrong or corrupt file never reaches l
 it, or worse). A PEFT directory (adapter_config.json) is recognised and named: the llama.cpp engine takes GGUF
 LoRAs.
 
+Over a safetensors repository (vLLM, MLX) an adapter is a PEFT directory: adapter_config.json (`r`, `lora_alpha`)
+and adapter_model.safetensors, whose `<weight>.lora_A.weight` is [rank, n_in] and `lora_B.weight` [n_out, rank] for
+a base weight of [n_out, n_in] (names under PEFT's `base_model.model.` prefix). Checked the same way, from the
+safetensors headers alone.
+
 Results are kept per (adapter, base) as long as neither file changed (size and mtime), so a request naming an
 adapter costs two stats after the first.
 """
@@ -14,15 +19,19 @@ adapter costs two stats after the first.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.store.gguf_check import gguf_metadata, gguf_tensor_shapes
+from lmserve.store.safetensors_header import safetensors_shapes
 from lmserve.types import Adapter
 
 PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +48,9 @@ _lock = threading.Lock()
 
 
 def check_lora(adapter: Path, base: Path, *, max_rank: int = 0, param: str = "lora") -> LoraFacts:
-    """The facts of the LoRA at `adapter` for the GGUF model at `base`; InvalidRequest (`param`) naming the file and
-    the reason when it is no LoRA GGUF, was made for another architecture or other shapes, or has a rank over
-    `max_rank` (0: no limit)."""
+    """The facts of the LoRA at `adapter` for the model at `base` (a GGUF file, or a repository directory: then a
+    PEFT directory); InvalidRequest (`param`) naming the file and the reason when it is no LoRA of that kind, was made
+    for another architecture or other shapes, or has a rank over `max_rank` (0: no limit)."""
     try:
         stamp = (*_stamp(adapter), *_stamp(base))
     except OSError:
@@ -50,7 +59,7 @@ def check_lora(adapter: Path, base: Path, *, max_rank: int = 0, param: str = "lo
     with _lock:
         cached = _checked.get(key)
     if cached is None or cached[0] != stamp:
-        cached = (stamp, _check(adapter, base, param))
+        cached = (stamp, _check_peft(adapter, base, param) if base.is_dir() else _check(adapter, base, param))
         with _lock:
             _checked[key] = cached
     facts = cached[1]
@@ -81,8 +90,49 @@ def adapters_identity(adapters: tuple[Adapter, ...]) -> str:
 
 
 def _stamp(path: Path) -> tuple[int, int]:
+    """Size and modification time of a file; of a directory, those of its adapter weights or its config.json."""
+    if path.is_dir():
+        path = next((path / name for name in (PEFT_WEIGHTS, "config.json") if (path / name).exists()), path)
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
+
+
+def _check_peft(adapter: Path, base: Path, param: str) -> LoraFacts:
+    name = adapter.name
+    if not (adapter / PEFT_CONFIG).is_file():
+        raise InvalidRequest(f"{name} is no PEFT adapter directory (adapter_config.json and {PEFT_WEIGHTS}): this "
+                             "engine takes LoRA adapters in PEFT's format", param=param)
+    try:
+        config = json.loads((adapter / PEFT_CONFIG).read_text())
+        rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        raise InvalidRequest(f"LoRA adapter {name}: its {PEFT_CONFIG} is not a JSON object with r and "
+                             "lora_alpha", param=param) from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise InvalidRequest(f"{name} is a {config.get('peft_type')} adapter, not a LoRA", param=param)
+    shapes = safetensors_shapes(adapter / PEFT_WEIGHTS)
+    if not shapes:
+        raise InvalidRequest(f"LoRA adapter {name}: {PEFT_WEIGHTS} is missing or unreadable", param=param)
+    base_shapes: dict[str, tuple[int, ...]] = {}
+    for weights in sorted(base.glob("*.safetensors")):
+        base_shapes |= {tensor.removesuffix(".weight"): tuple(shape)
+                        for tensor, shape in safetensors_shapes(weights).items()}
+    renamed = {_gguf_style(tensor): tuple(reversed(shape)) for tensor, shape in shapes.items()}
+    found = _check_shapes(name, renamed, {key: tuple(reversed(shape)) for key, shape in base_shapes.items()}, param)
+    if rank and found != rank:
+        raise InvalidRequest(f"LoRA adapter {name}: its {PEFT_CONFIG} says rank {rank}, its weights {found}",
+                             param=param)
+    size = sum(file.stat().st_size for file in adapter.iterdir() if file.is_file())
+    return LoraFacts(rank=found, alpha=alpha, size=size)
+
+
+def _gguf_style(tensor: str) -> str:
+    """PEFT's `base_model.model.<weight>.lora_A.weight` as `<weight>.lora_a` (the names `_check_shapes` reads)."""
+    weight = tensor.removeprefix(PEFT_PREFIX)
+    for part, short in ((".lora_A.weight", ".lora_a"), (".lora_B.weight", ".lora_b")):
+        if weight.endswith(part):
+            return weight.removesuffix(part) + short
+    return weight
 
 
 def _check(adapter: Path, base: Path, param: str) -> LoraFacts:

@@ -55,12 +55,15 @@ class Manifest:
     """Unix seconds; set by `Store.save`."""
     files: dict[str, str] = field(default_factory=dict)
     """A repository's files: relative path → blob digest (config.json's is `model`); empty for a GGUF model."""
+    adapter_dirs: list[dict[str, str]] = field(default_factory=list)
+    """PEFT LoRA directories over a repository (adapter_config.json + weights), each as a repository's `files`."""
 
     @property
     def digests(self) -> list[str]:
         """Every blob digest this manifest refers to, once each: model, projector, adapters, repository files."""
         projector = [] if self.projector is None else [self.projector]
-        return list(dict.fromkeys([self.model, *projector, *self.adapters, *self.files.values()]))
+        folders = [digest for files in self.adapter_dirs for digest in files.values()]
+        return list(dict.fromkeys([self.model, *projector, *self.adapters, *self.files.values(), *folders]))
 
 
 @dataclass(slots=True)
@@ -90,8 +93,11 @@ def decode_manifest(raw: bytes) -> Manifest:
     projector = typed("projector", (str, type(None)), None)
     adapters = typed("adapters", list, [])
     files = typed("files", dict, {})
-    if not all(isinstance(digest, str) for digest in files.values()):
-        raise ValueError("'files' must map file names to digests")
+    folders = typed("adapter_dirs", list, [])
+    if not all(isinstance(digest, str) for digest in files.values()) or not all(
+            isinstance(folder, dict) and all(isinstance(digest, str) for digest in folder.values())
+            for folder in folders):
+        raise ValueError("'files' and each of 'adapter_dirs' must map file names to digests")
     messages = typed("messages", list, [])
     licenses = typed("license", list, [])
     if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m) for m in messages):
@@ -110,5 +116,10 @@ def decode_manifest(raw: bytes) -> Manifest:
         parent=typed("parent", str, ""),
         details=typed("details", dict, {}),
         modified_at=float(typed("modified_at", (int, float), 0.0)),
-        files={check_relative_path(name): check_digest(digest) for name, digest in files.items()},
+        files=_checked_files(files),
+        adapter_dirs=[_checked_files(folder) for folder in folders],
     )
+
+
+def _checked_files(files: dict[str, str]) -> dict[str, str]:
+    return {check_relative_path(name): check_digest(digest) for name, digest in files.items()}

@@ -23,15 +23,15 @@ def repository_key(files: Mapping[str, str]) -> str:
 
 
 def add_repository(repos: set[str] | None, manifest_text: str) -> set[str] | None:
-    """`repos` plus the directory of the repository a manifest's text describes; None when it does not decode."""
+    """`repos` plus the directories of the repository and adapter folders a manifest's text describes; None when it
+    does not decode."""
     if repos is None:
         return None
     try:
-        files = decode_manifest(manifest_text.encode()).files
+        manifest = decode_manifest(manifest_text.encode())
     except (ValueError, InvalidRequest, RecursionError):
         return None  # a corrupt manifest: its directory cannot be told apart, so keep every directory
-    if files:
-        repos.add(repository_key(files))
+    repos.update(repository_key(files) for files in (manifest.files, *manifest.adapter_dirs) if files)
     return repos
 
 

@@ -4,7 +4,7 @@ Layout (root from `LMSERVE_MODELS`, default `~/.lmserve/models`):
 
     blobs/sha256-<hex>                                         GGUF weights, projectors, adapters, repository files
     manifests/<host or "local">/<namespace or "library">/<name>/<tag>      one JSON `Manifest`
-    repos/<16 hex digits>/                                     a repository's files as symlinks to their blobs
+    repos/<16 hex digits>/                                     a repository's (or PEFT adapter's) files as symlinks
     .lock                                                      flock'd around save, delete, gc and repos/ changes
 
 Every write goes to a `.tmp-*` file in the target directory and is renamed into place, so a crash or a
@@ -144,8 +144,17 @@ class Store:
         blobs), laid out on first use and checked (and repaired) on each call."""
         if not manifest.files:
             return self.blob_path(manifest.model)
-        directory = self._repos / repository_key(manifest.files)
-        links = {name: self._link_target(directory, name, digest) for name, digest in manifest.files.items()}
+        return self.folder_path(manifest.files)
+
+    def adapter_paths(self, manifest: Manifest) -> list[Path]:
+        """Where a model's LoRA adapters lie: GGUF blobs, then PEFT directories (laid out as `folder_path`)."""
+        return [*map(self.blob_path, manifest.adapters), *map(self.folder_path, manifest.adapter_dirs)]
+
+    def folder_path(self, files: dict[str, str]) -> Path:
+        """The directory under `repos/` of symlinks to the blobs of `files` (relative path → digest), laid out on first
+        use and checked (and repaired) on each call."""
+        directory = self._repos / repository_key(files)
+        links = {name: self._link_target(directory, name, digest) for name, digest in files.items()}
         with self._lock():
             if not has_links(directory, links):
                 if os.path.lexists(directory):

@@ -306,7 +306,6 @@ def test_template_system_and_parameters_over_a_repository(catalog: StoreCatalog,
 @pytest.mark.parametrize(
     ("modelfile", "quantize", "mentions"),
     [
-        (Modelfile(from_="REPO", adapters=["lora.gguf"]), False, "ADAPTER"),
         (Modelfile(from_="REPO", projector="mmproj.gguf"), False, "projector"),
         (Modelfile(from_="REPO"), True, "quantize"),
     ],
@@ -320,6 +319,32 @@ def test_gguf_only_directives_over_a_repository_are_refused(
     assert info.value.status == 400
     assert mentions in info.value.message and "vLLM" in info.value.message
     assert catalog.listing() == []
+
+
+def write_peft(folder: Path, rows: int = 16) -> Path:
+    """A PEFT LoRA directory of rank 4 over the tiny repository's model.layers.0.mlp (another model's: `rows` != 16)."""
+    prefix = "base_model.model.model.layers.0.mlp"
+    return write_repository(folder, {
+        "adapter_config.json": json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}).encode(),
+        "adapter_model.safetensors": safetensors_bytes({f"{prefix}.lora_A.weight": ("F32", [4, 16]),
+                                                        f"{prefix}.lora_B.weight": ("F32", [rows, 4])}, {}),
+    })
+
+
+def test_a_peft_adapter_over_a_repository_is_a_model_sharing_its_instance(catalog: StoreCatalog, repo: Path,
+                                                                          tmp_path: Path) -> None:
+    catalog.create("tiny", Modelfile(from_=str(repo)))
+    catalog.create("tuned", Modelfile(from_="tiny", adapters=[str(write_peft(tmp_path / "peft"))]))
+    (adapter,) = catalog.settings("tuned").adapters  # it rides on each request
+    assert (Path(adapter.path) / "adapter_config.json").is_file() and adapter.name == "tuned"
+    assert catalog.plan("tuned:latest", LoadOptions()).key == catalog.plan("tiny:latest", LoadOptions()).key
+    shown = catalog.describe("tuned:latest")
+    assert shown.listing.parent == "tiny:latest" and shown.model_info["lora.ranks"] == [4]
+    assert f"ADAPTER {adapter.path}" in shown.modelfile
+    catalog.store.gc()
+    assert (Path(catalog.settings("tuned").adapters[0].path) / "adapter_model.safetensors").is_file()
+    with pytest.raises(InvalidRequest, match=r"does not fit this model: model\.layers\.0\.mlp"):
+        catalog.create("wrong", Modelfile(from_="tiny", adapters=[str(write_peft(tmp_path / "other", rows=32))]))
 
 
 def test_a_directory_without_config_is_refused(catalog: StoreCatalog, tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> En
                              param="model") from None
     launch = settings.of(MlxLaunch)
     chunk = settings.max_prefill_tokens or PREFILL_CHUNK
-    backend = MlxBackend(path, options, launch)
+    backend = MlxBackend(path, options, launch, (settings.max_loras, settings.max_lora_rank))
     return BatchingEngine(backend, max_batch_tokens=max(options.num_batch, chunk),
                           max_prefill_tokens=backend.info.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, prompt_cache=settings.prompt_cache,
@@ -109,5 +109,6 @@ def prompt_cache_key(path: Path, launch: MlxLaunch, num_ctx: int) -> str:
 SPEC = EngineSpec(
     name="mlx", label="MLX", serves="safetensors repositories (a directory with config.json; MLX's quantized ones too)",
     launch=MlxLaunch, claims=claims, open=open_model, estimate=estimate, missing=missing, in_process=True,
-    vision_missing=vision_missing, sampling=SAMPLING_OPTIONS,
+    vision_missing=vision_missing, sampling=SAMPLING_OPTIONS, takes=frozenset({"adapters"}), adapters_per_request=True,
 )
+"""MLX takes LoRA adapters as PEFT directories, per request (engine/mlx/adapters.py)."""

@@ -43,7 +43,7 @@ from lmserve.engine.mlx.sampling import Sampler
 from lmserve.engine.mlx.states import copy_caches, cut_caches, read_caches, write_caches
 from lmserve.engine.pieces import piece_bytes
 from lmserve.engine.prompt_logprobs import PromptLogprobs
-from lmserve.engine.protocol import ModelInfo, PromptImage, check_no_adapters
+from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
@@ -68,10 +68,13 @@ def computing(method: F) -> F:
 class MlxBackend:
     """A model loaded by mlx-lm, decoding batches of slots (the slot engine's Backend)."""
 
-    def __init__(self, path: str | Path, options: LoadOptions, launch: MlxLaunch | None = None) -> None:
+    def __init__(self, path: str | Path, options: LoadOptions, launch: MlxLaunch | None = None,
+                 adapter_limits: tuple[int, int] = (8, 0)) -> None:
         launch = launch or MlxLaunch()
         self._mx = mx = import_mlx(launch.mlx_device, options.num_threads)
         from mlx_lm.models.cache import make_prompt_cache
+
+        from lmserve.engine.mlx.adapters import AdapterPool  # MLX imported first, as import_mlx sets it up
 
         path = Path(path)
         model, tokenizer, config, dtype = load_model(mx, path, launch.mlx_dtype)
@@ -86,6 +89,8 @@ class MlxBackend:
         self._specials = frozenset(int(t) for t in self._hf.all_special_ids) | frozenset(
             int(i) for i, added in self._hf.added_tokens_decoder.items() if added.special)
         self.info = self._model_info(path, options, config, dtype or mx.float32)
+        self.adapters = AdapterPool(model, path, dtype or mx.float32, max_loaded=adapter_limits[0],
+                                    max_rank=adapter_limits[1])
         self._grammars = Grammars(self._hf, self.info.num_vocab, self._end_tokens)
         self._caches: list[Caches | None] = [self._make_cache() for _ in range(options.num_parallel)]
         """Each slot's caches; None while the slot is a row of the decoding batch."""
@@ -141,10 +146,16 @@ class MlxBackend:
     def check_grammar(self, grammar: str) -> None:
         self._grammars.compile(grammar)
 
-    adapter_bytes = max_adapters = 0
-
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:
-        check_no_adapters("MLX", adapters)
+        self.adapters.check(adapters)
+
+    @property
+    def adapter_bytes(self) -> int:
+        return self.adapters.num_bytes
+
+    @property
+    def max_adapters(self) -> int:
+        return self.adapters.max_loaded
 
     # ---- slots -------------------------------------------------------------------------------------------------
 
@@ -249,6 +260,7 @@ class MlxBackend:
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         if any(entry.image is not None for entry in entries):
             raise EngineFailure("the MLX engine was given an image to decode")
+        self.adapters.apply(adapters)
         out: dict[int, int | None] = {}
         for entry in entries:
             if entry.draft:
@@ -397,7 +409,7 @@ class MlxBackend:
 
     @computing
     def embed(self, tokens: list[int], adapters: tuple[Adapter, ...] = ()) -> list[float]:
-        check_no_adapters("MLX", adapters)
+        self.adapters.apply(adapters)
         mx = self._mx
         if not self.info.can_embed:
             raise InvalidRequest("this model cannot embed on the MLX engine", param="model")

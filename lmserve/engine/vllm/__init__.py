@@ -84,7 +84,8 @@ def vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> 
         max_queue=settings.max_queue, is_cpu=is_cpu, nnodes=launch.nnodes, node_rank=launch.node_rank,
         master_addr=launch.master_addr, master_port=launch.master_port, executor=launch.distributed_executor_backend,
         kv_offloading_size=launch.kv_offloading_size, kv_offloading_backend=launch.kv_offloading_backend,
-        kv_events_config=None if launch.kv_events_config is None else kv_events_config(launch.kv_events_config))
+        kv_events_config=None if launch.kv_events_config is None else kv_events_config(launch.kv_events_config),
+        enable_lora=settings.enable_lora, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank)
     check_kv_offloading(chosen)  # the CPU build cannot offload; LMCache must be installed
     return chosen
 
@@ -92,9 +93,10 @@ def vllm_options(path: Path, options: LoadOptions, settings: EngineSettings) -> 
 SPEC = EngineSpec(
     name="vllm", label="vLLM", serves="safetensors repositories (a directory with config.json)", launch=VllmLaunch,
     claims=claims, open=open_model, estimate=estimate, missing=missing, vision_missing=vision_missing,
-    serve_headless=serve_headless, sampling=SAMPLING_OPTIONS - {"mirostat", "mirostat_tau", "mirostat_eta", "typical_p",
-                                                                "draft_max"},
+    serve_headless=serve_headless, takes=frozenset({"adapters"}), adapters_per_request=True,
+    sampling=SAMPLING_OPTIONS - {"mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "draft_max"},
 )
-"""vLLM has no Mirostat and no locally typical sampling, and drafts only as configured when it loads (no per-request
-draft_max). Its repetition penalty covers the whole text, so `repeat_last_n` has no counterpart (taken, as it always
-has been, and not refused: every native request sends one)."""
+"""vLLM takes LoRA adapters as PEFT directories, per request (engine/vllm/lora.py). It has no Mirostat and no
+locally typical sampling, and drafts only as configured when it loads (no per-request draft_max). Its repetition
+penalty covers the whole text, so `repeat_last_n` has no counterpart (taken, as it always has been, and not refused:
+every native request sends one)."""

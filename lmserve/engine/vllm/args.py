@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmserve.engine.vllm.lora import lora_args
 from lmserve.engine.vllm.rerank import is_reranker
 from lmserve.errors import InvalidRequest
 from lmserve.types import AUTO_CONTEXT
@@ -51,6 +52,10 @@ class VllmOptions:
     kv_events_config: dict[str, Any] | None = None
     """vLLM's KVEventsConfig fields (--kv-events-config): where and how its KV cache events are published; None:
     not published."""
+    enable_lora: bool = False
+    """Ready vLLM for LoRA adapters per request (engine/vllm/lora.py), up to `max_loras` in one batch."""
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     @property
     def local_workers(self) -> int:
@@ -98,6 +103,7 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
     elif kv_bytes is not None:
         args["kv_cache_memory_bytes"] = kv_bytes
     args.update(_prefill_args(options, config))
+    args.update(lora_args(options.enable_lora, options.max_loras, options.max_lora_rank))
     return args
 
 

@@ -33,13 +33,13 @@ from lmserve.engine.protocol import (
     ModelInfo,
     PromptImage,
     check_choices,
-    check_no_adapters,
     check_score_tokens,
     choice_sampling,
 )
 from lmserve.engine.vllm.args import VllmOptions, engine_args
 from lmserve.engine.vllm.errors import config_error, engine_death, engine_error
 from lmserve.engine.vllm.gate import KindGate
+from lmserve.engine.vllm.lora import VllmLoras
 from lmserve.engine.vllm.memory import context_choice, kv_cache_bytes
 from lmserve.engine.vllm.rerank import RankPair, is_reranker, pair_tokens, score_template
 from lmserve.engine.vllm.sampling import check_grammar, to_vllm_sampling
@@ -62,6 +62,8 @@ class VllmEngine:
             raise InvalidRequest(f"vLLM cannot serve this vision-language model here: {missing}", param="model")
         check_weights(path, config)
         self._stats = EngineStats()
+        self.loras = VllmLoras(path, enabled=options.enable_lora, max_loras=options.max_loras,
+                               max_rank=options.max_lora_rank)
         self.llm, choice = start_vllm(path, options, config, self._stats)
         self._failure: str | None = None
         self._tokenizer = self.llm.get_tokenizer()
@@ -119,6 +121,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._check_request(prompt, sampling)
+        lora = self.loras.request(sampling.adapters)
         kwargs = to_vllm_sampling(sampling, special=special, room=self.info.num_ctx - len(prompt))
         if sampling.grammar is not None:
             if sampling.ignore_eos:
@@ -137,7 +140,7 @@ class VllmEngine:
             raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
                                  param="images")
         stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []],
-                            priority=sampling.priority)
+                            priority=sampling.priority, lora=lora)
         self._streams[stream.request_id] = stream
         return stream
 
@@ -157,7 +160,6 @@ class VllmEngine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.info.num_vocab}) for this model",
                                  param="logit_bias")
         check_score_tokens(sampling, self.info.num_vocab)
-        check_no_adapters("vLLM", sampling.adapters)
 
     def submit_many(
         self, prompt: list[int], sampling: SamplingParams, n: int, *, special: bool = False,
@@ -264,6 +266,7 @@ class VllmEngine:
 
     @property
     def stats(self) -> EngineStats:
+        self._stats.adapter_bytes, self._stats.max_adapters = self.loras.num_bytes, self.loras.max_loras
         return self._stats
 
     def count_prompt(self, cached_tokens: int) -> None:

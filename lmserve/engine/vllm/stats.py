@@ -31,6 +31,9 @@ def stat_logger(stats: EngineStats) -> Any:
             stats.prefix_cache_queries += int(scheduler_stats.prefix_cache_stats.queries)
             stats.prefix_cache_hits += int(scheduler_stats.prefix_cache_stats.hits)
             stats.preemptions += int(getattr(scheduler_stats, "num_preemptions", 0))
+            running = getattr(scheduler_stats, "running_lora_adapters", None) or {}
+            waiting = getattr(scheduler_stats, "waiting_lora_adapters", None) or {}
+            stats.running_adapters, stats.waiting_adapters = tuple(sorted(running)), tuple(sorted(waiting))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -30,8 +30,10 @@ class VllmStream:
     """The output of one request: vLLM's deltas as chunks; the last one carries finish reason, usage and timings."""
 
     def __init__(self, engine: VllmEngine, prompt: list[int], params: Any, images: list[Any] | None = None, *,
-                 priority: int = 0) -> None:
+                 priority: int = 0, lora: Any = None) -> None:
         self._engine = engine
+        self._lora = lora
+        """vLLM's LoRARequest for the request's adapter, or None (engine/vllm/lora.py)."""
         self._prompt = prompt
         self._params = params
         self._images = images or []
@@ -125,7 +127,7 @@ class VllmStream:
         """vLLM's deltas of the request as chunks, up to the final one; nothing more when it fails (`failure`)."""
         first = 0
         outputs = self._engine.llm.generate(request, self._params, request_id=self.request_id,
-                                            priority=self._priority)
+                                            priority=self._priority, lora_request=self._lora)
         try:
             async for out in outputs:
                 completion = out.outputs[0]

@@ -15,16 +15,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmserve.errors import InvalidRequest
-
-_MAX_HEADER = 100 * 2**20
-"""A safetensors header longer than this is not believed (real ones are well under a megabyte per shard)."""
+from lmserve.store.safetensors_header import safetensors_shapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,24 +92,3 @@ def check_weights(directory: Path, config: dict[str, Any]) -> None:
                         f"{expect.size} ({expect.source}) but {name} in {path.name} has {shape[expect.dim]} along "
                         f"dimension {expect.dim} (shape {shape}); vLLM would silently cut the tensor to fit",
                         param="model")
-
-
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Each tensor's shape in one safetensors file, from its header alone; {} when the header is unreadable (vLLM
-    reports that itself)."""
-    try:
-        with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > _MAX_HEADER:
-                return {}
-            header = json.loads(file.read(length))
-    except (OSError, ValueError, struct.error, RecursionError):
-        return {}
-    if not isinstance(header, dict):
-        return {}
-    shapes: dict[str, list[int]] = {}
-    for name, tensor in header.items():
-        shape = tensor.get("shape") if isinstance(tensor, dict) and name != "__metadata__" else None
-        if isinstance(shape, list) and all(isinstance(n, int) for n in shape):
-            shapes[name] = shape
-    return shapes

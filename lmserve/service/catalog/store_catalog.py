@@ -31,7 +31,7 @@ from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKe
 from lmserve.store import repository
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.load_crashes import LoadCrashes
-from lmserve.store.lora import check_lora
+from lmserve.store.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_lora
 from lmserve.store.manifest import Manifest, ModelEntry
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import ModelName, is_gguf_path, parse_name
@@ -86,9 +86,9 @@ class StoreCatalog:
             vision = manifest.projector is not None
         path = self.store.model_path(manifest)
         short = str(entry.name).removesuffix(":latest")
-        adapters = tuple(Adapter(str(self.store.blob_path(digest)), name=short if len(manifest.adapters) == 1
-                                 else f"{short}#{i}") for i, digest in enumerate(manifest.adapters)) \
-            if self._per_request(path) else ()
+        paths = self.store.adapter_paths(manifest)
+        adapters = tuple(Adapter(str(adapter), name=short if len(paths) == 1 else f"{short}#{i}")
+                         for i, adapter in enumerate(paths)) if self._per_request(path) else ()
         return ModelSettings(name=str(entry.name), parameters=opts.from_parameters(manifest.parameters),
                              recommended=self._recommended(manifest), has_vision=vision,
                              plan=partial(self._plan, entry, path), adapters=adapters)
@@ -109,11 +109,12 @@ class StoreCatalog:
             template = manifest.template or repository.chat_template(directory)
             config = repository.read_json(directory / repository.CONFIG)
             vision = repository.has_vision(config) and vision_missing(directory, config) is None
+            metadata |= self._adapter_info(manifest, directory)
         else:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
             vision = bool(manifest.projector)
-            metadata |= self._adapter_info(manifest)
+            metadata |= self._adapter_info(manifest, self.store.blob_path(manifest.model))
         return ModelDescription(
             listing=self._listing(entry),
             modelfile=self.modelfile(entry).to_text(),
@@ -129,12 +130,11 @@ class StoreCatalog:
     def has_vision(self, name: str) -> bool:
         return self.settings(name).has_vision
 
-    def _adapter_info(self, manifest: Manifest) -> dict[str, Any]:
-        """What `show` says of a GGUF model's LoRA adapters: their count, base and ranks (as checked against it)."""
-        if not manifest.adapters:
+    def _adapter_info(self, manifest: Manifest, base: Path) -> dict[str, Any]:
+        """What `show` says of a model's LoRA adapters: their count, base and ranks (as checked against it)."""
+        if not manifest.adapters and not manifest.adapter_dirs:
             return {}
-        base = self.store.blob_path(manifest.model)
-        facts = [check_lora(self.store.blob_path(digest), base) for digest in manifest.adapters]
+        facts = [check_lora(adapter, base) for adapter in self.store.adapter_paths(manifest)]
         return {"lora.count": len(facts), "lora.base_model": manifest.parent or "",
                 "lora.ranks": [fact.rank for fact in facts], "lora.alphas": [fact.alpha for fact in facts]}
 
@@ -147,7 +147,7 @@ class StoreCatalog:
             template=m.template,
             system=m.system,
             messages=list(m.messages),
-            adapters=[str(self.store.blob_path(a)) for a in m.adapters],
+            adapters=[str(adapter) for adapter in self.store.adapter_paths(m)],
             license=list(m.license),
         )
 
@@ -255,7 +255,8 @@ class StoreCatalog:
             families = list(manifest.details.get("families") or [])
             manifest.details = {**manifest.details, "families": [*families, "clip"] if "clip" not in families
                                 else families}  # as the local runner lists a model with a projector
-        manifest.adapters += [self._adapter_blob(a, base_dir, manifest) for a in modelfile.adapters]
+        for adapter in modelfile.adapters:
+            self._add_adapter(adapter, base_dir, manifest)
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
             manifest.template = modelfile.template
@@ -278,13 +279,20 @@ class StoreCatalog:
         check_gguf(path)
         return self.store.import_file(path)
 
-    def _adapter_blob(self, source: str, base_dir: Path | None, manifest: Manifest) -> str:
-        """The digest of an ADAPTER's file, checked against the GGUF it goes over (a 400 naming what is wrong)."""
-        if not manifest.files:  # checked where it lies, before it is imported
+    def _add_adapter(self, source: str, base_dir: Path | None, manifest: Manifest) -> None:
+        """Import an ADAPTER, checked where it lies against the model it goes over (a 400 naming what is wrong): a
+        GGUF LoRA over a GGUF, a PEFT directory over a repository."""
+        if not manifest.files:
             path = self.store.blob_path(source.lstrip("@")) if source.startswith(("@sha256:", "sha256:")) \
                 else _local_path(source, base_dir)
             check_lora(path, self.store.blob_path(manifest.model), param="modelfile")
-        return self._blob(source, base_dir)
+            manifest.adapters.append(self._blob(source, base_dir))
+            return
+        folder = Path(source).expanduser()
+        folder = folder if folder.is_absolute() or base_dir is None else base_dir / folder
+        check_lora(folder, self.store.model_path(manifest), param="modelfile")
+        manifest.adapter_dirs.append({name: self.store.import_file(folder / name) for name in (PEFT_CONFIG,
+                                                                                                 PEFT_WEIGHTS)})
 
     def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
         if source.startswith(("@sha256:", "sha256:")):
@@ -315,7 +323,8 @@ class StoreCatalog:
         manifest = entry.manifest
         return ModelListing(
             name=str(entry.name), created=int(manifest.modified_at), size=entry.size, digest=entry.digest,
-            details=dict(manifest.details), parent=(manifest.parent or None) if manifest.adapters else None,
+            details=dict(manifest.details),
+            parent=(manifest.parent or None) if manifest.adapters or manifest.adapter_dirs else None,
         )
 
 
