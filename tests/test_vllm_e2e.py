@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hf_repos import smollm2_repo
+from tests.lora_adapters import smollm2_peft
 from tests.test_context_e2e import check_num_ctx_reloads_nothing
 from tests.test_server import QUESTION as QUESTION_DICTS
 from tests.test_server import Server
@@ -30,6 +31,7 @@ from tests.test_structured_e2e import PERSON, PERSON_FORMAT
 from tests.test_tools_e2e import ASK, WEATHER
 
 QUESTION: Any = QUESTION_DICTS  # the clients' message types, which plain dicts satisfy at run time
+SEA: Any = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +266,33 @@ def test_metrics_count_the_requests_and_tokens_of_the_model(client: openai.OpenA
     assert value("lmserve_time_to_first_token_seconds_count", model=model) >= 1
     assert value("lmserve_model_loads_total", model=model) == 1  # loaded once for the whole run
     assert (value("lmserve_running_sequences", model=model), value("lmserve_queue_depth", model=model)) == (0, 0)
+
+
+# ---- LoRA adapters (issue 44) -----------------------------------------------------------------------------------
+
+
+def test_a_peft_adapter_loaded_at_run_time_is_a_model_over_the_repository(server: Server, client: openai.OpenAI,
+                                                                         model: str) -> None:
+    """vLLM's runtime route loads a PEFT directory as the model `tide` (the shared server has --runtime-lora): listed
+    with its parent, answering otherwise than the base over the same engine, through the openai and ollama clients;
+    unloading it leaves the base loaded."""
+    loaded = httpx.post(server.base_url + "/v1/load_lora_adapter",
+                        json={"lora_name": "tide", "lora_path": str(smollm2_peft(4))}, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    try:
+        assert getattr(client.models.retrieve("tide:latest"), "parent", None) == model
+
+        def ask(name: str) -> str:
+            reply = client.chat.completions.create(model=name, messages=SEA, temperature=0, max_tokens=12)
+            return reply.choices[0].message.content or ""
+
+        tide = ask("tide")
+        assert tide != ask(model)
+        with ollama_client(server) as native:
+            greedy = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}
+            assert native.chat(model="tide", messages=SEA, options=greedy).message.content == tide
+    finally:
+        gone = httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "tide"}, timeout=60)
+    assert gone.status_code == 200, gone.text
+    with ollama_client(server) as native:
+        assert [m.model for m in native.ps().models] == [model]  # the base stays loaded, the adapter's name went

@@ -65,6 +65,8 @@ async def load_adapter(service: ServiceDep, body: LoadAdapter) -> PlainTextRespo
 @router.post("/v1/unload_lora_adapter")
 async def unload_adapter(service: ServiceDep, body: UnloadAdapter) -> PlainTextResponse:
     _check_runtime(service)
+    if any(entry.name == body.lora_name for entry in service.loras.entries()):
+        await service.models.unload(body.lora_name)  # its name leaves /api/ps; the base's instance stays
     await asyncio.to_thread(service.loras.unregister, body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
