@@ -27,7 +27,7 @@ def register() -> None:
         return
     masked = masked_shrink(lora_ops.bgmv_shrink)
     lora_ops.bgmv_shrink = masked  # sgmv_shrink (prefill) calls it by this name
-    setattr(punica_cpu, "bgmv_shrink", masked)  # decode calls it by its own import
+    punica_cpu.bgmv_shrink = masked  # type: ignore[attr-defined]  # decode calls it by its own import
 
 
 def masked_shrink(shrink: Callable[..., None]) -> Callable[..., None]:
