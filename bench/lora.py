@@ -13,6 +13,10 @@ Two workloads per peer, ``--streams`` (8) concurrent streams of ``--requests`` (
 Printed: aggregate tokens/s (all tokens over the wall time) per peer and workload (best of ``--rounds``, 2), the
 mixed ÷ base ratio of each peer (goal of issue 44: >= 0.8) and lmserve's mixed ÷ llama-server's mixed (goal >= 1.0).
 
+Peers ``vllm`` and ``mlx`` (``--peers lmserve,llama-server,vllm``) are lmserve on those engines, serving the same
+model as a safetensors repository (tests/hf_repos.py) with the same four adapters as PEFT directories, as the tests
+make them; ``--repo`` and ``--peft`` (4 of them) give others.
+
     .venv/bin/python bench/lora.py [--streams 8] [--requests 2] [--max-tokens 128] [--rounds 2] [--lora PATH ...]
 """
 
@@ -45,12 +49,24 @@ def adapter_paths(given: list[str] | None) -> list[str]:
     return [str(smollm2_lora_gguf(seed)) for seed in range(1, ADAPTERS + 1)]
 
 
+ENGINES = ("vllm", "mlx")
+"""Peers that are lmserve on another engine (over a safetensors repository and PEFT adapters)."""
+
+
+def peft_paths(given: list[str] | None) -> list[str]:
+    if given:
+        return given
+    from tests.lora_adapters import smollm2_peft
+
+    return [str(smollm2_peft(seed)) for seed in range(1, ADAPTERS + 1)]
+
+
 def pick(peer: str, stream: int, mixed: bool, base_model: str) -> tuple[str, dict[str, Any]]:
     """The model and extra body fields of a stream: the base, or adapter K, in each peer's own way."""
     k = stream % (ADAPTERS + 1) - 1 if mixed else -1
     if k < 0:
         return base_model, {}
-    if peer == "lmserve":
+    if peer == "lmserve" or peer in ENGINES:
         return f"a{k}", {}
     return base_model, {"lora": [{"id": k, "scale": 1.0}]}
 
@@ -88,8 +104,15 @@ async def workload(base: str, peer: str, mixed: bool, args: argparse.Namespace) 
 
 
 def run_peer(peer: str, args: argparse.Namespace, paths: list[str]) -> dict[str, float]:
-    slots = ["--parallel" if peer == "lmserve" else "-np", str(args.parallel)]
-    if peer == "lmserve":
+    slots = ["--parallel" if peer == "lmserve" or peer in ENGINES else "-np", str(args.parallel)]
+    if peer in ENGINES:
+        from tests.hf_repos import smollm2_repo
+
+        repository = argparse.Namespace(**{**vars(args), "model": args.repo or smollm2_repo()})
+        flags = [*slots, "-c", str(args.ctx), "--engine", peer,
+                 *(f for k, p in enumerate(peft_paths(args.peft)) for f in ("--lora", f"a{k}={p}"))]
+        server = throughput.lmserve(repository, *flags, name=f"lora-{peer}")
+    elif peer == "lmserve":
         flags = [*slots, "-c", str(args.ctx), *(f for k, p in enumerate(paths) for f in ("--lora", f"a{k}={p}"))]
         server = throughput.lmserve(args, *flags, name="lora")
     else:
@@ -113,7 +136,10 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=1024, help="context tokens per slot")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--peers", default="lmserve,llama-server")
+    parser.add_argument("--peers", default="lmserve,llama-server",
+                        help="of lmserve, llama-server, vllm and mlx (lmserve on those engines)")
+    parser.add_argument("--repo", help="the model as a safetensors repository, for the vllm and mlx peers")
+    parser.add_argument("--peft", action="append", help="a PEFT LoRA of --repo (4 of them; default: the tests')")
     args = throughput.parse_bench_args(parser)
     paths = adapter_paths(args.lora)
     if len(paths) != ADAPTERS:

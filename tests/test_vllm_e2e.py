@@ -291,6 +291,11 @@ def test_a_peft_adapter_loaded_at_run_time_is_a_model_over_the_repository(server
         with ollama_client(server) as native:
             greedy = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}
             assert native.chat(model="tide", messages=SEA, options=greedy).message.content == tide
+            files = {name: native.create_blob(smollm2_peft(4) / name)  # the same adapter through /api/create
+                     for name in ("adapter_config.json", "adapter_model.safetensors")}
+            assert native.create(model="reef", from_=model, adapters=files).status == "success"
+            assert native.chat(model="reef", messages=SEA, options=greedy).message.content == tide
+            native.delete("reef")
     finally:
         gone = httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "tide"}, timeout=60)
     assert gone.status_code == 200, gone.text

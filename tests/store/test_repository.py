@@ -347,6 +347,18 @@ def test_a_peft_adapter_over_a_repository_is_a_model_sharing_its_instance(catalo
         catalog.create("wrong", Modelfile(from_="tiny", adapters=[str(write_peft(tmp_path / "other", rows=32))]))
 
 
+def test_a_peft_adapter_uploaded_as_blobs_is_told_apart_by_content(catalog: StoreCatalog, repo: Path,
+                                                                    tmp_path: Path) -> None:
+    """The native /api/create's `adapters` over a repository: the two files of a PEFT adapter, uploaded as blobs."""
+    catalog.create("tiny", Modelfile(from_=str(repo)))
+    folder = write_peft(tmp_path / "peft")
+    digests = [catalog.store.import_file(folder / name) for name in ("adapter_model.safetensors", "adapter_config.json")]
+    catalog.create("tuned", Modelfile(from_="tiny", adapters=[f"@{digest}" for digest in digests]))
+    assert catalog.describe("tuned:latest").model_info["lora.ranks"] == [4]
+    with pytest.raises(InvalidRequest, match="give both, and one adapter per model"):
+        catalog.create("half", Modelfile(from_="tiny", adapters=[f"@{digests[0]}"]))
+
+
 def test_a_directory_without_config_is_refused(catalog: StoreCatalog, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidRequest, match=r"without a config\.json"):

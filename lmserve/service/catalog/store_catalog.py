@@ -255,8 +255,12 @@ class StoreCatalog:
             families = list(manifest.details.get("families") or [])
             manifest.details = {**manifest.details, "families": [*families, "clip"] if "clip" not in families
                                 else families}  # as the local runner lists a model with a projector
+        blobs = [adapter for adapter in modelfile.adapters if adapter.startswith(("@sha256:", "sha256:"))]
+        if manifest.files and blobs:  # /api/create's `adapters` over a repository: the files of one PEFT adapter
+            self._add_peft_blobs([blob.lstrip("@") for blob in blobs], manifest)
         for adapter in modelfile.adapters:
-            self._add_adapter(adapter, base_dir, manifest)
+            if not (manifest.files and adapter in blobs):
+                self._add_adapter(adapter, base_dir, manifest)
         if modelfile.template is not None:
             GoChatTemplate(modelfile.template)  # unknown constructs fail now, not at request time
             manifest.template = modelfile.template
@@ -293,6 +297,21 @@ class StoreCatalog:
         check_lora(folder, self.store.model_path(manifest), param="modelfile")
         manifest.adapter_dirs.append({name: self.store.import_file(folder / name) for name in (PEFT_CONFIG,
                                                                                                  PEFT_WEIGHTS)})
+
+    def _add_peft_blobs(self, digests: list[str], manifest: Manifest) -> None:
+        """Add the PEFT adapter whose two files were uploaded as blobs (told apart by their content: the JSON
+        config and the safetensors weights), checked against the repository."""
+        for digest in digests:
+            if not self.store.has_blob(digest):
+                raise InvalidRequest(f"blob {digest} is not in the store; upload it first", param="adapters")
+        configs = [digest for digest in digests if _first_byte(self.store.blob_path(digest)) == b"{"]
+        weights = [digest for digest in digests if digest not in configs]
+        if len(configs) != 1 or len(weights) != 1:
+            raise InvalidRequest(f"a PEFT adapter over a safetensors model is two files, {PEFT_CONFIG} and "
+                                 f"{PEFT_WEIGHTS}: give both, and one adapter per model", param="adapters")
+        files = {PEFT_CONFIG: configs[0], PEFT_WEIGHTS: weights[0]}
+        check_lora(self.store.folder_path(files), self.store.model_path(manifest), param="adapters")
+        manifest.adapter_dirs.append(files)
 
     def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
         if source.startswith(("@sha256:", "sha256:")):
@@ -379,3 +398,8 @@ def _local_path(text: str, base_dir: Path | None) -> Path:
     if not path.is_file():
         raise InvalidRequest(f"file not found: {text}", param="from")
     return path
+
+
+def _first_byte(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.read(1)
