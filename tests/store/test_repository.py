@@ -352,7 +352,8 @@ def test_a_peft_adapter_uploaded_as_blobs_is_told_apart_by_content(catalog: Stor
     """The native /api/create's `adapters` over a repository: the two files of a PEFT adapter, uploaded as blobs."""
     catalog.create("tiny", Modelfile(from_=str(repo)))
     folder = write_peft(tmp_path / "peft")
-    digests = [catalog.store.import_file(folder / name) for name in ("adapter_model.safetensors", "adapter_config.json")]
+    digests = [catalog.store.import_file(folder / name)
+               for name in ("adapter_model.safetensors", "adapter_config.json")]
     catalog.create("tuned", Modelfile(from_="tiny", adapters=[f"@{digest}" for digest in digests]))
     assert catalog.describe("tuned:latest").model_info["lora.ranks"] == [4]
     with pytest.raises(InvalidRequest, match="give both, and one adapter per model"):
