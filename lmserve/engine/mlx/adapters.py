@@ -26,7 +26,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from lmserve.errors import InvalidRequest
 from lmserve.store.lora import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, check_lora
+from lmserve.store.safetensors_header import safetensors_shapes
 from lmserve.types import Adapter
 
 DEFAULT_MAX_LOADED = 8
@@ -74,13 +76,23 @@ class AdapterPool:
         self._active = Active()
         self._applied: tuple[Adapter, ...] = ()
         self._wrapped: set[str] = set()
+        self._fitting: set[str] = set()
+        """Adapters whose layers were found in the model (`check`)."""
         self.num_bytes = 0
         """The loaded adapters' weights, in bytes (read from any thread)."""
 
     def check(self, adapters: tuple[Adapter, ...]) -> None:
-        """InvalidRequest unless every adapter of the set is a LoRA for this model within the rank limit."""
+        """InvalidRequest unless every adapter of the set is a LoRA for this model within the rank limit, changing
+        linear layers mlx-lm's model has."""
         for adapter in adapters:
             check_lora(Path(adapter.path), self._base, max_rank=self.max_rank)
+            if adapter.path not in self._fitting:
+                for tensor in safetensors_shapes(Path(adapter.path) / PEFT_WEIGHTS):
+                    name = tensor.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+                    if not isinstance(self._layer(name), nn.Linear | nn.QuantizedLinear | LoraLayer):
+                        raise InvalidRequest(f"LoRA adapter {Path(adapter.path).name} changes {name}, which is no "
+                                             "linear layer of this model on MLX", param="lora")
+                self._fitting.add(adapter.path)
 
     def apply(self, adapters: tuple[Adapter, ...]) -> None:
         """Make `adapters` the set the next step runs with, loading any not loaded yet."""
@@ -131,13 +143,20 @@ class AdapterPool:
         mx.eval([delta[:2] for delta in deltas.values()])
         return deltas
 
-    def _wrap(self, name: str) -> None:
-        """Put a LoraLayer around the model's layer `name` (a dotted path; numbers index lists)."""
-        *parents, last = name.split(".")
+    def _layer(self, name: str) -> Any:
+        """The model's module at `name` (a dotted path; numbers index lists), or None."""
         owner: Any = self._model
-        for part in parents:
-            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
-        setattr(owner, last, LoraLayer(getattr(owner, last), name, self._active))
+        for part in name.split("."):
+            try:
+                owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+            except (AttributeError, IndexError, KeyError, TypeError):
+                return None
+        return owner
+
+    def _wrap(self, name: str) -> None:
+        """Put a LoraLayer around the model's layer `name`."""
+        owner, _, last = name.rpartition(".")
+        setattr(self._layer(owner), last, LoraLayer(self._layer(name), name, self._active))
         self._wrapped.add(name)
 
 

@@ -39,7 +39,9 @@ class VllmLoras:
         self.enabled = enabled
         self.max_loras = max_loras if enabled else 0
         self._max_rank = max_rank
-        self._ids: dict[str, int] = {}
+        self._ids: dict[str, tuple[int, str]] = {}
+        """Path → the id and name vLLM knows it by (the name it was first asked for under: vLLM tells adapters apart
+        by name)."""
         self._next = itertools.count(1)
         self._sizes: OrderedDict[str, int] = OrderedDict()
         """The last `max_loras` adapters used, with their weights' sizes: what vLLM holds loaded, near enough."""
@@ -66,9 +68,11 @@ class VllmLoras:
         from vllm.lora.request import LoRARequest
 
         path = str(Path(adapter.path).resolve())
-        lora_id = self._ids.setdefault(path, next(self._next))
+        if path not in self._ids:
+            self._ids[path] = (next(self._next), adapter.name or Path(path).name)
+        lora_id, name = self._ids[path]
         self._sizes[path] = facts.size
         self._sizes.move_to_end(path)
         while len(self._sizes) > self.max_loras:
             self._sizes.popitem(last=False)
-        return LoRARequest(adapter.name or Path(path).name, lora_id, path)
+        return LoRARequest(name, lora_id, path)

@@ -77,14 +77,29 @@ async def test_adapters_beyond_the_limit_are_dropped_least_recently_used_first(e
     assert backend.adapter_bytes > 0 and engine.stats.max_adapters == 2  # type: ignore[attr-defined]
 
 
+def write_embedding_lora(folder: Path) -> None:
+    """A PEFT directory whose pair fits SmolLM2's token embedding [49152, 576], which is no linear layer."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+    prefix = "base_model.model.model.embed_tokens"
+    save_file({f"{prefix}.lora_A.weight": np.zeros((2, 576), np.float32),
+               f"{prefix}.lora_B.weight": np.zeros((49152, 2), np.float32)}, str(folder / "adapter_model.safetensors"))
+
+
 @pytest.mark.parametrize(("name", "reason"), [
     ("adapter.gguf", r"adapter\.gguf is no PEFT adapter directory"),  # a GGUF LoRA is llama.cpp's
     ("missing", "LoRA adapter not found"),
+    ("embedding", r"changes model\.embed_tokens, which is no linear layer of this model on MLX"),
 ])
 async def test_a_wrong_adapter_is_a_400_before_mlx_reads_it(engine: object, tmp_path: Path, name: str,
                                                              reason: str) -> None:
     if name.endswith(".gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
+    elif name == "embedding":
+        write_embedding_lora(tmp_path / name)
     with pytest.raises(InvalidRequest, match=reason):
         engine.submit(engine.tokenize(PROMPT),  # type: ignore[attr-defined]
                       SamplingParams(max_tokens=2, adapters=(Adapter(str(tmp_path / name)),)))
