@@ -81,10 +81,11 @@ class Server:
 
     def repository_model(self, headers: dict[str, str] | None = None) -> str:
         """The one safetensors repository's name as the server lists it (the store also lists the embedded GGUF, and
-        LoRA adapters over the repository are models with a parent)."""
+        the LoRA adapters registered over the repository, which GET /lora-adapters names)."""
         tags = httpx.get(self.base_url + "/api/tags", headers=headers).json()["models"]
-        [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors"
-                  and not m["details"].get("parent_model")]
+        adapters = {f"{entry['name']}:latest" for entry in
+                    httpx.get(self.base_url + "/lora-adapters", headers=headers).json()}
+        [name] = [m["name"] for m in tags if m["details"]["format"] == "safetensors" and m["name"] not in adapters]
         return str(name)
 
     def client(self, api_key: str = "placeholder") -> openai.OpenAI:

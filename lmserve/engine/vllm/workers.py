@@ -35,14 +35,20 @@ def environment(values: dict[str, str | None]) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+LORA_FIX = "LMSERVE_VLLM_CPU_LORA_FIX"
+"""Set for vLLM's processes of a CPU model with LoRA: lmserve's vLLM plugin mends the CPU LoRA kernels there
+(engine/vllm/plugin.py), and leaves every other vLLM run alone."""
+
+
 def worker_environment(options: VllmOptions) -> dict[str, str | None]:
     """Variables vLLM's processes need here: on the CPU build with several workers, their cores; over several
     nodes, the address this node is reached at (vLLM otherwise asks for the route to a public address, which a
-    cluster's private network may not have)."""
+    cluster's private network may not have); with LoRA on the CPU build, the plugin's cue (LORA_FIX)."""
     workers = options.local_workers
     binding = cpu_binding(sorted(os.sched_getaffinity(0)), workers) if options.is_cpu and workers > 1 else None
     address = address_towards(options.master_addr) if options.nnodes > 1 else None
-    return {"VLLM_CPU_OMP_THREADS_BIND": binding, "VLLM_HOST_IP": address}
+    lora_fix = "1" if options.enable_lora and options.is_cpu else None
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding, "VLLM_HOST_IP": address, LORA_FIX: lora_fix}
 
 
 def address_towards(host: str) -> str | None:
