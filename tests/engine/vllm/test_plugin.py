@@ -9,7 +9,8 @@ import pytest
 
 from lmserve.engine.vllm.plugin import masked_shrink
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+              pytest.mark.model]  # it imports vLLM and torch (seconds): kept out of `make test-fast`
 
 
 def test_a_token_of_no_adapter_gets_no_product() -> None:
