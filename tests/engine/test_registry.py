@@ -90,8 +90,8 @@ def test_every_engine_declares_its_options_and_capabilities() -> None:
     assert {f.name for f in fields(LlamaCppLaunch)} >= {"cache_type_k", "kv_unified", "model_draft", "mmproj"}
     assert {f.name for f in fields(VllmLaunch)} >= {"dtype", "tensor_parallel_size", "headless"}
     assert registry.engine_named("llamacpp").takes == {"adapters", "projector", "quantize"}
-    assert registry.engine_named("vllm").takes == frozenset()
-    assert registry.engine_named("mlx").takes == frozenset()
+    assert registry.engine_named("vllm").takes == registry.engine_named("mlx").takes == {"adapters"}  # PEFT LoRAs
+    assert all(spec.adapters_per_request for spec in registry.ENGINES)  # every engine runs adapters per request
     assert registry.engine_named("mlx").in_process
     assert registry.engine_named("vllm").serve_headless is not None
     assert registry.engine_named("llamacpp").serve_headless is None
