@@ -254,14 +254,19 @@ def test_auto_answers_with_text_or_a_valid_call(plain: openai.OpenAI) -> None:
         assert choice.finish_reason in ("stop", "length") and choice.message.content
 
 
-FEW_SHOT: list[dict[str, Any]] = [  # one call and its answer in the history: the tiny model follows the example
-    *ASK,
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
-    {"role": "tool", "content": "18 degrees", "tool_name": "get_weather"},
-    {"role": "assistant", "content": "It is 18 degrees in Paris."},
-    {"role": "user", "content": "What is the weather in Rome?"},
-]
+def weather_turn(city: str, degrees: int) -> list[dict[str, Any]]:
+    """A question, its call, the tool's answer and the reply, as the ollama client sends a past turn."""
+    call = {"function": {"name": "get_weather", "arguments": {"city": city, "unit": "celsius"}}}
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": f"{degrees} degrees", "tool_name": "get_weather"},
+            {"role": "assistant", "content": f"It is {degrees} degrees in {city}."}]
+
+
+# Three calls and their answers in the history: the tiny model follows the examples (one was not enough for the
+# greedy text of every CPU's kernels).
+FEW_SHOT = [*weather_turn("Paris", 18), *weather_turn("Berlin", 12), *weather_turn("Madrid", 25),
+            {"role": "user", "content": "What is the weather in Rome?"}]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -84,14 +84,16 @@ async def test_concurrent_drafting_requests_each_match_plain_decoding(model_path
     assert outputs[1] == outputs[0]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_a_seeded_sampled_reply_is_the_same_reply(plain: BatchingEngine, drafting: BatchingEngine,
-                                                         seed: int) -> None:
-    sampling = {"temperature": 0.9, "top_k": 40, "repeat_penalty": 1.1, "seed": seed, "max_tokens": 48}
-    expected, _ = await reply(plain, REWRITE, **sampling)
-    got, last = await reply(drafting, REWRITE, **sampling)
-    assert got == expected
-    assert last.usage is not None and last.usage.draft_tokens > 0
+async def test_a_seeded_sampled_reply_is_the_same_reply(plain: BatchingEngine, drafting: BatchingEngine) -> None:
+    drafted = 0
+    for seed in (1, 2, 3):  # which seeds' samples copy the document (and so draft) depends on the CPU's kernels
+        sampling = {"temperature": 0.9, "top_k": 40, "repeat_penalty": 1.1, "seed": seed, "max_tokens": 48}
+        expected, _ = await reply(plain, REWRITE, **sampling)
+        got, last = await reply(drafting, REWRITE, **sampling)
+        assert got == expected, seed
+        assert last.usage is not None
+        drafted += last.usage.draft_tokens
+    assert drafted > 0
 
 
 async def test_structured_output_drafts_and_logprobs_do_not(plain: BatchingEngine, drafting: BatchingEngine) -> None:

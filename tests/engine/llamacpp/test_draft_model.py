@@ -77,13 +77,16 @@ async def test_the_default_model_drafting_for_itself_keeps_its_greedy_text(model
     plain, drafting = open_engine(model_path), open_engine(model_path, model_path)
     unsure = open_engine(model_path, model_path, p_min=1.0)  # no guess is that sure: nothing is drafted
     try:
+        expected = {}
         for prompt in (REWRITE, STORY):
-            expected, _ = await reply(plain, prompt, temperature=0, max_tokens=48)
+            expected[prompt], _ = await reply(plain, prompt, temperature=0, max_tokens=48)
             got, last = await reply(drafting, prompt, temperature=0, max_tokens=48)
-            assert got == expected
+            assert got == expected[prompt]
             assert last.usage is not None and last.usage.draft_accepted_tokens > 0
-        got, last = await reply(unsure, STORY, temperature=0, max_tokens=16)
-        assert got == expected[:16] and last.usage is not None and last.usage.draft_tokens == 0
+        # The first prompt of a fresh engine, as it was for `plain` (a prompt reusing a cached prefix can differ in
+        # its last bits from one computed whole).
+        got, last = await reply(unsure, REWRITE, temperature=0, max_tokens=16)
+        assert got == expected[REWRITE][:16] and last.usage is not None and last.usage.draft_tokens == 0
         assert drafting.info.draft_model == model_path.name
     finally:
         plain.close()
