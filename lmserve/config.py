@@ -127,6 +127,10 @@ class ServerConfig:
                                                 "is private or loopback; repeatable, or comma-separated")
     image_max_bytes: int = option(20 * 1024 * 1024, env="IMAGE_MAX_BYTES", kind="int", minimum=1,
                                   help="largest image accepted, in bytes (data URI, base64 or download)")
+    audio_max_seconds: float = option(600.0, "--audio-max-seconds", env="AUDIO_MAX_SECONDS", kind="float",
+                                      minimum=1, metavar="SECONDS",
+                                      help="longest audio clip accepted (chat input_audio, transcriptions); a longer "
+                                      "one is a 400")
     responses_max: int = option(1000, env="RESPONSES_MAX", kind="int", minimum=1,
                                 help="most stored /v1/responses kept on disk (the oldest go first), and "
                                 "most /v1/conversations")

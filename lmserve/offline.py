@@ -114,7 +114,8 @@ class LLM:
         if model is not None:
             flags[flag_dest("model")] = os.fspath(model)
         config = resolve(flags)
-        self._media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
+        self._media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts),
+                                  max_bytes=config.image_max_bytes, max_audio_seconds=config.audio_max_seconds)
         self._runner = _Runner()
         self._closer = weakref.finalize(self, self._runner.close)
         try:
@@ -181,7 +182,7 @@ class LLM:
                         if isinstance(message.content, list) for part in message.content)
             self._service.generation.check_images(self.model, count)
             images = await load_images(body, self._media)
-        request = to_chat_request(body, images)
+        request = to_chat_request(body, images, policy=self._media)
         generation, text, final, usage = await self._generate(lambda: self._service.generation.chat(request))
         wants = request.sampling.logprobs is not None
         return ChatOutput(text=text, token_ids=list(generation.output_tokens),

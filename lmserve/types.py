@@ -26,10 +26,15 @@ IMAGE_PLACEHOLDER = "\ufffc"
 """U+FFFC OBJECT REPLACEMENT CHARACTER: in the `content` of a message with images, where each image goes, in order.
 A message with images and no placeholders gets its images before its text."""
 
+AUDIO_PLACEHOLDER = "\ufffb"
+"""U+FFFB INTERLINEAR ANNOTATION TERMINATOR: in the `content` of a message with audio clips, where each clip goes,
+in order (as IMAGE_PLACEHOLDER for images; clips without placeholders go before the text, after the images)."""
+
 
 @dataclass(slots=True)
 class Message:
-    """One chat message. `content` is plain text; images travel separately in `images` (see IMAGE_PLACEHOLDER)."""
+    """One chat message. `content` is plain text; images and audio clips travel separately in `images` and `audio`
+    (encoded, checked: see IMAGE_PLACEHOLDER and AUDIO_PLACEHOLDER)."""
 
     role: Role
     content: str = ""
@@ -40,6 +45,8 @@ class Message:
     thinking: str = ""
     """An assistant turn's thinking, sent back by the client: a template that keeps earlier thinking reads it (as
     `reasoning_content`, or `.Thinking` in a Go template); any other template never sees it."""
+    audio: list[bytes] = field(default_factory=list)
+    """Audio clips as sent (a checked WAV, FLAC, OGG or MP3 file each: chat/audio.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,22 @@ class Bitmap:
     width: int
     height: int
     rgb: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Clip:
+    """A decoded audio clip: mono 32-bit float samples (little-endian, -1..1) at `rate` samples per second."""
+
+    samples: bytes
+    rate: int
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / 4 / self.rate if self.rate > 0 else 0.0
+
+
+Media = Bitmap | Clip
+"""What a prompt's media marker stands for: a decoded image or audio clip."""
 
 
 @dataclass(frozen=True, slots=True)

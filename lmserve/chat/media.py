@@ -48,6 +48,7 @@ class MediaPolicy:
     connect_timeout: float = 5.0
     read_timeout: float = 15.0
     max_redirects: int = 5
+    max_audio_seconds: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from lmserve.errors import InvalidRequest
-from lmserve.types import MAX_SCORE_TOKENS, Adapter, Bitmap, Chunk, SamplingParams
+from lmserve.types import MAX_SCORE_TOKENS, Adapter, Chunk, Media, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,10 @@ class ModelInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     image_marker: str | None = None
     """The text that stands for one image in a prompt; None when the model has no vision projector."""
+    audio_marker: str | None = None
+    """The text that stands for one audio clip in a prompt; None when the model has no audio encoder."""
+    audio_rate: int = 0
+    """The sample rate (Hz) the model's audio encoder takes clips at; 0 when it has none."""
     can_cut_memory: bool = True
     """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
     state at a prefix must be saved as a snapshot to be reused."""
@@ -171,10 +175,11 @@ class Engine(Protocol):
         """The bytes of one token's text, special tokens as their text (a piece may be part of a UTF-8 character)."""
         ...
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize `text` in which each `info.image_marker` or `info.audio_marker` stands for the next of `media`
+        (images, and clips at `info.audio_rate`; specials parsed).
 
-        Blocking (images are preprocessed, maybe encoded): call it off the event loop.
+        Blocking (media are preprocessed, maybe encoded): call it off the event loop.
         """
         ...
 

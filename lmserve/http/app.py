@@ -50,7 +50,8 @@ def _set_state(app: FastAPI, service: Service, config: ServerConfig, served: str
     """What the routes take from the app (lmserve/dialects/shared/state.py)."""
     state = app.state
     state.service, state.config, state.served = service, config, served
-    state.media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts), max_bytes=config.image_max_bytes)
+    state.media = MediaPolicy(allowed_hosts=frozenset(config.image_allow_hosts),
+                                  max_bytes=config.image_max_bytes, max_audio_seconds=config.audio_max_seconds)
     state.completions = completions_store(config)
     state.responses = responses_store(config)
     state.conversations = conversations_store(config)

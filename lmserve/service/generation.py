@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from lmserve.chat.audio import is_audio
 from lmserve.chat.gotemplate import GoChatTemplate
 from lmserve.chat.reasoning import (
     ReasoningFormat,
@@ -128,8 +129,8 @@ class GenerationService:
         resident = await self.acquire(request.model, request.options, request.keep_alive)
         try:
             prompt = self.render_chat(resident.model, request)
-            images = [image for message in request.messages for image in message.images]
-            tokens, _ = await prompts.tokenize_prompt(resident.model, prompt, images)
+            media = [item for message in request.messages for item in prompts.media_of(message)]
+            tokens, _ = await prompts.tokenize_prompt(resident.model, prompt, media)
             return len(tokens)
         finally:
             self.residency.release(resident)
@@ -164,8 +165,8 @@ class GenerationService:
         sampling = self._forcing(request, self.precedence.sampling(settings, request.options, request.sampling),
                                  parser)
         plan = plan_thinking(fmt, text, request.think, self._budget(request.reasoning_budget), sampling)
-        images = [image for message in request.messages for image in message.images]
-        tokens, places = await prompts.tokenize_prompt(model, plan.prompt, images)
+        media = [item for message in request.messages for item in prompts.media_of(message)]
+        tokens, places = await prompts.tokenize_prompt(model, plan.prompt, media)
         return ChatPrompt(plan, tokens, places, sampling, parser)
 
     async def render_chat_tokens(self, request: ChatRequest) -> RenderedPrompt:
@@ -233,8 +234,10 @@ class GenerationService:
         try:
             model = resident.model
             sampling = self.precedence.sampling(settings, request.options, request.sampling)
-            user = prompts.with_image_markers(model, Message("user", request.prompt, list(request.images)), "images")
-            messages = [replace(user, images=[])]
+            sent = Message("user", request.prompt, [item for item in request.images if not is_audio(item)],
+                           audio=[item for item in request.images if is_audio(item)])
+            user = prompts.with_media_markers(model, sent, "images")
+            messages = [replace(user, images=[], audio=[])]
             if system is not None:
                 messages.insert(0, Message(role="system", content=system))
             if raw:
@@ -245,7 +248,7 @@ class GenerationService:
                 prompt = self.render_chat(model, ChatRequest(request.model, messages, sampling, think=think))
             fmt = self.reasoning_format(model) if not raw and template is None else None
             plan = plan_thinking(fmt, prompt, think, self._budget(reasoning_budget), sampling)
-            tokens, places = await prompts.tokenize_prompt(model, plan.prompt, request.images)
+            tokens, places = await prompts.tokenize_prompt(model, plan.prompt, prompts.media_of(sent))
             if request.context:
                 tokens = list(request.context) + tokens
                 places = [PromptImage(p.start + len(request.context), p.length, p.handle) for p in places]

@@ -1,4 +1,4 @@
-"""Prompts: a chat request rendered with the model's template, its images marked, tokenized for the engine.
+"""Prompts: a chat request rendered with the model's template, its images and clips marked, tokenized for the engine.
 
 Tools are never dropped: when the model's template does not render the request's tools (found once per template by
 rendering a probe tool), they go in the system prompt with lmserve's JSON call shape (`chat.tools.tools_prompt`),
@@ -14,13 +14,14 @@ from collections.abc import Hashable
 from dataclasses import replace
 from typing import Any, cast
 
+from lmserve.chat.audio import is_audio, to_clip
 from lmserve.chat.media import to_bitmap
 from lmserve.chat.reasoning import ReasoningFormat, drop_thinking
 from lmserve.chat.tools import tools_prompt
 from lmserve.engine.protocol import PromptImage
 from lmserve.errors import InvalidRequest, LmserveError
 from lmserve.service.residency import LoadedModel, Prompter
-from lmserve.types import IMAGE_PLACEHOLDER, ChatRequest, Message, ToolCall
+from lmserve.types import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ChatRequest, Message, ToolCall
 
 _PROBE_NAME = "lmserve_probe_tool_5c1e"
 _PROBE_TOOL: dict[str, Any] = {
@@ -30,10 +31,10 @@ _PROBE_TOOL: dict[str, Any] = {
 
 
 def conversation(model: LoadedModel, request: ChatRequest) -> list[Message]:
-    """The Modelfile's MESSAGEs, then the request's (images as markers), with the model's SYSTEM if none; with the
-    tools in the system prompt when the template does not render them."""
+    """The Modelfile's MESSAGEs, then the request's (images and clips as markers), with the model's SYSTEM if none;
+    with the tools in the system prompt when the template does not render them."""
     messages = list(model.messages) + [
-        with_image_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
+        with_media_markers(model, m, f"messages[{i}]") for i, m in enumerate(request.messages)
     ]
     if model.system is not None and not any(m.role in ("system", "developer") for m in messages):
         messages.insert(0, Message(role="system", content=model.system))
@@ -127,37 +128,71 @@ def system_checkpoint(model: LoadedModel, request: ChatRequest, tokens: list[int
     return [len(prefix)] if tokens[: len(prefix)] == prefix else []
 
 
-def with_image_markers(model: LoadedModel, message: Message, where: str) -> Message:
-    """`message` with the model's image marker where each image goes (its placeholders, else before the text);
-    400 when the model has no vision."""
-    if not message.images:
+def placed(message: Message, where: str) -> str:
+    """`message`'s text with a placeholder where each of its images and clips goes: its own placeholders, else its
+    images' and then its clips' before the text; 400 when a kind's placeholders do not match its count."""
+    param = "messages" if where.startswith("messages") else "images"
+    prefix = ""
+    for placeholder, items, what in ((IMAGE_PLACEHOLDER, message.images, "images"),
+                                     (AUDIO_PLACEHOLDER, message.audio, "audio clips")):
+        places = message.content.count(placeholder)
+        if items and places == 0:
+            prefix += placeholder * len(items)
+        elif items and places != len(items):
+            raise InvalidRequest(f"{where} has {len(items)} {what} but {places} placeholders "
+                                 f"(U+{ord(placeholder):04X}) in its text", param=param)
+    return prefix + message.content
+
+
+def media_of(message: Message) -> list[bytes]:
+    """`message`'s images and audio clips in the order its text places them (see `placed`)."""
+    if not message.audio:
+        return list(message.images)
+    images, clips = iter(message.images), iter(message.audio)
+    where = placed(message, "message")
+    return [next(images) if char == IMAGE_PLACEHOLDER else next(clips)
+            for char in where if char in (IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER)
+            and (message.images if char == IMAGE_PLACEHOLDER else message.audio)]
+
+
+def with_media_markers(model: LoadedModel, message: Message, where: str) -> Message:
+    """`message` with the model's media marker where each image and clip goes (see `placed`); 400 when the model
+    cannot see images or hear audio it was sent."""
+    if not message.images and not message.audio:
         return message
     param = "messages" if where.startswith("messages") else "images"
-    marker = model.engine.info.image_marker
-    if marker is None:
+    info = model.engine.info
+    if message.images and info.image_marker is None:
         raise InvalidRequest(
             f"{where} contains an image, but model '{model.name}' has no vision projector (it cannot see images)",
             param=param,
         )
-    places = message.content.count(IMAGE_PLACEHOLDER)
-    if places == 0:
-        return replace(message, content=marker * len(message.images) + message.content)
-    if places != len(message.images):
-        raise InvalidRequest(f"{where} has {len(message.images)} images but {places} image placeholders "
-                             "(U+FFFC) in its text", param=param)
-    return replace(message, content=message.content.replace(IMAGE_PLACEHOLDER, marker))
+    if message.audio and info.audio_marker is None:
+        raise InvalidRequest(
+            f"{where} contains an audio clip, but model '{model.name}' has no audio encoder (it cannot hear audio)",
+            param=param,
+        )
+    content = placed(message, where)
+    if message.images:
+        content = content.replace(IMAGE_PLACEHOLDER, cast(str, info.image_marker))
+    if message.audio:
+        content = content.replace(AUDIO_PLACEHOLDER, cast(str, info.audio_marker))
+    return replace(message, content=content)
 
 
 def tokenize(model: LoadedModel, prompt: str) -> list[int]:
     return model.engine.tokenize(prompt, add_special=True, parse_special=True)
 
 
-async def tokenize_prompt(model: LoadedModel, prompt: str, images: list[bytes]) -> tuple[list[int], list[PromptImage]]:
-    """The prompt's tokens and, with images, their places (decoded and preprocessed off the event loop)."""
-    if not images:
+async def tokenize_prompt(model: LoadedModel, prompt: str, media: list[bytes]) -> tuple[list[int], list[PromptImage]]:
+    """The prompt's tokens and, with images or audio clips (`media`, in the order of their markers), their places
+    (decoded, resampled and preprocessed off the event loop)."""
+    if not media:
         return tokenize(model, prompt), []
+    rate = model.engine.info.audio_rate
 
     def prepare() -> tuple[list[int], list[PromptImage]]:
-        return model.engine.tokenize_images(prompt, [to_bitmap(image) for image in images])
+        decoded = [to_clip(item, rate) if is_audio(item) else to_bitmap(item) for item in media]
+        return model.engine.tokenize_media(prompt, decoded)
 
     return await asyncio.to_thread(prepare)

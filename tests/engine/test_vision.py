@@ -59,7 +59,7 @@ def user_turn(engine: BatchingEngine, text: str, num_images: int) -> str:
 async def answer(engine: BatchingEngine, text: str, images: list[Bitmap], max_tokens: int = 8) -> tuple[str, Chunk]:
     prompt = user_turn(engine, text, len(images))
     if images:
-        tokens, places = engine.tokenize_images(prompt, images)
+        tokens, places = engine.tokenize_media(prompt, images)
     else:
         tokens, places = engine.tokenize(prompt), []
     chunks = [c async for c in engine.submit(tokens, SamplingParams(temperature=0, max_tokens=max_tokens),
@@ -122,7 +122,7 @@ async def test_image_and_text_requests_batched_together_answer_as_they_do_alone(
 async def test_markers_and_images_must_match(engine: BatchingEngine) -> None:
     prompt = user_turn(engine, "x", 2)
     with pytest.raises(InvalidRequest, match="image markers"):
-        engine.tokenize_images(prompt, [noise(32, 32)])
+        engine.tokenize_media(prompt, [noise(32, 32)])
 
 
 async def test_image_max_tokens_changes_how_many_tokens_an_image_takes(vl_files: tuple[Path, Path]) -> None:
@@ -150,7 +150,7 @@ async def test_a_model_without_projector_has_no_image_marker(vl_files: tuple[Pat
     try:
         assert backend.info.image_marker is None
         with pytest.raises(InvalidRequest, match="no vision"):
-            backend.tokenize_images("x", [noise(8, 8)])
+            backend.tokenize_media("x", [noise(8, 8)])
     finally:
         backend.close()
 
@@ -158,7 +158,7 @@ async def test_a_model_without_projector_has_no_image_marker(vl_files: tuple[Pat
 async def test_images_are_encoded_when_tokenized_off_the_engine_thread(engine: BatchingEngine) -> None:
     """The projector runs where the prompt is tokenized (a worker thread in the service), so the engine thread only
     decodes embeddings and text-only sequences are not held up by the vision encoder."""
-    _, places = engine.tokenize_images(user_turn(engine, "x", 1), [noise(64, 64, 5)])
+    _, places = engine.tokenize_media(user_turn(engine, "x", 1), [noise(64, 64, 5)])
     (place,) = places
     embeddings = getattr(place.handle, "embeddings", None)
     assert embeddings is not None and embeddings.shape == (place.length * 64,)  # tiny LFM2: 64 wide

@@ -63,7 +63,7 @@ async def chat_completions(service: ServiceDep, policy: MediaDep, completion_sto
     if has_images(body):
         service.generation.check_images(body.model, sum(map(len, image_urls(body))))  # before fetching anything
         images = await load_images(body, policy)
-    chat_request = to_chat_request(body, images)
+    chat_request = to_chat_request(body, images, policy=policy)
     if body.n is not None and body.n > 1:
         return await chat_choices(service, chat_request, body, request, completion_store)
     generation = await service.generation.chat(chat_request)

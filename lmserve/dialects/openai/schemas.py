@@ -38,6 +38,20 @@ class ImagePart(BaseModel):
     image_url: ImageUrl
 
 
+class InputAudio(BaseModel):
+    model_config = _WIRE
+    data: str
+    """The clip's file, base64-encoded."""
+    format: str
+    """Its format: wav, mp3 (OpenAI's two), flac or ogg."""
+
+
+class AudioPart(BaseModel):
+    model_config = _WIRE
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class RefusalPart(BaseModel):
     """A past assistant refusal sent back in the history; it is read as text."""
 
@@ -46,7 +60,7 @@ class RefusalPart(BaseModel):
     refusal: str
 
 
-ContentPart = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | RefusalPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):

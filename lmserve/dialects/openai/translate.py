@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from lmserve import options as opts
+from lmserve.chat.audio import decode_base64
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.openai import schemas
@@ -18,6 +19,7 @@ from lmserve.dialects.shared.streaming import (
 from lmserve.errors import InvalidRequest
 from lmserve.parsing import chat_role
 from lmserve.types import (
+    AUDIO_PLACEHOLDER,
     EFFORTS,
     IMAGE_PLACEHOLDER,
     ChatRequest,
@@ -47,17 +49,18 @@ def to_options(req: schemas.SamplingFields) -> RequestOptions:
 
 
 def to_chat_request(req: schemas.ChatCompletionRequest, images: list[list[bytes]] | None = None, *,
-                    add_generation_prompt: bool = True) -> ChatRequest:
+                    add_generation_prompt: bool = True, policy: MediaPolicy | None = None) -> ChatRequest:
     """The engine-neutral chat request. Tools are passed as the JSON objects the template expects.
 
     `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
-    `add_generation_prompt` false renders the chat without the assistant turn's opening (/tokenize).
+    Audio parts are decoded and checked here, under `policy`'s limits. `add_generation_prompt` false renders the
+    chat without the assistant turn's opening (/tokenize).
     """
     if images is None:
         if has_images(req):
             raise InvalidRequest("this request's images were not loaded", param="messages")
         images = [[] for _ in req.messages]
-    messages = [_to_message(i, m, images[i]) for i, m in enumerate(req.messages)]
+    messages = [_to_message(i, m, images[i], policy or MediaPolicy()) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
     forced = _forced_tool(req.tool_choice, tools)
     sampling = SamplingParams(grammar=response_grammar(req.response_format),
@@ -112,12 +115,21 @@ def _forced_tool(choice: str | schemas.NamedToolChoice | None, tools: list[dict[
     return name
 
 
-def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes]) -> Message:
+def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes], policy: MediaPolicy) -> Message:
     text = _content(m.content)
     calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
     role = chat_role(m.role)
     return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name,
-                   thinking=m.reasoning_content or "")
+                   thinking=m.reasoning_content or "", audio=_audio(index, m, policy))
+
+
+def _audio(index: int, m: schemas.ChatMessage, policy: MediaPolicy) -> list[bytes]:
+    """The message's `input_audio` parts, decoded from base64 and checked (a 400 naming the part)."""
+    if not isinstance(m.content, list):
+        return []
+    return [decode_base64(part.input_audio.data, part.input_audio.format, policy,
+                          param=f"messages[{index}].content[{j}].input_audio")
+            for j, part in enumerate(m.content) if isinstance(part, schemas.AudioPart)]
 
 
 def _arguments(arguments: str | dict[str, Any]) -> str:
@@ -125,8 +137,8 @@ def _arguments(arguments: str | dict[str, Any]) -> str:
 
 
 def _content(content: str | list[schemas.ContentPart] | None) -> str:
-    """Text (and refusal) parts in order, a newline between two texts; each image part is an IMAGE_PLACEHOLDER
-    where it stood (its bytes are carried apart: `load_images`)."""
+    """Text (and refusal) parts in order, a newline between two texts; each image part is an IMAGE_PLACEHOLDER and
+    each audio part an AUDIO_PLACEHOLDER where it stood (their bytes are carried apart: `load_images`, `_audio`)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -134,8 +146,8 @@ def _content(content: str | list[schemas.ContentPart] | None) -> str:
     out = ""
     previous_is_text = False
     for part in content:
-        if isinstance(part, schemas.ImagePart):
-            out += IMAGE_PLACEHOLDER
+        if isinstance(part, schemas.ImagePart | schemas.AudioPart):
+            out += IMAGE_PLACEHOLDER if isinstance(part, schemas.ImagePart) else AUDIO_PLACEHOLDER
             previous_is_text = False
             continue
         text = part.text if isinstance(part, schemas.TextPart) else part.refusal

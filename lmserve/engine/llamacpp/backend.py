@@ -36,7 +36,7 @@ from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Adapter, Bitmap, LoadOptions, SamplingParams
+from lmserve.types import Adapter, LoadOptions, Media, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LlamaCppBackend:
             self.close()
             raise
         self.info = loaded.model_info(
-            path, options, image_marker=self._vision.marker if self._vision is not None else None,
+            path, options, vision=self._vision,
             draft_model=self._draft_model.name if self._draft_model is not None else None)
         self._rank_softmax = self.info.architecture in rerank.SOFTMAX_ARCHITECTURES
         self._embedder = Embedder(loaded, num_ctx=self.info.num_ctx, batch_capacity=self._batch_capacity,
@@ -153,10 +153,10 @@ class LlamaCppBackend:
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
         if self._vision is None:
-            raise InvalidRequest("this model has no vision projector; images are not supported", param="images")
-        return self._vision.tokenize(text, images, lc.llama_vocab_bos(self._vocab))
+            raise InvalidRequest("this model has no projector; images and audio are not supported", param="images")
+        return self._vision.tokenize(text, media, lc.llama_vocab_bos(self._vocab))
 
     # ---- slots ----------------------------------------------------------------------------------
 
@@ -309,7 +309,7 @@ class LlamaCppBackend:
     def _decode_images(self, images: list[BatchEntry]) -> None:
         """Decode the step's image entries first, each on its own; on PoolFull forget what they put in."""
         for i, entry in enumerate(images):
-            assert self._vision is not None  # image entries come from `tokenize_images`
+            assert self._vision is not None  # image entries come from `tokenize_media`
             try:
                 self._vision.decode(self._ctx, entry, self._batch_capacity)
             except PoolFull:

@@ -24,6 +24,7 @@ from lmserve.engine.llamacpp import rerank
 from lmserve.engine.llamacpp.adapters import DEFAULT_MAX_LOADED, AdapterPool
 from lmserve.engine.llamacpp.memory import context_choice
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
+from lmserve.engine.llamacpp.vision import Vision
 from lmserve.engine.protocol import FimTokens, ModelInfo
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import AUTO_CONTEXT, LoadOptions
@@ -182,7 +183,7 @@ class LlamaModel:
 
     # ---- what the model says about itself --------------------------------------------------------
 
-    def model_info(self, path: Path, options: LoadOptions, *, image_marker: str | None,
+    def model_info(self, path: Path, options: LoadOptions, *, vision: Vision | None,
                    draft_model: str | None) -> ModelInfo:
         """The loaded model as the engine describes it (engine/protocol.py)."""
         ctx, model = self.ctx, self.model
@@ -203,7 +204,9 @@ class LlamaModel:
             num_params=lc.llama_model_n_params(model),
             description=self.description(),
             metadata=metadata,
-            image_marker=image_marker,
+            image_marker=vision.marker if vision is not None and vision.sees_images else None,
+            audio_marker=vision.marker if vision is not None and vision.audio_rate > 0 else None,
+            audio_rate=vision.audio_rate if vision is not None else 0,
             can_cut_memory=not (lc.llama_model_is_hybrid(model) or lc.llama_model_is_recurrent(model)),
             fim=self.fim_tokens(),
             draft_model=draft_model,

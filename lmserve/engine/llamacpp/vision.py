@@ -1,9 +1,11 @@
-"""A llama.cpp model's vision projector (mtmd): prompts with images tokenized, images encoded and decoded into a slot.
+"""A llama.cpp model's projector (mtmd): prompts with images and audio clips tokenized, each encoded and decoded into
+a slot.
 
-The projector is loaded with an image marker of our own, so no user text can pose as an image. Images are encoded
-where the prompt is tokenized (a worker thread, under the projector's lock); the engine thread only decodes the
-embeddings into a slot's memory (`Vision.decode`). Each image's prompt positions hold a negative placeholder id
-derived from its pixels, so equal images make equal prompts (and share cached prefixes).
+The projector (a vision encoder, an audio encoder, or both) is loaded with a media marker of our own, so no user
+text can pose as an image or a clip. Media are encoded where the prompt is tokenized (a worker thread, under the
+projector's lock); the engine thread only decodes the embeddings into a slot's memory (`Vision.decode`). Each
+image's or clip's prompt positions hold a negative placeholder id derived from its pixels or samples, so equal
+media make equal prompts (and share cached prefixes).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Bitmap
+from lmserve.types import Bitmap, Clip, Media
 
 
 class ImageChunk:
-    """An owned mtmd image chunk and its embeddings from the projector; freed when the last reference to it goes."""
+    """An owned mtmd image or audio chunk and its embeddings from the projector; freed with the last reference."""
 
     def __init__(self, pointer: Any, embeddings: np.ndarray) -> None:
         self.pointer = pointer
@@ -55,8 +57,18 @@ def image_placeholder(chunk_id: bytes) -> int:
     return -1 - int(chunk_id[:8] or b"0", 16) % (2**31 - 1)
 
 
-def _bitmap(image: Bitmap) -> Any:
-    """An mtmd bitmap of the image, its id set to the image's digest (tile chunks carry it on)."""
+def clip_id(clip: Clip) -> bytes:
+    """A digest of a clip's samples and rate: equal clips get equal ids (and equal placeholders)."""
+    digest = hashlib.blake2b(clip.samples, digest_size=8, person=b"lmserve-aud")
+    digest.update(f"{clip.rate}".encode())
+    return digest.hexdigest().encode()
+
+
+def _bitmap(item: Media) -> Any:
+    """An mtmd bitmap of an image or a clip, its id set to the item's digest (its chunks carry it on)."""
+    if isinstance(item, Clip):
+        return _audio_bitmap(item)
+    image = item
     if len(image.rgb) != image.width * image.height * 3 or image.width < 1 or image.height < 1:
         raise InvalidRequest("an image's pixel data does not match its size", param="images")
     pixels = (ctypes.c_uint8 * len(image.rgb)).from_buffer_copy(image.rgb)
@@ -67,8 +79,21 @@ def _bitmap(image: Bitmap) -> Any:
     return bitmap
 
 
+def _audio_bitmap(clip: Clip) -> Any:
+    count = len(clip.samples) // 4
+    if count < 1:
+        raise InvalidRequest("an audio clip has no samples", param="messages")
+    samples = (ctypes.c_float * count).from_buffer_copy(clip.samples)
+    bitmap = mtmd.mtmd_bitmap_init_from_audio(count, samples)
+    if not bitmap:
+        raise EngineFailure("llama.cpp could not take an audio clip")
+    mtmd.mtmd_bitmap_set_id(bitmap, clip_id(clip))
+    return bitmap
+
+
 class Vision:
-    """The vision projector of a loaded model, and the marker that stands for an image in its prompts."""
+    """The projector of a loaded model (images, audio or both), and the marker that stands for an image or a clip in
+    its prompts."""
 
     def __init__(self, projector: str, model: lc.llama_model_p, *, use_gpu: bool, threads: int,
                  launch: LlamaCppLaunch) -> None:
@@ -94,29 +119,37 @@ class Vision:
         self._mtmd: Any = context  # an mtmd_context pointer
         self._model = model
         self._lock = threading.Lock()
-        if not mtmd.mtmd_support_vision(context):
+        self.sees_images = bool(mtmd.mtmd_support_vision(context))
+        self.audio_rate = int(mtmd.mtmd_get_audio_sample_rate(context)) if mtmd.mtmd_support_audio(context) else 0
+        """The rate clips are given at (Hz); 0: the projector has no audio encoder."""
+        if not self.sees_images and self.audio_rate <= 0:
             self.close()
-            raise EngineFailure(f"the projector {Path(projector).name} does not take images")
+            raise EngineFailure(f"the projector {Path(projector).name} takes neither images nor audio")
         if mtmd.mtmd_decode_use_mrope(context):
             self.close()
             raise EngineFailure("vision models with M-RoPE positions (Qwen2-VL and kin) are not supported yet")
         self.marker = marker
 
-    def tokenize(self, text: str, images: list[Bitmap], bos: int) -> tuple[list[int], list[PromptImage]]:
-        """`text`'s tokens with each marker's image encoded in its place (placeholder ids), and the images' places;
-        a doubled `bos` at the start (the template wrote one, mtmd added another) is dropped."""
-        if text.count(self.marker) != len(images):
-            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
+    def tokenize(self, text: str, media: list[Media], bos: int) -> tuple[list[int], list[PromptImage]]:
+        """`text`'s tokens with each marker's image or clip encoded in its place (placeholder ids), and their
+        places; a doubled `bos` at the start (the template wrote one, mtmd added another) is dropped."""
+        if text.count(self.marker) != len(media):
+            raise InvalidRequest("the prompt's media markers do not match its images and clips", param="images")
+        if any(isinstance(item, Bitmap) for item in media) and not self.sees_images:
+            raise InvalidRequest("this model's projector takes audio only; images are not supported", param="images")
+        if any(isinstance(item, Clip) for item in media) and self.audio_rate <= 0:
+            raise InvalidRequest("this model's projector takes images only; audio is not supported", param="messages")
         data = text.encode("utf-8")
         text_input = mtmd.mtmd_input_text(text=data, text_len=len(data), add_special=True, parse_special=True)
         with self._lock:
-            bitmaps = [_bitmap(image) for image in images]
+            bitmaps = [_bitmap(item) for item in media]
             chunks = mtmd.mtmd_input_chunks_init()
             try:
                 array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
                 rc = mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text_input), array, len(bitmaps))
                 if rc != 0:
-                    reason = "its image markers do not match its images" if rc == 1 else "an image failed to preprocess"
+                    reason = ("its media markers do not match its media" if rc == 1
+                              else "an image or clip failed to preprocess")
                     raise InvalidRequest(f"the prompt could not be tokenized: {reason}", param="images")
                 tokens, places = self._read_chunks(chunks)
             finally:
@@ -141,34 +174,34 @@ class Vision:
                 count = ctypes.c_size_t(0)
                 pointer = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
                 tokens += pointer[: count.value] if count.value else []
-            elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            elif kind in (mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE, mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
                 length = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                 if mtmd.mtmd_input_chunk_get_n_pos(chunk) != length:
-                    raise EngineFailure("image positions differ from image tokens (M-RoPE is not supported)")
+                    raise EngineFailure("media positions differ from media tokens (M-RoPE is not supported)")
                 handle = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk), self._encode(chunk, length))
                 places.append(PromptImage(len(tokens), length, handle))
                 tokens += [image_placeholder(mtmd.mtmd_input_chunk_get_id(chunk) or b"")] * length
             else:
-                raise InvalidRequest("only images are supported as media", param="images")
+                raise InvalidRequest("only images and audio are supported as media", param="images")
         return tokens, places
 
     def _encode(self, chunk: Any, length: int) -> np.ndarray:
-        """Run the projector on an image chunk (under the projector's lock) and copy out its embeddings.
+        """Run the projector on an image or audio chunk (under the projector's lock) and copy out its embeddings.
 
         This runs where the prompt is tokenized, in a worker thread, so the engine thread keeps decoding other
         sequences meanwhile; the engine thread only decodes the embeddings (`decode`).
         """
         rc = mtmd.mtmd_encode_chunk(self._mtmd, chunk)
         if rc != 0:
-            raise EngineFailure(f"the vision projector failed to encode an image (code {rc})")
+            raise EngineFailure(f"the projector failed to encode an image or clip (code {rc})")
         width = lc.llama_model_n_embd_inp(self._model)
         output = mtmd.mtmd_get_output_embd(self._mtmd)
         if not output:
-            raise EngineFailure("the vision projector returned no embeddings")
+            raise EngineFailure("the projector returned no embeddings")
         return np.ctypeslib.as_array(output, shape=(length * width,)).copy()
 
     def decode(self, ctx: lc.llama_context_p, entry: BatchEntry, batch_capacity: int) -> None:
-        """Decode an encoded image's embeddings into the slot's memory at the entry's position."""
+        """Decode an encoded image's or clip's embeddings into the slot's memory at the entry's position."""
         assert entry.image is not None
         chunk = entry.image.handle
         if not isinstance(chunk, ImageChunk) or not chunk.pointer:
@@ -180,9 +213,9 @@ class Vision:
             ctypes.byref(new_pos), mtmd.mtmd_helper_post_decode_callback(), None,
         )
         if rc == 1:
-            raise PoolFull(f"no room for an image of {entry.num_positions} positions in the KV pool")
+            raise PoolFull(f"no room for media of {entry.num_positions} positions in the KV pool")
         if rc != 0:
-            raise EngineFailure(f"decoding an image failed with code {rc}")
+            raise EngineFailure(f"decoding an image or clip failed with code {rc}")
 
     def close(self) -> None:
         if self._mtmd is not None:

@@ -47,7 +47,7 @@ from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import EngineFailure, InvalidRequest
-from lmserve.types import Adapter, Bitmap, LoadOptions, SamplingParams
+from lmserve.types import Adapter, LoadOptions, Media, SamplingParams
 
 log = logging.getLogger("lmserve.engine.mlx")
 
@@ -131,7 +131,7 @@ class MlxBackend:
             tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
         return tokens
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
         raise InvalidRequest(VISION_MISSING, param="images")
 
     def token_bytes(self, token: int, *, special: bool) -> bytes:

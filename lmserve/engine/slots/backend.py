@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 from lmserve.engine.logprobs import Ranked
 from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.prompt_disk import SavedState
-from lmserve.types import Adapter, Bitmap, SamplingParams
+from lmserve.types import Adapter, Media, SamplingParams
 
 if TYPE_CHECKING:
     from lmserve.engine.slots.sequence import Sequence
@@ -61,11 +61,12 @@ class Backend(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        """Tokenize `text` in which each `info.image_marker` stands for the next of `images` (specials parsed).
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize `text` in which each media marker (`info.image_marker`, `info.audio_marker`) stands for the next
+        of `media` (specials parsed).
 
-        Returns the tokens, with each image's positions filled by its placeholder id, and the images' places.
-        Raises InvalidRequest when the markers and images do not match or an image cannot be preprocessed.
+        Returns the tokens, with each image's or clip's positions filled by its placeholder id, and their places.
+        Raises InvalidRequest when the markers and media do not match or one cannot be preprocessed.
         Callable from any thread.
         """
         ...

@@ -29,7 +29,7 @@ from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
 from lmserve.store.lora import adapters_identity
-from lmserve.types import Adapter, Bitmap, Chunk, SamplingParams
+from lmserve.types import Adapter, Chunk, Media, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,11 @@ class BatchingEngine:
     def token_bytes(self, token: int) -> bytes:
         return self.backend.token_bytes(token, special=True)
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        """Tokenize a prompt in which each `info.image_marker` stands for the next image (see Backend)."""
-        if self.info.image_marker is None:
-            raise InvalidRequest("this model has no vision projector; images are not supported", param="images")
-        return self.backend.tokenize_images(text, images)
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
+        """Tokenize a prompt in which each media marker stands for the next image or clip (see Backend)."""
+        if self.info.image_marker is None and self.info.audio_marker is None:
+            raise InvalidRequest("this model has no projector; images and audio are not supported", param="images")
+        return self.backend.tokenize_media(text, media)
 
     def submit(
         self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
@@ -111,7 +111,7 @@ class BatchingEngine:
     ) -> RequestStream:
         """Queue a request; raise ContextOverflow when the prompt cannot fit in one sequence's context.
 
-        `images` are the places of images in `prompt` (from `tokenize_images`); every other position must be
+        `images` are the places of images in `prompt` (from `tokenize_media`); every other position must be
         a token id of the vocabulary, and the prompt must end with text (the next token is sampled after it).
         `checkpoints` are prompt positions worth a snapshot (e.g. the end of the system prompt) for a model whose
         memory cannot be cut; other models ignore them, but for a sequence with a `reuse_limit`, whose prefill stops

@@ -18,7 +18,7 @@ from lmserve.engine.protocol import ModelInfo, PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.engine.slots.prompt_disk import SavedState
 from lmserve.errors import InvalidRequest
-from lmserve.types import Adapter, Bitmap, SamplingParams
+from lmserve.types import Adapter, Bitmap, Media, SamplingParams
 
 EOG = 256
 EMBED_SIZE = 256
@@ -92,8 +92,11 @@ class FakeBackend:
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
-        """Text as bytes; each marker becomes one position per 256 pixels (at least one) of its image."""
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
+        """Text as bytes; each marker becomes one position per 256 pixels (at least one) of its image. No audio."""
+        images = [item for item in media if isinstance(item, Bitmap)]
+        if len(images) != len(media):
+            raise InvalidRequest("the fake engine hears no audio", param="messages")
         pieces = text.split(IMAGE_MARKER)
         if len(pieces) != len(images) + 1:
             raise InvalidRequest("the prompt's image markers do not match its images", param="images")

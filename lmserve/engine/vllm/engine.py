@@ -49,7 +49,7 @@ from lmserve.engine.vllm.vision import find_all, image_marker, pil_image, vision
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.engine.vllm.workers import environment, worker_environment
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
-from lmserve.types import Adapter, Bitmap, SamplingParams
+from lmserve.types import Adapter, Bitmap, Clip, Media, SamplingParams
 
 
 class VllmEngine:
@@ -98,10 +98,14 @@ class VllmEngine:
     def token_bytes(self, token: int) -> bytes:
         return piece_bytes(str(self._tokenizer.convert_ids_to_tokens([token])[0]))
 
-    def tokenize_images(self, text: str, images: list[Bitmap]) -> tuple[list[int], list[PromptImage]]:
+    def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
         """The text's tokens, each image's marker kept as is (vLLM's processor expands it when the request runs);
-        each image's handle is a PIL image."""
+        each image's handle is a PIL image. Audio is not taken on this engine yet (a 400 naming it)."""
         marker = self.info.image_marker
+        if any(isinstance(item, Clip) for item in media):
+            raise InvalidRequest("audio input is not supported on the vLLM engine yet: serve an audio model as a GGUF "
+                                 "with its projector on llama.cpp", param="messages")
+        images = [item for item in media if isinstance(item, Bitmap)]
         if marker is None:
             raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
                                  param="images")

@@ -149,7 +149,7 @@ async def test_image_requests_decode_beside_text_requests_and_count_image_positi
     backend = FakeBackend(num_ctx=256, num_parallel=4, vision=True)
     eng = BatchingEngine(backend, max_batch_tokens=32, max_prefill_tokens=16)
     try:
-        tokens, images = eng.tokenize_images("look <image> here", [bitmap(32, 16)])  # 512 px: 2 positions
+        tokens, images = eng.tokenize_media("look <image> here", [bitmap(32, 16)])  # 512 px: 2 positions
         assert [(i.start, i.length) for i in images] == [(5, 2)]
         assert len(tokens) == len("look  here") + 2
 
@@ -172,21 +172,21 @@ async def test_image_requests_decode_beside_text_requests_and_count_image_positi
 async def test_image_prompts_are_checked_at_submit() -> None:
     eng = BatchingEngine(FakeBackend(num_ctx=64, num_parallel=1, vision=True))
     try:
-        tokens, images = eng.tokenize_images("a<image>", [bitmap(16, 16)])
+        tokens, images = eng.tokenize_media("a<image>", [bitmap(16, 16)])
         with pytest.raises(InvalidRequest, match="followed by text"):  # no text after the image to sample from
             eng.submit(tokens, SamplingParams(), images=images)
-        tokens, images = eng.tokenize_images("a<image>b", [bitmap(16, 16)])
+        tokens, images = eng.tokenize_media("a<image>b", [bitmap(16, 16)])
         with pytest.raises(InvalidRequest, match="token ids"):  # placeholders outside an image are no tokens
             eng.submit(tokens, SamplingParams())
         with pytest.raises(InvalidRequest, match="markers"):
-            eng.tokenize_images("a<image>b<image>", [bitmap(16, 16)])
+            eng.tokenize_media("a<image>b<image>", [bitmap(16, 16)])
     finally:
         eng.close()
 
 
 async def test_a_model_without_vision_refuses_images(engine: BatchingEngine) -> None:
     with pytest.raises(InvalidRequest, match="no vision"):
-        engine.tokenize_images("x", [bitmap(4, 4)])
+        engine.tokenize_media("x", [bitmap(4, 4)])
 
 
 async def test_requests_sharing_a_long_prompt_copy_it_from_the_first() -> None:

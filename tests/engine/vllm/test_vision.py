@@ -67,7 +67,7 @@ def question(images: int) -> str:
 
 async def reply(engine: VllmEngine, images: list[Bitmap], sampling: SamplingParams = GREEDY) -> list[Chunk]:
     if images:
-        tokens, places = engine.tokenize_images(question(len(images)), images)
+        tokens, places = engine.tokenize_media(question(len(images)), images)
     else:
         tokens, places = engine.tokenize(question(0)), []
     return [chunk async for chunk in engine.submit(tokens, sampling, images=places)]
@@ -114,7 +114,7 @@ async def client(text_engine: VllmEngine, request: pytest.FixtureRequest) -> Asy
 async def test_a_text_model_has_no_image_marker_and_refuses_images(text_engine: VllmEngine) -> None:
     assert text_engine.info.image_marker is None and not text_engine.info.has_vision
     with pytest.raises(InvalidRequest) as refused:
-        text_engine.tokenize_images("<image>What is it?", [solid(255, 0, 0)])
+        text_engine.tokenize_media("<image>What is it?", [solid(255, 0, 0)])
     assert refused.value.status == 400 and refused.value.param == "images"
     with pytest.raises(InvalidRequest):
         text_engine.submit(text_engine.tokenize("What is it?"), GREEDY, images=[PromptImage(0, 1, object())])
@@ -148,7 +148,7 @@ async def test_without_torchvision_a_vision_model_is_refused_at_load_naming_it()
 @needs_torchvision
 async def test_the_marker_is_lfm2_vl_placeholder_and_stays_one_token_per_image(vision_engine: VllmEngine) -> None:
     assert vision_engine.info.image_marker == "<image>" and vision_engine.info.has_vision
-    tokens, places = vision_engine.tokenize_images(question(2), [solid(255, 0, 0), solid(0, 0, 255)])
+    tokens, places = vision_engine.tokenize_media(question(2), [solid(255, 0, 0), solid(0, 0, 255)])
     marker = vision_engine.tokenize("<image>", add_special=False)
     assert [(p.start, p.length) for p in places] == [(i, 1) for i, t in enumerate(tokens) if [t] == marker]
     assert len(places) == 2 and [p.handle.size for p in places] == [(64, 64), (64, 64)]  # type: ignore[attr-defined]
@@ -158,7 +158,7 @@ async def test_the_marker_is_lfm2_vl_placeholder_and_stays_one_token_per_image(v
 @pytest.mark.parametrize(("markers", "images"), [(1, 0), (1, 2), (2, 1), (0, 1)])
 async def test_markers_and_images_must_match(vision_engine: VllmEngine, markers: int, images: int) -> None:
     with pytest.raises(InvalidRequest, match="markers do not match"):
-        vision_engine.tokenize_images(question(markers), [solid(255, 0, 0)] * images)
+        vision_engine.tokenize_media(question(markers), [solid(255, 0, 0)] * images)
 
 
 @needs_torchvision
