@@ -17,7 +17,7 @@ from lmserve.dialects.openai.stored import completions_store
 from lmserve.dialects.responses.conversations import conversations_store
 from lmserve.dialects.responses.routes import responses_store
 from lmserve.dialects.table import DIALECTS, batch_endpoints
-from lmserve.endpoints import batches, decisions, files, gateway, infill, lora, rerank, tokens
+from lmserve.endpoints import audio, batches, decisions, files, gateway, infill, lora, rerank, tokens
 from lmserve.endpoints.files import files_store
 from lmserve.http import health
 from lmserve.http.access_log import install as install_access_log
@@ -40,7 +40,7 @@ def add_routes(app: FastAPI, router: APIRouter) -> None:
     app.router.routes.extend(router.routes)
 
 
-ROUTERS = (gateway.router, files.router, batches.router, tokens.router, infill.router, decisions.router,
+ROUTERS = (gateway.router, files.router, batches.router, tokens.router, infill.router, decisions.router, audio.router,
            rerank.router, lora.router, *(router for dialect in DIALECTS for router in dialect.routers))
 """The module-level routers, in the order their routes are matched (and listed by /openapi.json): the endpoints' fixed
 paths first (POST /v1/chat/completions/render before a stored completion's id), then every dialect's."""
