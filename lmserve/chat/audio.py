@@ -84,13 +84,26 @@ def check_audio(data: bytes, policy: MediaPolicy, param: str = PARAM) -> AudioIn
     return AudioInfo(kind, seconds, int(info.samplerate), int(info.channels))
 
 
-def decode_base64(text: str, declared: str, policy: MediaPolicy, param: str = PARAM) -> bytes:
-    """OpenAI's `input_audio` (`data` base64, `format` named) as a checked clip's bytes. The file's own header
-    decides how it is read; `declared` must name a supported format."""
-    format_name(declared, param)
+def _payload(text: str) -> str:
+    """The base64 of `text`, whitespace and any data: URI prefix dropped."""
     text = "".join(text.split())
-    if text[:5].lower() == "data:":  # a data URI where plain base64 was meant: read it all the same
-        text = text.partition(",")[2]
+    return text.partition(",")[2] if text[:5].lower() == "data:" else text
+
+
+def is_audio_base64(text: str) -> bool:
+    """Whether base64 `text` (or a data: URI) holds an audio file (see `is_audio`), from its first bytes."""
+    try:
+        return is_audio(base64.b64decode(_payload(text[:200])[:16]))
+    except (binascii.Error, ValueError):
+        return False
+
+
+def decode_base64(text: str, declared: str | None, policy: MediaPolicy, param: str = PARAM) -> bytes:
+    """Base64 audio (OpenAI's `input_audio.data`, a native `images` entry) as a checked clip's bytes. The file's own
+    header decides how it is read; `declared` (`input_audio.format`), when given, must name a supported format."""
+    if declared is not None:
+        format_name(declared, param)
+    text = _payload(text)
     if len(text) // 4 * 3 > policy.max_bytes:
         raise _refuse(f"audio clip is too large: about {len(text) // 4 * 3} bytes, the limit is {policy.max_bytes}",
                       param)

@@ -14,10 +14,11 @@ from lmserve.chat.template import ChatTemplate
 from lmserve.chat.tools import tools_prompt
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.engine.slots.fake import FakeBackend
+from lmserve.errors import InvalidRequest
 from lmserve.service import prompts, static_service
 from lmserve.service.residency import LoadedModel, Prompter
 from lmserve.store.gguf_check import gguf_metadata
-from lmserve.types import ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.types import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ChatRequest, Message, SamplingParams, ToolCall
 
 WEATHER = {
     "type": "function",
@@ -116,3 +117,33 @@ def test_the_tool_format_of_a_model(engine: BatchingEngine, template: str | None
     service.generation.tool_call_parser = explicit
     model = loaded(engine, ChatTemplate(template), template)
     assert service.generation.tool_parser(model).name == expected
+
+
+# ---- images and audio clips: where each goes ----
+
+
+IMAGE, CLIP = b"image-bytes", b"clip-bytes"
+
+
+def test_media_follow_their_placeholders_in_order() -> None:
+    message = Message("user", f"hear {AUDIO_PLACEHOLDER} see {IMAGE_PLACEHOLDER} hear {AUDIO_PLACEHOLDER}",
+                      images=[IMAGE], audio=[CLIP, b"second clip"])
+    assert prompts.media_of(message) == [CLIP, IMAGE, b"second clip"]
+
+
+def test_media_without_placeholders_go_before_the_text_images_first() -> None:
+    message = Message("user", "what is this?", images=[IMAGE], audio=[CLIP])
+    assert prompts.placed(message, "messages[0]") == f"{IMAGE_PLACEHOLDER}{AUDIO_PLACEHOLDER}what is this?"
+    assert prompts.media_of(message) == [IMAGE, CLIP]
+
+
+def test_placeholders_that_do_not_match_the_clips_are_a_400() -> None:
+    message = Message("user", f"{AUDIO_PLACEHOLDER} and {AUDIO_PLACEHOLDER}", audio=[CLIP])
+    with pytest.raises(InvalidRequest, match=r"messages\[2\] has 1 audio clips but 2 placeholders \(U\+FFFB\)"):
+        prompts.placed(message, "messages[2]")
+
+
+def test_audio_to_a_model_that_cannot_hear_is_a_400_naming_it(engine: BatchingEngine) -> None:
+    model = loaded(engine, ChatTemplate("{{ messages[0]['content'] }}"))
+    with pytest.raises(InvalidRequest, match="has no audio encoder \\(it cannot hear audio\\)"):
+        prompts.with_media_markers(model, Message("user", "hi", audio=[CLIP]), "messages[0]")

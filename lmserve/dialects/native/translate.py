@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 from lmserve import options as opts
+from lmserve.chat.audio import decode_base64 as decode_audio
+from lmserve.chat.audio import is_audio, is_audio_base64
 from lmserve.chat.media import MediaPolicy, decode_base64
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.native import schemas as wire
@@ -95,16 +97,21 @@ def to_messages(messages: list[wire.ChatMessage], media: MediaPolicy | None = No
     out = []
     for i, m in enumerate(messages):
         calls = [ToolCall(c.function.name, json.dumps(c.function.arguments)) for c in m.tool_calls or ()]
-        images = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
+        sent = [decode_image(img, f"messages[{i}].images[{j}]", policy) for j, img in enumerate(m.images or ())]
+        images, clips = [item for item in sent if not is_audio(item)], [item for item in sent if is_audio(item)]
         role = chat_role(m.role)
         out.append(Message(role=role, content=m.content or "", images=images, tool_calls=calls, name=m.tool_name,
-                           thinking=m.thinking or ""))
+                           thinking=m.thinking or "", audio=clips))
     return out
 
 
 def decode_image(data: str, where: str, policy: MediaPolicy) -> bytes:
-    """Checked image bytes from base64, with or without a data: prefix (size, format and pixel caps)."""
+    """Checked image bytes from base64, with or without a data: prefix (size, format and pixel caps); or a checked
+    audio clip's, for an entry that is an audio file (the native API has no field of its own for audio: its
+    `images` carry an audio model's clips, told apart by their content)."""
     try:
+        if is_audio_base64(data):
+            return decode_audio(data, None, policy, param="images")
         return decode_base64(data, policy).data
     except InvalidRequest as exc:
         raise InvalidRequest(f"{where}: {exc.message}", param="images") from None
