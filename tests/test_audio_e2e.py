@@ -98,6 +98,17 @@ def test_the_native_chat_takes_a_clip_among_its_images(server: Server) -> None:
     assert (with_clip.prompt_eval_count or 0) >= (without.prompt_eval_count or 0) + POSITIONS_PER_WINDOW
 
 
+def test_the_responses_api_takes_input_audio(client: openai.OpenAI) -> None:
+    def respond(*clips: bytes) -> Any:
+        content: list[Any] = [{"type": "input_text", "text": "What do you hear?"}]
+        content += [{"type": "input_audio", "input_audio": {"data": b64(clip), "format": "wav"}} for clip in clips]
+        return client.responses.create(model=AUDIO_MODEL, input=[{"role": "user", "content": content}],
+                                       max_output_tokens=4, temperature=0, store=False)
+
+    with_clip, without = respond(CLIP), respond()
+    assert with_clip.usage.input_tokens == without.usage.input_tokens + POSITIONS_PER_WINDOW + 2
+
+
 # ---- refusals ----
 
 

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from lmserve.chat.audio import is_audio
 from lmserve.chat.media import MediaPolicy
 from lmserve.config import ServerConfig
 from lmserve.dialects.responses import schemas as wire
@@ -100,10 +101,13 @@ async def chat_request(service: Service, policy: MediaPolicy, body: wire.Respons
     except ValidationError as exc:  # a stored record that no longer reads: say which
         raise invalid_from_validation(exc.errors(include_url=False)) from None
     messages, refs = to_messages(body.instructions, items, first_own=len(context), shown=offered.shown)
+    images = sum(fmt is None for message in refs for _, _, fmt in message)
+    if images:
+        service.generation.check_images(body.model, images, param="input")
     if any(refs):
-        service.generation.check_images(body.model, sum(map(len, refs)), param="input")
         for message, data in zip(messages, await load_images(refs, policy), strict=True):
-            message.images = data
+            message.images = [item for item in data if not is_audio(item)]
+            message.audio = [item for item in data if is_audio(item)]
     return to_chat_request(body, messages, offered)
 
 

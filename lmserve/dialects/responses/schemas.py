@@ -40,6 +40,22 @@ class InputImage(BaseModel):
     detail: str | None = None
 
 
+class AudioData(BaseModel):
+    model_config = _WIRE
+    data: str
+    """The clip's file, base64-encoded."""
+    format: str
+    """Its format: wav, mp3, flac or ogg."""
+
+
+class InputAudio(BaseModel):
+    """An audio clip, inline (as the chat completions' `input_audio` part)."""
+
+    model_config = _WIRE
+    type: Literal["input_audio"]
+    input_audio: AudioData
+
+
 class OutputText(BaseModel):
     """Text an assistant wrote (an earlier response's output sent back as input)."""
 
@@ -55,7 +71,7 @@ class Refusal(BaseModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | InputImage | OutputText | Refusal, Field(discriminator="type")]
+ContentPart = Annotated[InputText | InputImage | InputAudio | OutputText | Refusal, Field(discriminator="type")]
 
 
 class SummaryText(BaseModel):

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from lmserve import options as opts
+from lmserve.chat.audio import decode_base64 as decode_audio
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.responses import schemas as wire
@@ -19,7 +20,16 @@ from lmserve.dialects.responses.tools import Choice, ToolSet, chat_tools, offere
 from lmserve.dialects.shared.pages import item_page
 from lmserve.errors import InvalidRequest
 from lmserve.parsing import chat_role
-from lmserve.types import EFFORTS, IMAGE_PLACEHOLDER, ChatRequest, Message, RequestOptions, SamplingParams, ToolCall
+from lmserve.types import (
+    AUDIO_PLACEHOLDER,
+    EFFORTS,
+    IMAGE_PLACEHOLDER,
+    ChatRequest,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    ToolCall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +38,9 @@ Save = Callable[[dict[str, Any]], Awaitable[None]]
 """Keeps a finished response (in the store, in its conversation)."""
 Shown = Callable[[str, str | None], str]
 """A function's name and namespace → the name the model sees (ToolSet.shown)."""
-ImageRef = tuple[str, str]
+ImageRef = tuple[str, str, str | None]
+"""Where an image or clip is in the request, its URL (an image) or base64 (a clip), and a clip's format (None: an
+image)."""
 """(where the image is in the request, its URL)."""
 
 _ITEMS: TypeAdapter[list[wire.InputItem]] = TypeAdapter(list[wire.InputItem])
@@ -69,6 +81,8 @@ def _message_record(item: wire.MessageItem) -> Item:
         if isinstance(part, wire.InputImage):
             content.append({"type": "input_image", "image_url": part.image_url, "file_id": part.file_id,
                             "detail": part.detail or "auto"})
+        elif isinstance(part, wire.InputAudio):
+            content.append({"type": "input_audio", "input_audio": part.input_audio.model_dump()})
         elif is_assistant and isinstance(part, wire.Refusal):
             content.append({"type": "refusal", "refusal": part.refusal})
         else:
@@ -128,7 +142,8 @@ def to_messages(instructions: str | None, items: list[wire.InputItem], first_own
 
 
 def _content(content: str | list[wire.ContentPart], where: str) -> tuple[str, list[ImageRef]]:
-    """Text parts in order (a newline between two texts), each image an IMAGE_PLACEHOLDER where it stood."""
+    """Text parts in order (a newline between two texts), each image an IMAGE_PLACEHOLDER and each audio clip an
+    AUDIO_PLACEHOLDER where it stood."""
     if isinstance(content, str):
         return content, []
     out = ""
@@ -140,7 +155,12 @@ def _content(content: str | list[wire.ContentPart], where: str) -> tuple[str, li
                 raise InvalidRequest(f"{where}.content[{j}]: input_image needs an image_url (file_id is not "
                                      "supported)", param="input")
             out += IMAGE_PLACEHOLDER
-            refs.append((f"{where}.content[{j}].image_url", part.image_url))
+            refs.append((f"{where}.content[{j}].image_url", part.image_url, None))
+            previous_is_text = False
+            continue
+        if isinstance(part, wire.InputAudio):
+            out += AUDIO_PLACEHOLDER
+            refs.append((f"{where}.content[{j}].input_audio", part.input_audio.data, part.input_audio.format))
             previous_is_text = False
             continue
         text = part.refusal if isinstance(part, wire.Refusal) else part.text
@@ -150,9 +170,14 @@ def _content(content: str | list[wire.ContentPart], where: str) -> tuple[str, li
 
 
 async def load_images(refs: list[list[ImageRef]], policy: MediaPolicy) -> list[list[bytes]]:
-    """Each message's images as checked bytes (data URIs decoded, http(s) URLs fetched under `policy`)."""
-    return await load_all([[(where, load_url(url, policy)) for where, url in message] for message in refs],
-                          param="input")
+    """Each message's images and clips as checked bytes (data URIs and base64 decoded, http(s) URLs fetched under
+    `policy`), in order."""
+    return await load_all([[(where, load_url(source, policy) if fmt is None else _clip(source, fmt, policy))
+                            for where, source, fmt in message] for message in refs], param="input")
+
+
+async def _clip(data: str, fmt: str, policy: MediaPolicy) -> bytes:
+    return decode_audio(data, fmt, policy)
 
 
 def to_options(body: wire.ResponseRequest) -> RequestOptions:
