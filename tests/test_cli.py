@@ -466,6 +466,20 @@ def test_repl_images(images: Path) -> None:
     assert len(sent) == 4
 
 
+def test_repl_audio(images: Path) -> None:
+    clip = b"RIFF\0\0\0\0WAVEfmt "
+    (images / "note.wav").write_bytes(clip)
+    client = FakeClient()
+    encoded = base64.b64encode(clip).decode()
+    _, out, _, _ = repl_session(client, "/audio note.wav", "What is said?", "transcribe ./note.wav please",
+                                "/audio cat.png", "/audio missing.mp3")
+    sent = [call["messages"][-1] for call in chats(client)]
+    assert sent == [{"role": "user", "content": "What is said?", "images": [encoded]},
+                    {"role": "user", "content": "transcribe please", "images": [encoded]}]
+    assert out.count("Added audio 'note.wav'") + out.count("Added audio 'note.wav'".replace("note", "./note")) == 2
+    assert out.count("Usage: /audio PATH [QUESTION] (PATH must be an existing .wav/.mp3/.flac/.ogg file)") == 2
+
+
 def test_repl_reports_errors_and_drops_the_failed_turn() -> None:
     client = FakeClient(missing=["gone"])
     repl, out, err, _ = repl_session(client, "/load gone", "/load", "/load other", "Hi")

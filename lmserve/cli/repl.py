@@ -20,8 +20,10 @@ Json = dict[str, Any]
 Message = dict[str, Any]
 SHOW_SECTIONS = ("info", "modelfile", "parameters", "template", "system", "license")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif")
+AUDIO_SUFFIXES = (".wav", ".mp3", ".flac", ".ogg")
+"""Audio clips travel in the native `images` field too (the server tells them apart by their content)."""
 _TRIPLE = '"""'
-_EXT = r"\.(?:png|jpe?g|webp|gif)"
+_EXT = r"\.(?:png|jpe?g|webp|gif|wav|mp3|flac|ogg)"
 _IMAGE_PATH = re.compile(
     rf"""(?P<q>['"])(?P<quoted>[^'"\n]+?{_EXT})(?P=q)"""
     rf"""|(?<![^\s(\[])(?P<bare>(?:\\\ |[^\s'"\\])+?{_EXT})(?=$|[\s,;:!?.)\]])""",
@@ -36,12 +38,14 @@ HELP = '''Available commands:
   /show SECTION               Show model information: info, modelfile, parameters, template, system or license
   /load MODEL                 Switch to another model, keeping the conversation
   /image PATH [QUESTION]      Attach an image to the next message (or ask QUESTION about it now)
+  /audio PATH [QUESTION]      Attach an audio clip (.wav, .mp3, .flac, .ogg) the same way
   /clear                      Clear the conversation
   /bye                        Exit (Ctrl-D works too)
   /?, /help                   Show this help
 
 Use """ to begin and end a multi-line message.
-A path to a .png, .jpg, .jpeg, .webp or .gif file written in a message attaches that image.
+A path to a .png, .jpg, .jpeg, .webp or .gif file written in a message attaches that image; a path to a .wav,
+.mp3, .flac or .ogg file attaches that audio clip.
 '''
 
 
@@ -96,11 +100,15 @@ def extract_images(text: str) -> tuple[str, list[Path]]:
 
 
 def encode_image(path: Path) -> str:
-    """An image file as base64 text, as the native API takes it (no data: prefix)."""
+    """An image (or audio) file as base64 text, as the native API takes it (no data: prefix)."""
     try:
         return base64.b64encode(path.read_bytes()).decode("ascii")
     except OSError as exc:
-        raise ClientError(f"could not read image {str(path)!r}: {exc.strerror}") from None
+        raise ClientError(f"could not read {media_kind(path)} {str(path)!r}: {exc.strerror}") from None
+
+
+def media_kind(path: Path) -> str:
+    return "audio" if path.suffix.lower() in AUDIO_SUFFIXES else "image"
 
 
 def user_message(text: str, images: Sequence[str] = ()) -> tuple[Message, list[Path]]:
@@ -279,7 +287,7 @@ class Repl:
             return False
         handlers: dict[str, Callable[[str], None]] = {
             "/?": self._help, "/help": self._help, "/clear": self._clear, "/show": self._show, "/set": self._set,
-            "/unset": self._unset, "/image": self._image, "/load": self._load,
+            "/unset": self._unset, "/image": self._image, "/audio": self._audio, "/load": self._load,
         }
         handler = handlers.get(name)
         if handler is None:
@@ -314,7 +322,7 @@ class Repl:
     def _user_message(self, text: str) -> Message:
         message, paths = user_message(text, self.pending_images)
         for path in paths:
-            self.out.write(f"Added image '{path}'\n")
+            self.out.write(f"Added {media_kind(path)} '{path}'\n")
         self.pending_images = []
         return message
 
@@ -372,9 +380,16 @@ class Repl:
             self.out.write("Usage: /unset parameter NAME | /unset system\n")
 
     def _image(self, rest: str) -> None:
+        self._attach(rest, "image", IMAGE_SUFFIXES)
+
+    def _audio(self, rest: str) -> None:
+        self._attach(rest, "audio", AUDIO_SUFFIXES)
+
+    def _attach(self, rest: str, kind: str, suffixes: tuple[str, ...]) -> None:
         text, paths = extract_images(rest)
-        if not paths:
-            self.out.write("Usage: /image PATH [QUESTION] (PATH must be an existing .png/.jpg/.jpeg/.webp/.gif)\n")
+        if not paths or any(path.suffix.lower() not in suffixes for path in paths):
+            self.out.write(f"Usage: /{kind} PATH [QUESTION] (PATH must be an existing "
+                           f"{'/'.join(suffixes)} file)\n")
             return
         try:
             self.pending_images += [encode_image(path) for path in paths]
@@ -382,7 +397,7 @@ class Repl:
             self.err.write(f"Error: {exc.message}\n")
             return
         for path in paths:
-            self.out.write(f"Added image '{path}'\n")
+            self.out.write(f"Added {kind} '{path}'\n")
         if text:
             self.send(text)
 
