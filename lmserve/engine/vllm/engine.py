@@ -45,11 +45,18 @@ from lmserve.engine.vllm.rerank import RankPair, is_reranker, pair_tokens, score
 from lmserve.engine.vllm.sampling import check_grammar, to_vllm_sampling
 from lmserve.engine.vllm.stats import CACHE_TIER, stat_logger
 from lmserve.engine.vllm.stream import VllmStream, request_id
-from lmserve.engine.vllm.vision import find_all, image_marker, pil_image, vision_support_missing
+from lmserve.engine.vllm.vision import (
+    audio_marker,
+    find_all,
+    image_marker,
+    media_handle,
+    sample_rate,
+    vision_support_missing,
+)
 from lmserve.engine.vllm.weights_check import check_weights
 from lmserve.engine.vllm.workers import environment, worker_environment
 from lmserve.errors import ContextOverflow, EngineFailure, EngineStopped, InvalidRequest, Overloaded
-from lmserve.types import Adapter, Bitmap, Clip, Media, SamplingParams
+from lmserve.types import Adapter, Clip, Media, SamplingParams
 
 
 class VllmEngine:
@@ -81,8 +88,9 @@ class VllmEngine:
         self._stats.kv_block_size = int(cache_config.block_size or 0)
         self._stats.kv_num_blocks = int(cache_config.num_gpu_blocks or 0)
         self._bos_id = getattr(self._tokenizer, "bos_token_id", None)
-        marker = self.info.image_marker
+        marker, audio = self.info.image_marker, self.info.audio_marker
         self._marker_ids = self.tokenize(marker, add_special=False) if marker else []
+        self._audio_ids = self.tokenize(audio, add_special=False) if audio else []
 
     # ---- the engine seam --------------------------------------------------------------------------------------
 
@@ -99,23 +107,20 @@ class VllmEngine:
         return piece_bytes(str(self._tokenizer.convert_ids_to_tokens([token])[0]))
 
     def tokenize_media(self, text: str, media: list[Media]) -> tuple[list[int], list[PromptImage]]:
-        """The text's tokens, each image's marker kept as is (vLLM's processor expands it when the request runs);
-        each image's handle is a PIL image. Audio is not taken on this engine yet (a 400 naming it)."""
-        marker = self.info.image_marker
-        if any(isinstance(item, Clip) for item in media):
-            raise InvalidRequest("audio input is not supported on the vLLM engine yet: serve an audio model as a GGUF "
-                                 "with its projector on llama.cpp", param="messages")
-        images = [item for item in media if isinstance(item, Bitmap)]
-        if marker is None:
-            raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
-                                 param="images")
+        """The text's tokens, each image's or clip's marker kept as is (vLLM's processor expands it when the request
+        runs); each handle is what vLLM's processor takes (`media_handle`)."""
+        kinds = ["audio" if isinstance(item, Clip) else "image" for item in media]
+        for kind, marker in (("image", self.info.image_marker), ("audio", self.info.audio_marker)):
+            if kind in kinds and marker is None:
+                raise InvalidRequest(f"this model takes no {kind} input on the vLLM engine", param="messages")
         tokens = self.tokenize(text)
-        starts = find_all(tokens, self._marker_ids)
-        if text.count(marker) != len(images) or len(starts) != len(images):
-            raise InvalidRequest("the prompt's image markers do not match its images", param="images")
-        length = len(self._marker_ids)
-        return tokens, [PromptImage(start, length, pil_image(image))
-                        for start, image in zip(starts, images, strict=True)]
+        spans = sorted([(start, "image") for start in find_all(tokens, self._marker_ids)]
+                       + [(start, "audio") for start in find_all(tokens, self._audio_ids)])
+        if [kind for _, kind in spans] != kinds:
+            raise InvalidRequest("the prompt's media markers do not match its images and clips", param="messages")
+        lengths = {"image": len(self._marker_ids), "audio": len(self._audio_ids)}
+        return tokens, [PromptImage(start, lengths[kind], media_handle(item))
+                        for (start, kind), item in zip(spans, media, strict=True)]
 
     def submit(
         self, prompt: list[int], sampling: SamplingParams, *, special: bool = False,
@@ -140,9 +145,8 @@ class VllmEngine:
             params = VllmSampling(output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise InvalidRequest(f"invalid sampling options: {exc}") from None
-        if images and self.info.image_marker is None:
-            raise InvalidRequest("this model has no vision support on the vLLM engine; images are not supported",
-                                 param="images")
+        if images and self.info.image_marker is None and self.info.audio_marker is None:
+            raise InvalidRequest("this model takes no images or audio on the vLLM engine", param="images")
         stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []],
                             priority=sampling.priority, lora=lora)
         self._streams[stream.request_id] = stream
@@ -363,6 +367,8 @@ def model_info(path: Path, options: VllmOptions, config: dict[str, Any], model_c
         can_embed=False,
         can_constrain=not reranker,
         image_marker=None if reranker else image_marker(model_config),
+        audio_marker=None if reranker else audio_marker(model_config),
+        audio_rate=sample_rate(path) if not reranker and audio_marker(model_config) else 0,
         fim=None if reranker else find_by_text(tokenizer.get_vocab()),
         can_rank=reranker,
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lmserve.engine.vllm.errors import engine_error
 from lmserve.engine.vllm.gate import gate_kind
 from lmserve.engine.vllm.logprobs import LogprobMapper
+from lmserve.engine.vllm.vision import multi_modal_data
 from lmserve.types import Chunk, FinishReason, Timings, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -101,8 +102,8 @@ class VllmStream:
 
         start = time.perf_counter_ns()
         request = TokensPrompt(prompt_token_ids=self._prompt)
-        if self._images:  # vLLM's processor expands each image's placeholder into the image's tokens
-            request["multi_modal_data"] = {"image": self._images}
+        if self._images:  # vLLM's processor expands each image's or clip's placeholder into its tokens
+            request["multi_modal_data"] = multi_modal_data(self._images)
         kind = gate_kind(self._params)
         try:  # a consumer cancelled while the request waits for the gate is forgotten too (it held a queue place)
             if kind is not None and not self._aborted:  # scoring and top-logprobs requests never share a step

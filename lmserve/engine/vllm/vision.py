@@ -1,13 +1,15 @@
-"""Images on vLLM: what a vision-language model needs here, the text that stands for one image in its prompts, and
-the images as vLLM's processors take them.
+"""Images and audio on vLLM: what a vision-language model needs here, the text that stands for one image or clip in
+a model's prompts, and the media as vLLM's processors take them.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any
 
-from lmserve.types import Bitmap
+from lmserve.types import Bitmap, Clip, Media
 
 
 def vision_support_missing(config: dict[str, Any]) -> str | None:
@@ -29,17 +31,46 @@ def vision_support_missing(config: dict[str, Any]) -> str | None:
 
 def image_marker(model_config: Any) -> str | None:
     """The text that stands for one image in a prompt to this model: vLLM's own placeholder, the one its chat
-    rendering writes (`<image>` for LFM2-VL); None for a model without images, or one that numbers them."""
-    if not model_config.is_multimodal_model or model_config.multimodal_config.get_limit_per_prompt("image") == 0:
+    rendering writes (`<image>` for LFM2-VL); None for a model without images."""
+    return media_marker(model_config, "image")
+
+
+def audio_marker(model_config: Any) -> str | None:
+    """The text that stands for one audio clip (`<|audio_bos|><|AUDIO|><|audio_eos|>` for Qwen2-Audio); None for a
+    model without audio."""
+    return media_marker(model_config, "audio")
+
+
+def media_marker(model_config: Any, modality: str) -> str | None:
+    """vLLM's placeholder of one item of `modality` for this model. A model that numbers its items ("Audio 1: …",
+    "Audio 2: …") gets the part after the number, from its first special token: what its processor expands."""
+    if not model_config.is_multimodal_model or model_config.multimodal_config.get_limit_per_prompt(modality) == 0:
         return None
     from vllm.model_executor.model_loader.utils import get_model_cls
 
     model: Any = get_model_cls(model_config)
     try:
-        first, second = model.get_placeholder_str("image", 1), model.get_placeholder_str("image", 2)
+        first, second = model.get_placeholder_str(modality, 1), model.get_placeholder_str(modality, 2)
     except ValueError:  # the model takes other media only
         return None
-    return str(first) if first and first == second else None
+    if not first or first == second:
+        return str(first) if first else None
+    first, second = str(first), str(second)
+    size = next((n for n in range(min(len(first), len(second))) if first[-1 - n] != second[-1 - n]),
+                min(len(first), len(second)))
+    shared = first[len(first) - size:]  # the longest common ending
+    start = shared.find("<")
+    return shared[start:] if start >= 0 else None
+
+
+def sample_rate(path: Path) -> int:
+    """The rate (Hz) the model's feature extractor takes clips at (preprocessor_config.json); 0 when it says none."""
+    try:
+        config = json.loads((path / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    rate = config.get("sampling_rate", 0) if isinstance(config, dict) else 0
+    return int(rate) if isinstance(rate, int | float) else 0
 
 
 def find_all(tokens: list[int], marker: list[int]) -> list[int]:
@@ -53,6 +84,23 @@ def find_all(tokens: list[int], marker: list[int]) -> list[int]:
         else:
             at += 1
     return starts
+
+
+def media_handle(item: Media) -> Any:
+    """An image as a PIL image, a clip as (samples, rate): what vLLM's processors take."""
+    if isinstance(item, Clip):
+        import numpy as np
+
+        return (np.frombuffer(item.samples, dtype="<f4").copy(), item.rate)
+    return pil_image(item)
+
+
+def multi_modal_data(handles: list[Any]) -> dict[str, list[Any]]:
+    """vLLM's `multi_modal_data` for a request's media handles (see `media_handle`), each modality in order."""
+    data: dict[str, list[Any]] = {}
+    for handle in handles:
+        data.setdefault("audio" if isinstance(handle, tuple) else "image", []).append(handle)
+    return data
 
 
 def pil_image(bitmap: Bitmap) -> Any:
