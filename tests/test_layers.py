@@ -15,8 +15,9 @@ SEAM = {"lmserve.engine.protocol", "lmserve.engine.factory"}
 
 DIALECT_NAMES = ("openai", "native", "anthropic", "responses")
 DIALECT = BASE | {"lmserve.service", "lmserve.store", "lmserve.chat.structured", "lmserve.chat.media",
-                  "lmserve.dialects.shared"}
-"""What a dialect may import: the service, the store's records, structured output and media, the shared helpers."""
+                  "lmserve.chat.audio", "lmserve.dialects.shared"}
+"""What a dialect may import: the service, the store's records, structured output, images and audio, the shared
+helpers."""
 
 # module prefix → the lmserve modules it may import (besides itself and its own subpackage)
 ALLOWED: dict[str, set[str]] = {

@@ -27,6 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.audio_clips import b64, tone
 from tests.hf_repos import smollm2_repo
 from tests.lora_adapters import smollm2_peft
 from tests.test_context_e2e import check_num_ctx_reloads_nothing
@@ -356,6 +357,13 @@ def test_an_image_is_a_400_naming_why(client: openai.OpenAI, model: str) -> None
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=4)
     assert "image" in str(refused.value).lower()
+
+
+def test_an_audio_clip_is_a_400_naming_what_is_missing(client: openai.OpenAI, model: str) -> None:
+    content: Any = [{"type": "input_audio", "input_audio": {"data": b64(tone(0.5)), "format": "wav"}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert "has no audio encoder" in str(refused.value) and "mlx-whisper" in str(refused.value)
 
 
 # ---- metrics and unloading (last: it unloads the model) ----------------------------------------------------------

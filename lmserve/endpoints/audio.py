@@ -3,7 +3,8 @@ an audio chat model (one with an audio encoder) given a fixed instruction and th
 
     POST /v1/audio/transcriptions   multipart: `file`, `model`, optional `language`, `prompt`, `response_format`
                                     (json | text | srt | vtt | verbose_json), `temperature`,
-                                    `timestamp_granularities[]` (segment), `stream` (json and text)
+                                    `timestamp_granularities[]` (segment), `stream` (json and text),
+                                    `max_tokens` (llama-server's: the transcript's token limit)
     POST /v1/audio/translations     multipart: `file`, `model`, optional `prompt`, `response_format`, `temperature`:
                                     the speech in English
 
@@ -50,6 +51,8 @@ class SpeechRequest:
     language: str | None
     prompt: str | None
     temperature: float
+    max_tokens: int | None = None
+    """llama-server's extension: the most tokens of the transcript (None: TOKENS_PER_SECOND of the clip)."""
 
 
 def instruction(speech: SpeechRequest) -> str:
@@ -68,7 +71,7 @@ def chat_request(speech: SpeechRequest, *, logprobs: bool) -> ChatRequest:
     """The chat turn that answers `speech` (each token's log-probability kept with `logprobs`: verbose_json)."""
     message = Message("user", instruction(speech) + "\n" + AUDIO_PLACEHOLDER, audio=[speech.clip])
     options = RequestOptions(values={"temperature": speech.temperature})
-    limit = 64 + math.ceil(TOKENS_PER_SECOND * speech.seconds)
+    limit = speech.max_tokens or 64 + math.ceil(TOKENS_PER_SECOND * speech.seconds)
     sampling = SamplingParams(max_tokens=limit, logprobs=0 if logprobs else None)
     return ChatRequest(model=speech.model, messages=[message], sampling=sampling, think=False, options=options)
 
@@ -146,14 +149,14 @@ async def stream_events(generation: Generation) -> AsyncIterator[bytes]:
 
 
 async def speech_request(task: Task, policy: MediaDep, file: UploadFile, model: str, language: str | None,
-                         prompt: str | None, temperature: float) -> SpeechRequest:
+                         prompt: str | None, temperature: float, max_tokens: int | None) -> SpeechRequest:
     if not model.strip():
         raise InvalidRequest("you must name a model", param="model")
     data = await file.read()
     if not data:
         raise InvalidRequest("the uploaded file is empty", param="file")
     info = check_audio(data, policy, param="file")
-    return SpeechRequest(task, model, data, info.seconds, language or None, prompt or None, temperature)
+    return SpeechRequest(task, model, data, info.seconds, language or None, prompt or None, temperature, max_tokens)
 
 
 async def respond(service: ServiceDep, speech: SpeechRequest, fmt: ResponseFormat, granularities: list[str],
@@ -181,6 +184,7 @@ FileField = Annotated[UploadFile, File(description="the audio clip: WAV, FLAC, O
 ModelField = Annotated[str, Form()]
 FormatField = Annotated[ResponseFormat, Form()]
 TemperatureField = Annotated[float, Form(ge=0, le=2)]
+MaxTokensField = Annotated[int | None, Form(ge=1)]
 
 
 @router.post("/audio/transcriptions", response_model=None)
@@ -190,9 +194,9 @@ async def transcriptions(
     response_format: FormatField = "json", temperature: TemperatureField = 0.0,
     timestamp_granularities: Annotated[list[Literal["word", "segment"]] | None,
                                        Form(alias="timestamp_granularities[]")] = None,
-    stream: Annotated[bool, Form()] = False,
+    stream: Annotated[bool, Form()] = False, max_tokens: MaxTokensField = None,
 ) -> Response:
-    speech = await speech_request("transcribe", policy, file, model, language, prompt, temperature)
+    speech = await speech_request("transcribe", policy, file, model, language, prompt, temperature, max_tokens)
     return await respond(service, speech, response_format, list(timestamp_granularities or ()), stream, request)
 
 
@@ -200,7 +204,7 @@ async def transcriptions(
 async def translations(
     service: ServiceDep, policy: MediaDep, request: Request, file: FileField, model: ModelField,
     prompt: Annotated[str | None, Form()] = None, response_format: FormatField = "json",
-    temperature: TemperatureField = 0.0,
+    temperature: TemperatureField = 0.0, max_tokens: MaxTokensField = None,
 ) -> Response:
-    speech = await speech_request("translate", policy, file, model, None, prompt, temperature)
+    speech = await speech_request("translate", policy, file, model, None, prompt, temperature, max_tokens)
     return await respond(service, speech, response_format, [], False, request)

@@ -53,6 +53,8 @@ class ModelInfo:
     """The text that stands for one audio clip in a prompt; None when the model has no audio encoder."""
     audio_rate: int = 0
     """The sample rate (Hz) the model's audio encoder takes clips at; 0 when it has none."""
+    audio_missing: str = ""
+    """Why this engine cannot hear any model's clips, where it cannot (said in the 400 for a clip); "" otherwise."""
     can_cut_memory: bool = True
     """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
     state at a prefix must be saved as a snapshot to be reused."""

@@ -168,10 +168,9 @@ def with_media_markers(model: LoadedModel, message: Message, where: str) -> Mess
             param=param,
         )
     if message.audio and info.audio_marker is None:
-        raise InvalidRequest(
-            f"{where} contains an audio clip, but model '{model.name}' has no audio encoder (it cannot hear audio)",
-            param=param,
-        )
+        why = f": {info.audio_missing}" if info.audio_missing else ""
+        raise InvalidRequest(f"{where} contains an audio clip, but model '{model.name}' has no audio encoder (it "
+                             f"cannot hear audio){why}", param=param)
     content = placed(message, where)
     if message.images:
         content = content.replace(IMAGE_PLACEHOLDER, cast(str, info.image_marker))

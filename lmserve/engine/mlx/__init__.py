@@ -55,6 +55,11 @@ VISION_MISSING = ("the MLX engine runs language models through mlx-lm, and a vis
                   "llama.cpp")
 
 
+AUDIO_MISSING = ("the MLX engine runs language models through mlx-lm, and audio needs an audio encoder it does not "
+                 "run (mlx-whisper, mlx-audio): serve an audio model with vLLM, or as a GGUF with its audio "
+                 "projector on llama.cpp")
+
+
 def vision_missing(config: dict[str, object]) -> str | None:
     """Why MLX cannot take a vision-language repository's images (it takes none)."""
     return VISION_MISSING if "vision_config" in config else None

@@ -26,7 +26,7 @@ import numpy as np
 
 from lmserve.engine.fim import find_by_text
 from lmserve.engine.logprobs import Ranked
-from lmserve.engine.mlx import VISION_MISSING
+from lmserve.engine.mlx import AUDIO_MISSING, VISION_MISSING
 from lmserve.engine.mlx.grammar import Grammars
 from lmserve.engine.mlx.loading import (
     device_name,
@@ -120,6 +120,7 @@ class MlxBackend:
             description=f"MLX {dtype_name(model)} ({device_name(mx)}) {stored_as(config)}",
             can_cut_memory=all(cache.is_trimmable() for cache in caches), engine="mlx",
             can_embed=hasattr(model, "model"), can_constrain=True, fim=find_by_text(hf.get_vocab()),
+            audio_missing=AUDIO_MISSING,
         )
 
     # ---- tokens ------------------------------------------------------------------------------------------------
