@@ -42,12 +42,14 @@ def user_parts(*parts: dict[str, Any]) -> dict[str, Any]:
         (chat(response_format={"type": "yaml"}), "response_format",
          "Invalid value for 'response_format': type 'yaml' is not supported; use 'text', 'json_object' or "
          "'json_schema'"),
-        (user_parts({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}), "messages",
-         "Invalid value for 'messages[0].content[1]': content part type 'input_audio' is not supported; "
-         "use 'text', 'image_url' or 'refusal'"),
+        (user_parts({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}),
+         "messages[0].content[1].input_audio",
+         "messages[0].content[1].input_audio: not a readable audio file (wav, flac, ogg, mp3): Format not recognised."),
+        (user_parts({"type": "input_audio", "input_audio": {"data": "AA=="}}), "messages",
+         "Missing required parameter: 'messages[0].content[1].input_audio.format'."),
         (user_parts({"type": "foo"}), "messages",
          "Invalid value for 'messages[0].content[1]': content part type 'foo' is not supported; "
-         "use 'text', 'image_url' or 'refusal'"),
+         "use 'text', 'image_url', 'input_audio' or 'refusal'"),
         (user_parts({"text": "no type"}), "messages", "Missing required parameter: 'messages[0].content[1].type'."),
         (user_parts({"type": "image_url"}), "messages",
          "Missing required parameter: 'messages[0].content[1].image_url'."),

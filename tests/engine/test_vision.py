@@ -121,7 +121,7 @@ async def test_image_and_text_requests_batched_together_answer_as_they_do_alone(
 
 async def test_markers_and_images_must_match(engine: BatchingEngine) -> None:
     prompt = user_turn(engine, "x", 2)
-    with pytest.raises(InvalidRequest, match="image markers"):
+    with pytest.raises(InvalidRequest, match="media markers do not match"):
         engine.tokenize_media(prompt, [noise(32, 32)])
 
 
@@ -149,7 +149,7 @@ async def test_a_model_without_projector_has_no_image_marker(vl_files: tuple[Pat
     backend = LlamaCppBackend(model, LoadOptions(num_ctx=512, num_parallel=1))
     try:
         assert backend.info.image_marker is None
-        with pytest.raises(InvalidRequest, match="no vision"):
+        with pytest.raises(InvalidRequest, match="no projector"):
             backend.tokenize_media("x", [noise(8, 8)])
     finally:
         backend.close()

@@ -127,9 +127,15 @@ def _audio(index: int, m: schemas.ChatMessage, policy: MediaPolicy) -> list[byte
     """The message's `input_audio` parts, decoded from base64 and checked (a 400 naming the part)."""
     if not isinstance(m.content, list):
         return []
-    return [decode_base64(part.input_audio.data, part.input_audio.format, policy,
-                          param=f"messages[{index}].content[{j}].input_audio")
+    return [_clip(part, f"messages[{index}].content[{j}].input_audio", policy)
             for j, part in enumerate(m.content) if isinstance(part, schemas.AudioPart)]
+
+
+def _clip(part: schemas.AudioPart, where: str, policy: MediaPolicy) -> bytes:
+    try:
+        return decode_base64(part.input_audio.data, part.input_audio.format, policy, param=where)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc.message}", param=where) from None
 
 
 def _arguments(arguments: str | dict[str, Any]) -> str:

@@ -185,7 +185,7 @@ async def test_image_prompts_are_checked_at_submit() -> None:
 
 
 async def test_a_model_without_vision_refuses_images(engine: BatchingEngine) -> None:
-    with pytest.raises(InvalidRequest, match="no vision"):
+    with pytest.raises(InvalidRequest, match="no projector; images and audio are not supported"):
         engine.tokenize_media("x", [bitmap(4, 4)])
 
 
