@@ -109,6 +109,13 @@ def test_the_responses_api_takes_input_audio(client: openai.OpenAI) -> None:
     assert with_clip.usage.input_tokens == without.usage.input_tokens + POSITIONS_PER_WINDOW + 2
 
 
+def test_show_lists_audio_not_vision_for_the_audio_model(server: Server) -> None:
+    with ollama.Client(host=server.base_url, timeout=120) as native:
+        capabilities = native.show(AUDIO_MODEL).capabilities or []
+        assert "audio" in capabilities and "vision" not in capabilities
+        assert "audio" not in (native.show(MODEL).capabilities or [])
+
+
 # ---- refusals ----
 
 

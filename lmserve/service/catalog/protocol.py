@@ -20,16 +20,18 @@ EngineOpener = Callable[[Path, LoadOptions], Engine]
 """Loads the weights at a path with load options into an engine (engine/factory.py's open_engine)."""
 
 
-def model_capabilities(template: str, *, vision: bool, reranker: bool = False) -> list[str]:
+def model_capabilities(template: str, *, vision: bool, reranker: bool = False, audio: bool = False) -> list[str]:
     """What `show` lists: "completion"; "tools" (any model can call tools: a template that does not render them
     gets lmserve's own JSON call format in the prompt); "rerank" (any chat model reranks, judging relevance:
-    service/judging.py); "vision" with a projector or a vision config; "thinking" when the template thinks. A
-    dedicated reranker (a relevance head) lists "rerank" only."""
+    service/judging.py); "vision" with a projector or a vision config that sees images; "audio" with one that hears;
+    "thinking" when the template thinks. A dedicated reranker (a relevance head) lists "rerank" only."""
     if reranker:
         return ["rerank"]
     found = ["completion", "tools", "rerank"]
     if vision:
         found.append("vision")
+    if audio:
+        found.append("audio")
     if detect_reasoning(template):
         found.append("thinking")
     return found

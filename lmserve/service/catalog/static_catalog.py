@@ -59,6 +59,7 @@ class StaticCatalog:
             system=model.system or "",
             model_info=dict(info.metadata),
             capabilities=model_capabilities(model.template_source or info.chat_template or "", vision=info.has_vision,
+                                            audio=info.audio_marker is not None,
                                             reranker=info.can_rank),
         )
 

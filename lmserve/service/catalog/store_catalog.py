@@ -83,7 +83,7 @@ class StoreCatalog:
         if manifest.files:  # a repository: its config.json (the `model` blob) has a vision_config
             vision = repository.has_vision(repository.read_json(self.store.blob_path(manifest.model)))
         else:
-            vision = manifest.projector is not None
+            vision = self._senses(manifest)[0]
         path = self.store.model_path(manifest)
         short = str(entry.name).removesuffix(":latest")
         paths = self.store.adapter_paths(manifest)
@@ -109,11 +109,12 @@ class StoreCatalog:
             template = manifest.template or repository.chat_template(directory)
             config = repository.read_json(directory / repository.CONFIG)
             vision = repository.has_vision(config) and vision_missing(directory, config) is None
+            audio = "audio_config" in config
             metadata |= self._adapter_info(manifest, directory)
         else:
             metadata = gguf_metadata(self.store.blob_path(manifest.model))
             template = manifest.template or str(metadata.get("tokenizer.chat_template", ""))
-            vision = bool(manifest.projector)
+            vision, audio = self._senses(manifest)
             metadata |= self._adapter_info(manifest, self.store.blob_path(manifest.model))
         return ModelDescription(
             listing=self._listing(entry),
@@ -123,12 +124,25 @@ class StoreCatalog:
             system=manifest.system or "",
             license="\n".join(manifest.license),
             model_info=metadata,
-            capabilities=model_capabilities(template, vision=vision,
+            capabilities=model_capabilities(template, vision=vision, audio=audio,
                                             reranker=is_reranker_metadata(config if manifest.files else metadata)),
         )
 
     def has_vision(self, name: str) -> bool:
         return self.settings(name).has_vision
+
+    def _senses(self, manifest: Manifest) -> tuple[bool, bool]:
+        """Whether a GGUF model's projector sees images and hears audio (its header's `clip.has_*_encoder`, each
+        written only when true; a projector that says neither, or cannot be read, is taken for a vision one, as
+        projectors were before audio ones)."""
+        if manifest.projector is None:
+            return False, False
+        try:
+            header = gguf_metadata(self.store.blob_path(manifest.projector))
+        except LmserveError:
+            return True, False
+        vision, audio = bool(header.get("clip.has_vision_encoder")), bool(header.get("clip.has_audio_encoder"))
+        return vision or not audio, audio
 
     def _adapter_info(self, manifest: Manifest, base: Path) -> dict[str, Any]:
         """What `show` says of a model's LoRA adapters: their count, base and ranks (as checked against it)."""
