@@ -130,15 +130,18 @@ async def test_stats_name_the_adapters_running_and_waiting(tmp_path: Path) -> No
     engine = BatchingEngine(backend)
     try:
         running = SamplingParams(max_tokens=200, adapters=(Adapter(str(tmp_path / "a.gguf"), name="sea"),))
-        waiting = SamplingParams(max_tokens=1, adapters=(Adapter(str(tmp_path / "a.gguf"), 0.5, name="half"),))
+        waiting = SamplingParams(max_tokens=200, adapters=(Adapter(str(tmp_path / "a.gguf"), 0.5, name="half"),))
         first = engine.submit(engine.tokenize("one"), running)
         second = engine.submit(engine.tokenize("two"), waiting)
         async for _ in first:
             stats = engine.stats
             break
-        assert (stats.max_adapters, stats.running_adapters, stats.waiting_adapters) == (4, ("sea",), ("half",))
+        # One slot: one set runs and the other waits (which one, after the fair turns between sets that a loaded
+        # machine lets pass before this reads, does not matter).
+        assert stats.max_adapters == 4 and len(stats.running_adapters) == 1
+        assert sorted(stats.running_adapters + stats.waiting_adapters) == ["half", "sea"]
         first.abort()
-        assert [chunk async for chunk in second][-1].finish_reason == "length"
+        second.abort()
     finally:
         engine.close()
 
