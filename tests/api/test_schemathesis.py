@@ -57,8 +57,8 @@ BODILESS = {
 """Operations of a body-taking method that take no body (the id is in the path)."""
 OPTIONAL_BODIES = {("post", "/v1/conversations")}
 """Operations whose body may be left out."""
-FORM_BODIES = {("post", "/v1/files")}
-"""Operations whose body is a multipart form (an upload)."""
+FORM_BODIES = {("post", "/v1/files"), ("post", "/v1/audio/transcriptions"), ("post", "/v1/audio/translations")}
+"""Operations whose body is a multipart form (an upload: a file, an audio clip)."""
 
 # The document comes from an app over no models: routes and bodies do not depend on what is served.
 DOCUMENT = create_app(static_service([]), ServerConfig()).openapi()
