@@ -10,7 +10,8 @@ Pairs, each serving the same model the same way:
   with Whisper-style models; an audio chat model answers in chat).
 The default model is the tests' tiny random Qwen2-Audio (tests/tiny_audio.py: the GGUF and projector for ``llama``,
 the repository for ``vllm``); ``--gguf``/``--mmproj``/``--repo`` name others. The clips are synthesized (tones
-changing every second): a random model's transcript means nothing, so every request decodes ``--max-tokens`` (32).
+changing every second), a fresh one for every request (nothing is found in a cache): a random model's transcript
+means nothing, so every request decodes ``--max-tokens`` (32).
 
 Printed per peer and concurrency (``--concurrency`` 1,4; ``--requests`` 8 per level): requests/s, the mean latency
 and the real-time factor (seconds of processing per second of audio, one request at a time: lower is faster);
@@ -76,7 +77,8 @@ async def chat(client: httpx.AsyncClient, base: str, model: str, data: bytes, ma
 async def level(base: str, pair: str, concurrency: int, args: argparse.Namespace) -> tuple[float, float]:
     """Requests/s and mean latency of `args.requests` requests, `concurrency` at a time."""
     send = transcribe if pair == "llama" else chat
-    clips = [clip(seed=i) for i in range(args.requests)]
+    level.calls += 1  # fresh clips for every level and round: nothing is found in a peer's cache
+    clips = [clip(seed=level.calls * 1000 + i) for i in range(args.requests)]
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         model = await throughput.model_id(client, base)
@@ -94,6 +96,9 @@ async def level(base: str, pair: str, concurrency: int, args: argparse.Namespace
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     return len(clips) / wall, sum(latencies) / len(latencies)
+
+
+level.calls = 0  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

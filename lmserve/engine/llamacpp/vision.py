@@ -16,6 +16,7 @@ import hashlib
 import os
 import secrets
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.backend import BatchEntry, PoolFull
 from lmserve.errors import EngineFailure, InvalidRequest
 from lmserve.types import Bitmap, Clip, Media
+
+ENCODED_BYTES = 128 * 2**20
+"""The projector outputs kept for images and clips sent again (`Encoded`)."""
 
 
 class ImageChunk:
@@ -91,6 +95,32 @@ def _audio_bitmap(clip: Clip) -> Any:
     return bitmap
 
 
+class Encoded:
+    """The projector's latest outputs, kept by chunk (the image's or clip's digest, the chunk's place among that
+    item's chunks, its length) up to a byte budget, least recently used first out: a conversation about an image or
+    clip sends it again each turn, and encoding it (a 30 s clip, a large image) costs more than the rest of a turn."""
+
+    def __init__(self, max_bytes: int = ENCODED_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[bytes, int, int], np.ndarray] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: tuple[bytes, int, int]) -> np.ndarray | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: tuple[bytes, int, int], embeddings: np.ndarray) -> None:
+        if embeddings.nbytes > self._max_bytes or key in self._entries:
+            return
+        self._entries[key] = embeddings
+        self._bytes += embeddings.nbytes
+        while self._bytes > self._max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self._bytes -= dropped.nbytes
+
+
 class Vision:
     """The projector of a loaded model (images, audio or both), and the marker that stands for an image or a clip in
     its prompts."""
@@ -129,6 +159,7 @@ class Vision:
             self.close()
             raise EngineFailure("vision models with M-RoPE positions (Qwen2-VL and kin) are not supported yet")
         self.marker = marker
+        self._encoded = Encoded()  # used under the projector's lock
 
     def tokenize(self, text: str, media: list[Media], bos: int) -> tuple[list[int], list[PromptImage]]:
         """`text`'s tokens with each marker's image or clip encoded in its place (placeholder ids), and their
@@ -141,21 +172,23 @@ class Vision:
             raise InvalidRequest("this model's projector takes images only; audio is not supported", param="messages")
         data = text.encode("utf-8")
         text_input = mtmd.mtmd_input_text(text=data, text_len=len(data), add_special=True, parse_special=True)
-        with self._lock:
-            bitmaps = [_bitmap(item) for item in media]
-            chunks = mtmd.mtmd_input_chunks_init()
-            try:
-                array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
-                rc = mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text_input), array, len(bitmaps))
-                if rc != 0:
-                    reason = ("its media markers do not match its media" if rc == 1
-                              else "an image or clip failed to preprocess")
-                    raise InvalidRequest(f"the prompt could not be tokenized: {reason}", param="images")
+        # Preprocessing (an image resized, a clip's mel spectrogram) runs outside the lock, several prompts at once
+        # (as llama-server's request threads do); encoding, which uses the projector's graph, runs under it.
+        bitmaps = [_bitmap(item) for item in media]
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            array = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
+            rc = mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text_input), array, len(bitmaps))
+            if rc != 0:
+                reason = ("its media markers do not match its media" if rc == 1
+                          else "an image or clip failed to preprocess")
+                raise InvalidRequest(f"the prompt could not be tokenized: {reason}", param="images")
+            with self._lock:
                 tokens, places = self._read_chunks(chunks)
-            finally:
-                mtmd.mtmd_input_chunks_free(chunks)
-                for bitmap in bitmaps:
-                    mtmd.mtmd_bitmap_free(bitmap)
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
         if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:  # the template wrote BOS, mtmd added one
             tokens = tokens[1:]
             for place in places:
@@ -167,6 +200,7 @@ class Vision:
         each image encoded."""
         tokens: list[int] = []
         places: list[PromptImage] = []
+        seen: dict[bytes, int] = {}  # an item's chunks so far (a tiled image, a clip over 30 s have several)
         for i in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, i)
             kind = mtmd.mtmd_input_chunk_get_type(chunk)
@@ -178,9 +212,17 @@ class Vision:
                 length = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                 if mtmd.mtmd_input_chunk_get_n_pos(chunk) != length:
                     raise EngineFailure("media positions differ from media tokens (M-RoPE is not supported)")
-                handle = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk), self._encode(chunk, length))
+                chunk_id = mtmd.mtmd_input_chunk_get_id(chunk) or b""
+                key = (chunk_id, seen.get(chunk_id, 0), length)
+                seen[chunk_id] = key[1] + 1
+                embeddings = self._encoded.get(key) if chunk_id else None
+                if embeddings is None:
+                    embeddings = self._encode(chunk, length)
+                    if chunk_id:
+                        self._encoded.put(key, embeddings)
+                handle = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk), embeddings)
                 places.append(PromptImage(len(tokens), length, handle))
-                tokens += [image_placeholder(mtmd.mtmd_input_chunk_get_id(chunk) or b"")] * length
+                tokens += [image_placeholder(chunk_id)] * length
             else:
                 raise InvalidRequest("only images and audio are supported as media", param="images")
         return tokens, places
