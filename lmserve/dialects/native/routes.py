@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve import __version__
+from lmserve.chat.audio import is_audio_base64
 from lmserve.dialects.native import schemas as wire
 from lmserve.dialects.native.modelfiles import parameters_text, to_modelfile
 from lmserve.dialects.native.ndjson import NDJSON, error_line, line
@@ -87,8 +88,8 @@ async def generate(service: ServiceDep, media: MediaDep, body: wire.GenerateBody
     options = to_options(body.options)
     if body.suffix and (body.images or body.context):
         raise InvalidRequest("suffix (insert) cannot be combined with images or context", param="suffix")
-    if body.images:
-        service.generation.check_images(body.model, len(body.images), param="images")
+    if pictures := sum(not is_audio_base64(img) for img in body.images or ()):  # clips are checked once decoded
+        service.generation.check_images(body.model, pictures, param="images")
     images = [decode_image(img, f"images[{j}]", media) for j, img in enumerate(body.images or ())]
     if not body.prompt and not body.context and not body.suffix:
         return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, response=""))
@@ -114,8 +115,8 @@ async def chat(service: ServiceDep, media: MediaDep, body: wire.ChatBody, reques
         message = {"role": "assistant", "content": ""}
         return JSONResponse(await _load_or_unload(service, body.model, options, keep_alive, message=message))
     sampling = to_sampling_params(body.format, logprob_wire.asked(body.logprobs, body.top_logprobs))
-    if any(m.images for m in body.messages):
-        service.generation.check_images(body.model, sum(len(m.images or ()) for m in body.messages))
+    if pictures := sum(not is_audio_base64(img) for m in body.messages for img in m.images or ()):
+        service.generation.check_images(body.model, pictures)
     record = ChatRequest(body.model, to_messages(body.messages, media), sampling,
                          tools=list(body.tools or ()), options=options, keep_alive=keep_alive, think=think,
                          reasoning_budget=budget)
