@@ -112,7 +112,8 @@ class VllmEngine:
         kinds = ["audio" if isinstance(item, Clip) else "image" for item in media]
         for kind, marker in (("image", self.info.image_marker), ("audio", self.info.audio_marker)):
             if kind in kinds and marker is None:
-                raise InvalidRequest(f"this model takes no {kind} input on the vLLM engine", param="messages")
+                raise InvalidRequest(f"this model takes no {kind} input on the vLLM engine",
+                                     param="images" if kind == "image" else "messages")
         tokens = self.tokenize(text)
         spans = sorted([(start, "image") for start in find_all(tokens, self._marker_ids)]
                        + [(start, "audio") for start in find_all(tokens, self._audio_ids)])
