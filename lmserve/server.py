@@ -42,7 +42,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
 
     from lmserve.engine.factory import open_engine
     from lmserve.service.catalog import StoreCatalog
-    from lmserve.service.memory_budget import memory_gauge
+    from lmserve.service.memory_budget import SystemMemory, memory_gauge
     from lmserve.service.residency import Residency
     from lmserve.store.store import Store
 
@@ -51,9 +51,11 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     catalog = StoreCatalog(store, partial(open_engine, settings=settings), engines=settings)
     _ensure_embedded(store)
     name = _create_local_model(config, catalog)
+    gauge = memory_gauge(config.memory_check, config.memory_bytes)
+    # only the machine's memory counts the prompt cache's RAM as used, so only there does reclaiming it make room
+    cache = settings.prompt_cache if isinstance(gauge, SystemMemory) else None
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
-                          memory=memory_gauge(config.memory_check, config.memory_bytes),
-                          reclaim=settings.prompt_cache.reclaim if settings.prompt_cache is not None else None,
+                          memory=gauge, reclaim=cache.reclaim if cache is not None else None,
                           load_timeout=config.load_timeout)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
