@@ -15,7 +15,8 @@ mixed ÷ base ratio of each peer (goal of issue 44: >= 0.8) and lmserve's mixed 
 
 Peers ``vllm`` and ``mlx`` (``--peers lmserve,llama-server,vllm``) are lmserve on those engines, serving the same
 model as a safetensors repository (tests/hf_repos.py) with the same four adapters as PEFT directories, as the tests
-make them; ``--repo`` and ``--peft`` (4 of them) give others.
+make them; ``--repo`` and ``--peft`` (4 of them) give others. Peer ``vllm-serve`` is vLLM's own server over the same
+repository and adapters (``--enable-lora --lora-modules``): the reference for what vLLM's CPU LoRA kernels cost anyway.
 
     .venv/bin/python bench/lora.py [--streams 8] [--requests 2] [--max-tokens 128] [--rounds 2] [--lora PATH ...]
 """
@@ -24,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +71,7 @@ def pick(peer: str, stream: int, mixed: bool, base_model: str) -> tuple[str, dic
     k = stream % (ADAPTERS + 1) - 1 if mixed else -1
     if k < 0:
         return base_model, {}
-    if peer == "lmserve" or peer in ENGINES:
+    if peer != "llama-server":
         return f"a{k}", {}
     return base_model, {"lora": [{"id": k, "scale": 1.0}]}
 
@@ -103,6 +108,25 @@ async def workload(base: str, peer: str, mixed: bool, args: argparse.Namespace) 
         return tokens / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def vllm_serve(args: argparse.Namespace) -> Iterator[throughput.Started]:
+    """vLLM's own server over the same repository and PEFT adapters (`--lora-modules aK=PATH`), on CPU as lmserve's
+    vLLM engine runs it (eager, the repository's dtype, 512 MiB of KV cache)."""
+    from tests.hf_repos import smollm2_repo
+
+    port = throughput.free_port()
+    modules = [f"a{k}={p}" for k, p in enumerate(peft_paths(args.peft))]
+    argv = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.repo or smollm2_repo()),
+            "--max-model-len", str(args.ctx), "--max-num-seqs", str(args.parallel), "--enforce-eager",
+            "--kv-cache-memory-bytes", str(512 * 2**20), "--enable-lora", "--max-loras", str(ADAPTERS),
+            "--max-lora-rank", "64", "--lora-modules", *modules, "--disable-log-stats",
+            "--disable-uvicorn-access-log", "--host", "127.0.0.1", "--port", str(port)]
+    with tempfile.TemporaryDirectory(prefix="lmserve-bench-lora-vllm-serve-") as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
+        with throughput.running(argv, port, "/health", Path(tmp) / "server.log", 600, env=env) as started:
+            yield started
+
+
 def run_peer(peer: str, args: argparse.Namespace, paths: list[str]) -> dict[str, float]:
     slots = ["--parallel" if peer == "lmserve" or peer in ENGINES else "-np", str(args.parallel)]
     if peer in ENGINES:
@@ -112,6 +136,8 @@ def run_peer(peer: str, args: argparse.Namespace, paths: list[str]) -> dict[str,
         flags = [*slots, "-c", str(args.ctx), "--engine", peer,
                  *(f for k, p in enumerate(peft_paths(args.peft)) for f in ("--lora", f"a{k}={p}"))]
         server = throughput.lmserve(repository, *flags, name=f"lora-{peer}")
+    elif peer == "vllm-serve":
+        server = vllm_serve(args)
     elif peer == "lmserve":
         flags = [*slots, "-c", str(args.ctx), *(f for k, p in enumerate(paths) for f in ("--lora", f"a{k}={p}"))]
         server = throughput.lmserve(args, *flags, name="lora")
@@ -137,7 +163,7 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=1024, help="context tokens per slot")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peers", default="lmserve,llama-server",
-                        help="of lmserve, llama-server, vllm and mlx (lmserve on those engines)")
+                        help="of lmserve, llama-server, vllm and mlx (lmserve on those engines), vllm-serve")
     parser.add_argument("--repo", help="the model as a safetensors repository, for the vllm and mlx peers")
     parser.add_argument("--peft", action="append", help="a PEFT LoRA of --repo (4 of them; default: the tests')")
     args = throughput.parse_bench_args(parser)
@@ -160,6 +186,9 @@ def main() -> int:
         ratio = best["lmserve"]["mixed"] / best["llama-server"]["mixed"]
         print(f"\nlmserve mixed / llama-server mixed: {ratio:.2f}x ({throughput.verdict(ratio >= PEER_GOAL)}; "
               f"goal >= {PEER_GOAL})")
+    if {"vllm", "vllm-serve"} <= best.keys():
+        ratio = best["vllm"]["mixed"] / best["vllm-serve"]["mixed"]
+        print(f"lmserve (vLLM engine) mixed / vllm serve mixed: {ratio:.2f}x")
     return 0
 
 

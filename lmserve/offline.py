@@ -34,6 +34,7 @@ from lmserve.dialects.openai import schemas
 from lmserve.dialects.openai.output import collect
 from lmserve.dialects.openai.translate import (
     has_images,
+    image_urls,
     load_images,
     response_grammar,
     to_chat_request,
@@ -178,9 +179,8 @@ class LLM:
     async def _answer_chat(self, body: schemas.ChatCompletionRequest) -> ChatOutput:
         images = None
         if has_images(body):
-            count = sum(isinstance(part, schemas.ImagePart) for message in body.messages
-                        if isinstance(message.content, list) for part in message.content)
-            self._service.generation.check_images(self.model, count)
+            if count := sum(map(len, image_urls(body))):
+                self._service.generation.check_images(self.model, count)
             images = await load_images(body, self._media)
         request = to_chat_request(body, images, policy=self._media)
         generation, text, final, usage = await self._generate(lambda: self._service.generation.chat(request))

@@ -82,6 +82,18 @@ def test_other_formats_and_rates_are_heard(client: openai.OpenAI, fmt: str) -> N
     assert reply.usage.prompt_tokens == ask(client, CLIP).usage.prompt_tokens
 
 
+def test_vllms_audio_url_parts_are_heard_and_guarded_as_image_urls_are(client: openai.OpenAI) -> None:
+    def by_url(url: str) -> Any:
+        parts: Any = [{"type": "text", "text": "What do you hear?"}, {"type": "audio_url", "audio_url": {"url": url}}]
+        return client.chat.completions.create(model=AUDIO_MODEL, messages=[{"role": "user", "content": parts}],
+                                              temperature=0, max_tokens=4)
+
+    assert by_url("data:audio/wav;base64," + b64(CLIP)).usage.prompt_tokens == ask(client, CLIP).usage.prompt_tokens
+    local = refusal(lambda: by_url("http://127.0.0.1:9/note.wav"))
+    assert local["param"] == "messages" and local["message"].startswith("messages[0].content[1].audio_url.url: ")
+    assert "loopback address" in local["message"]
+
+
 def test_text_and_audio_requests_share_the_batch(client: openai.OpenAI) -> None:
     jobs = [(CLIP,), (), (tone(0.5, hertz=600),), ()]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:

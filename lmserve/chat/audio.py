@@ -1,6 +1,6 @@
-"""Audio clips in requests: OpenAI's `input_audio` (base64 and a format), uploaded files (the transcription routes)
-and native `images` entries that are audio files; checked and decoded by libsndfile (`soundfile`), mixed down to
-mono and resampled to the model's rate by soxr.
+"""Audio clips in requests: OpenAI's `input_audio` (base64 and a format), vLLM's `audio_url` (a data: URI or an http(s)
+URL, fetched as images are), uploaded files (the transcription routes) and native `images` entries that are audio
+files; checked and decoded by libsndfile (`soundfile`), mixed down to mono and resampled to the model's rate by soxr.
 
 Formats: WAV, FLAC, OGG (Vorbis, Opus) and MP3. A clip is checked where it arrives (a whole file of one of those
 formats, within the byte and duration limits of `MediaPolicy`) and decoded where the prompt is tokenized, at the
@@ -19,7 +19,7 @@ import numpy as np
 import soundfile
 import soxr
 
-from lmserve.chat.media import MediaPolicy
+from lmserve.chat.media import MediaPolicy, fetch
 from lmserve.errors import InvalidRequest
 from lmserve.types import Clip
 
@@ -113,6 +113,21 @@ def decode_base64(text: str, declared: str | None, policy: MediaPolicy, param: s
         raise _refuse(f"audio data is not valid base64: {e}", param) from None
     check_audio(data, policy, param)
     return data
+
+
+async def load_url(url: str, policy: MediaPolicy, param: str = "audio_url") -> bytes:
+    """A clip given by URL (vLLM's `audio_url` part) as checked bytes: a data: URI decoded, an http(s) URL fetched
+    under the same SSRF guard and limits as images (chat/media.py); other schemes refused."""
+    if url[:5].lower() == "data:":
+        mime = url[5:].partition(",")[0].partition(";")[0].strip().lower()
+        if mime and not mime.startswith("audio/") and mime not in ("application/ogg", "application/octet-stream"):
+            raise _refuse(f"data URI media type {mime!r} is not audio", param)
+        return decode_base64(url, None, policy, param)
+    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+        data = await fetch(url, policy, "audio")
+        check_audio(data, policy, param)
+        return data
+    raise _refuse("an audio clip must be an http(s) URL or a data: URI (other schemes are refused)", param)
 
 
 def to_clip(data: bytes, rate: int, param: str = PARAM) -> Clip:

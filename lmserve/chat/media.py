@@ -1,4 +1,4 @@
-"""Images in chat messages: data URIs, raw base64 and safe-by-default http(s) fetching.
+"""Images in chat messages: data URIs, raw base64 and safe-by-default http(s) fetching (of audio clips too).
 
 Every refusal is an `InvalidRequest` (HTTP 400, param "image_url") whose message says why.
 
@@ -36,6 +36,9 @@ FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 CGNAT = ipaddress.ip_network("100.64.0.0/10")
 METADATA = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+CONTENT_TYPES = {"image": ("image/",), "audio": ("audio/", "application/ogg")}
+"""What a fetched URL's content type must begin with, per kind of media (application/octet-stream is taken too)."""
+ARTICLES = {"image": "an image", "audio": "audio"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,32 +160,33 @@ def blocked_reason(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | N
     return next((why for hit, why in checks if hit), None)
 
 
-async def _resolve(url: httpx.URL, policy: MediaPolicy) -> str:
+async def _resolve(url: httpx.URL, policy: MediaPolicy, kind: str = "image") -> str:
     """Resolve `url`'s host once, check every address, and return the IP literal to connect to."""
     if url.scheme not in ("http", "https"):
-        raise _refuse(f"image URL scheme {url.scheme!r} is not allowed (only http and https)")
+        raise _refuse(f"{kind} URL scheme {url.scheme!r} is not allowed (only http and https)")
     host = url.raw_host.decode("ascii").lower()
     if not host:
-        raise _refuse("image URL has no host")
+        raise _refuse(f"{kind} URL has no host")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        raise _refuse(f"cannot resolve image host {host!r}: {e}") from None
+        raise _refuse(f"cannot resolve {kind} host {host!r}: {e}") from None
     if not infos:
-        raise _refuse(f"cannot resolve image host {host!r}")
+        raise _refuse(f"cannot resolve {kind} host {host!r}")
     allowed = host in policy.allowed_hosts or f"{host}:{port}" in policy.allowed_hosts  # exact host match
     ips = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     for ip in ips:
         why = None if allowed else blocked_reason(ip)
         if why:
-            raise _refuse(f"image host {host!r} resolves to a {why} address ({ip}), which is not allowed")
+            raise _refuse(f"{kind} host {host!r} resolves to a {why} address ({ip}), which is not allowed")
     return str(ips[0])
 
 
-async def _fetch_one(client: httpx.AsyncClient, url: httpx.URL, policy: MediaPolicy) -> bytes | httpx.URL:
+async def _fetch_one(client: httpx.AsyncClient, url: httpx.URL, policy: MediaPolicy,
+                     kind: str) -> bytes | httpx.URL:
     """One hop: the body, or the URL a redirect points to."""
-    ip = await _resolve(url, policy)
+    ip = await _resolve(url, policy, kind)
     target = url.copy_with(host=ip)
     extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
     host_header = url.netloc.decode("ascii").rpartition("@")[2]
@@ -192,21 +196,21 @@ async def _fetch_one(client: httpx.AsyncClient, url: httpx.URL, policy: MediaPol
         if resp.status_code in REDIRECTS:
             location = resp.headers.get("location")
             if not location:
-                raise _refuse(f"image URL redirected ({resp.status_code}) without a Location")
+                raise _refuse(f"{kind} URL redirected ({resp.status_code}) without a Location")
             return url.join(location)
         if resp.status_code != 200:
-            raise _refuse(f"image URL answered HTTP {resp.status_code}")
+            raise _refuse(f"{kind} URL answered HTTP {resp.status_code}")
         ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
-        if not (ctype.startswith("image/") or ctype == "application/octet-stream"):
-            raise _refuse(f"image URL content type {ctype or '(none)'!r} is not an image")
+        if not (ctype.startswith(CONTENT_TYPES[kind]) or ctype == "application/octet-stream"):
+            raise _refuse(f"{kind} URL content type {ctype or '(none)'!r} is not {ARTICLES[kind]}")
         length = resp.headers.get("content-length", "")
         if length.isdigit() and int(length) > policy.max_bytes:
-            raise _refuse(f"image is too large: {length} bytes, the limit is {policy.max_bytes}")
+            raise _refuse(f"{kind} is too large: {length} bytes, the limit is {policy.max_bytes}")
         body = bytearray()
         async for chunk in resp.aiter_bytes():
             body += chunk
             if len(body) > policy.max_bytes:
-                raise _refuse(f"image is too large: more than {policy.max_bytes} bytes")
+                raise _refuse(f"{kind} is too large: more than {policy.max_bytes} bytes")
         return bytes(body)
     finally:
         await resp.aclose()
@@ -214,10 +218,16 @@ async def _fetch_one(client: httpx.AsyncClient, url: httpx.URL, policy: MediaPol
 
 async def fetch_image(url: str, policy: MediaPolicy) -> Image:
     """Fetch an http(s) image under `policy` (SSRF guard on every hop, timeouts, byte and pixel caps)."""
+    return check_image(await fetch(url, policy, "image"), policy)
+
+
+async def fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
+    """The body at an http(s) URL of an image or an audio clip (`kind`, a key of CONTENT_TYPES), fetched under
+    `policy`: the SSRF guard on every hop, timeouts, the byte cap, a content type of that kind. Not checked further."""
     try:
         current = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as e:
-        raise _refuse(f"invalid image URL: {e}") from None
+        raise _refuse(f"invalid {kind} URL: {e}") from None
     timeout = httpx.Timeout(policy.read_timeout, connect=policy.connect_timeout)
     deadline = policy.connect_timeout + policy.read_timeout  # total, against slow-drip servers
     try:
@@ -226,19 +236,19 @@ async def fetch_image(url: str, policy: MediaPolicy) -> Image:
             httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client,
         ):
             for _ in range(policy.max_redirects + 1):
-                got = await _fetch_one(client, current, policy)
+                got = await _fetch_one(client, current, policy, kind)
                 if isinstance(got, bytes):
-                    return check_image(got, policy)
+                    return got
                 current = got
     except TimeoutError:
-        raise _refuse(f"fetching the image timed out after {deadline:g} s") from None
+        raise _refuse(f"fetching the {kind} timed out after {deadline:g} s") from None
     except httpx.TimeoutException as e:
-        raise _refuse(f"fetching the image timed out: {type(e).__name__}") from None
+        raise _refuse(f"fetching the {kind} timed out: {type(e).__name__}") from None
     except httpx.InvalidURL as e:
-        raise _refuse(f"invalid image URL: {e}") from None
+        raise _refuse(f"invalid {kind} URL: {e}") from None
     except httpx.HTTPError as e:
-        raise _refuse(f"fetching the image failed: {type(e).__name__}: {e}") from None
-    raise _refuse(f"image URL redirected more than {policy.max_redirects} times")
+        raise _refuse(f"fetching the {kind} failed: {type(e).__name__}: {e}") from None
+    raise _refuse(f"{kind} URL redirected more than {policy.max_redirects} times")
 
 
 async def load_url(url: str, policy: MediaPolicy) -> bytes:

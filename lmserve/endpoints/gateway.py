@@ -217,7 +217,7 @@ async def loads(service: ServiceDep, include: str | None = None) -> dict[str, An
 @router.post("/v1/chat/completions/render")
 async def render_chat(service: ServiceDep, body: schemas.ChatCompletionRequest) -> dict[str, Any]:
     if has_images(body):
-        raise InvalidRequest("render takes no images: their placeholders in the prompt are not token ids",
+        raise InvalidRequest("render takes no images or audio URLs: their placeholders in the prompt are not token ids",
                              param="messages")
     prompt = await service.generation.render_chat_tokens(to_chat_request(body))
     return rendered(prompt, "chatcmpl", bool(body.stream))

@@ -49,7 +49,10 @@ def user_parts(*parts: dict[str, Any]) -> dict[str, Any]:
          "Missing required parameter: 'messages[0].content[1].input_audio.format'."),
         (user_parts({"type": "foo"}), "messages",
          "Invalid value for 'messages[0].content[1]': content part type 'foo' is not supported; "
-         "use 'text', 'image_url', 'input_audio' or 'refusal'"),
+         "use 'text', 'image_url', 'input_audio', 'audio_url' or 'refusal'"),
+        (user_parts({"type": "audio_url", "audio_url": {"url": "ftp://example.org/a.wav"}}), "messages",
+         "messages[0].content[1].audio_url.url: an audio clip must be an http(s) URL or a data: URI (other schemes "
+         "are refused)"),
         (user_parts({"text": "no type"}), "messages", "Missing required parameter: 'messages[0].content[1].type'."),
         (user_parts({"type": "image_url"}), "messages",
          "Missing required parameter: 'messages[0].content[1].image_url'."),

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lmserve.chat.audio import check_audio, decode_base64, format_name, is_audio, to_clip
+from lmserve.chat.audio import check_audio, decode_base64, format_name, is_audio, load_url, to_clip
 from lmserve.chat.media import MediaPolicy
 from lmserve.errors import InvalidRequest
 from tests.audio_clips import b64, tone
+from tests.chat.test_media import LOCAL, Server, reply, server  # noqa: F401  # the local HTTP server fixture
 
 POLICY = MediaPolicy(max_audio_seconds=5.0, max_bytes=2_000_000)
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
@@ -83,3 +84,41 @@ def test_a_clip_is_decoded_to_mono_at_the_models_rate() -> None:
     assert clip.rate == 16_000 and len(samples) == 16_000 and clip.seconds == pytest.approx(1.0)
     assert 0.29 < float(np.abs(samples).max()) < 0.31  # the tone's amplitude, kept through mixing and resampling
     assert to_clip(tone(1.0), 16_000).samples == to_clip(tone(1.0), 16_000).samples
+
+
+# --- audio_url: data URIs and the image fetcher's guard ---------------------------------------------------------------
+
+
+async def test_an_audio_url_data_uri_is_decoded_and_checked() -> None:
+    clip = tone(0.5)
+    assert await load_url("data:audio/wav;base64," + b64(clip), POLICY) == clip
+    with pytest.raises(InvalidRequest, match="'image/png' is not audio"):
+        await load_url("data:image/png;base64," + b64(clip), POLICY)
+    with pytest.raises(InvalidRequest, match="not a readable audio file"):
+        await load_url("data:audio/wav;base64," + b64(b"RIFF0000WAVEjunk"), POLICY)
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("ftp://example.org/a.wav", "http\\(s\\) URL or a data: URI"),
+    ("file:///etc/passwd", "http\\(s\\) URL or a data: URI"),
+    ("http://127.0.0.1:9/a.wav", "audio host '127.0.0.1' resolves to a loopback address"),
+    ("http://169.254.169.254/a.wav", "cloud metadata"),
+    ("http://10.1.2.3/a.wav", "private"),
+])
+async def test_an_audio_url_obeys_the_image_fetchers_ssrf_rules(url: str, why: str) -> None:
+    with pytest.raises(InvalidRequest, match=why):
+        await load_url(url, POLICY)
+
+
+async def test_an_audio_url_is_fetched_from_an_allowed_host_and_checked(server: Server) -> None:
+    clip = tone(0.5)
+    server.routes["/a.wav"] = reply("200 OK", {"Content-Type": "audio/wav", "Content-Length": str(len(clip))}, clip)
+    server.routes["/page"] = reply("200 OK", {"Content-Type": "text/html"}, b"<html></html>")
+    server.routes["/fake.wav"] = reply("200 OK", {"Content-Type": "audio/wav"}, b"not a clip")
+    assert await load_url(server.base + "/a.wav", LOCAL) == clip
+    with pytest.raises(InvalidRequest, match="audio URL content type 'text/html' is not audio"):
+        await load_url(server.base + "/page", LOCAL)
+    with pytest.raises(InvalidRequest, match="not a readable audio file"):
+        await load_url(server.base + "/fake.wav", LOCAL)
+    with pytest.raises(InvalidRequest, match="audio URL answered HTTP 404"):
+        await load_url(server.base + "/missing.wav", LOCAL)

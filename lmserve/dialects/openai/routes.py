@@ -61,7 +61,8 @@ async def chat_completions(service: ServiceDep, policy: MediaDep, completion_sto
                            body: schemas.ChatCompletionRequest, request: Request) -> Response:
     images = None
     if has_images(body):
-        service.generation.check_images(body.model, sum(map(len, image_urls(body))))  # before fetching anything
+        if count := sum(map(len, image_urls(body))):
+            service.generation.check_images(body.model, count)  # before fetching anything
         images = await load_images(body, policy)
     chat_request = to_chat_request(body, images, policy=policy)
     if body.n is not None and body.n > 1:

@@ -52,6 +52,20 @@ class AudioPart(BaseModel):
     input_audio: InputAudio
 
 
+class AudioUrl(BaseModel):
+    model_config = _WIRE
+    url: str
+    """A data: URI or an http(s) URL (fetched under the same guard as images)."""
+
+
+class AudioUrlPart(BaseModel):
+    """vLLM's audio part: a clip by URL."""
+
+    model_config = _WIRE
+    type: Literal["audio_url"]
+    audio_url: AudioUrl
+
+
 class RefusalPart(BaseModel):
     """A past assistant refusal sent back in the history; it is read as text."""
 
@@ -60,7 +74,7 @@ class RefusalPart(BaseModel):
     refusal: str
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart | RefusalPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | AudioUrlPart | RefusalPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):

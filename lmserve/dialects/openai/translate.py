@@ -4,9 +4,11 @@ response_format, reasoning), a CompletionRequest from a completion body, their o
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from lmserve import options as opts
+from lmserve.chat import audio as audio_clips
 from lmserve.chat.audio import decode_base64
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
@@ -52,13 +54,14 @@ def to_chat_request(req: schemas.ChatCompletionRequest, images: list[list[bytes]
                     add_generation_prompt: bool = True, policy: MediaPolicy | None = None) -> ChatRequest:
     """The engine-neutral chat request. Tools are passed as the JSON objects the template expects.
 
-    `images[i]` are message i's images, already loaded (see `load_images`); without them, image parts are refused.
-    Audio parts are decoded and checked here, under `policy`'s limits. `add_generation_prompt` false renders the
+    `images[i]` are message i's parts given by URL (images, then `audio_url` clips), already loaded (see
+    `load_images`); without them, such parts are refused. `input_audio` parts are decoded and checked here, under
+    `policy`'s limits. `add_generation_prompt` false renders the
     chat without the assistant turn's opening (/tokenize).
     """
     if images is None:
         if has_images(req):
-            raise InvalidRequest("this request's images were not loaded", param="messages")
+            raise InvalidRequest("this request's images and audio URLs were not loaded", param="messages")
         images = [[] for _ in req.messages]
     messages = [_to_message(i, m, images[i], policy or MediaPolicy()) for i, m in enumerate(req.messages)]
     tools = [] if not req.tools or req.tool_choice == "none" else [t.model_dump(exclude_none=True) for t in req.tools]
@@ -115,20 +118,24 @@ def _forced_tool(choice: str | schemas.NamedToolChoice | None, tools: list[dict[
     return name
 
 
-def _to_message(index: int, m: schemas.ChatMessage, images: list[bytes], policy: MediaPolicy) -> Message:
+def _to_message(index: int, m: schemas.ChatMessage, loaded: list[bytes], policy: MediaPolicy) -> Message:
     text = _content(m.content)
     calls = [ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or ()]
     role = chat_role(m.role)
+    images = loaded[:len(_image_parts(index, m))]
+    fetched = iter(loaded[len(images):])
     return Message(role=role, content=text, images=images, tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name,
-                   thinking=m.reasoning_content or "", audio=_audio(index, m, policy))
+                   thinking=m.reasoning_content or "", audio=_audio(index, m, fetched, policy))
 
 
-def _audio(index: int, m: schemas.ChatMessage, policy: MediaPolicy) -> list[bytes]:
-    """The message's `input_audio` parts, decoded from base64 and checked (a 400 naming the part)."""
+def _audio(index: int, m: schemas.ChatMessage, fetched: Iterator[bytes], policy: MediaPolicy) -> list[bytes]:
+    """The message's audio parts in order: `input_audio` decoded from base64 and checked (a 400 naming the part),
+    `audio_url` as loaded (`fetched`, in order)."""
     if not isinstance(m.content, list):
         return []
     return [_clip(part, f"messages[{index}].content[{j}].input_audio", policy)
-            for j, part in enumerate(m.content) if isinstance(part, schemas.AudioPart)]
+            if isinstance(part, schemas.AudioPart) else next(fetched)
+            for j, part in enumerate(m.content) if isinstance(part, schemas.AudioPart | schemas.AudioUrlPart)]
 
 
 def _clip(part: schemas.AudioPart, where: str, policy: MediaPolicy) -> bytes:
@@ -152,7 +159,7 @@ def _content(content: str | list[schemas.ContentPart] | None) -> str:
     out = ""
     previous_is_text = False
     for part in content:
-        if isinstance(part, schemas.ImagePart | schemas.AudioPart):
+        if isinstance(part, schemas.ImagePart | schemas.AudioPart | schemas.AudioUrlPart):
             out += IMAGE_PLACEHOLDER if isinstance(part, schemas.ImagePart) else AUDIO_PLACEHOLDER
             previous_is_text = False
             continue
@@ -162,27 +169,37 @@ def _content(content: str | list[schemas.ContentPart] | None) -> str:
     return out
 
 
+def _image_parts(index: int, m: schemas.ChatMessage) -> list[tuple[str, str]]:
+    return [(f"messages[{index}].content[{j}].image_url.url", part.image_url.url)
+            for j, part in enumerate(m.content) if isinstance(part, schemas.ImagePart)] \
+        if isinstance(m.content, list) else []
+
+
+def _audio_url_parts(index: int, m: schemas.ChatMessage) -> list[tuple[str, str]]:
+    return [(f"messages[{index}].content[{j}].audio_url.url", part.audio_url.url)
+            for j, part in enumerate(m.content) if isinstance(part, schemas.AudioUrlPart)] \
+        if isinstance(m.content, list) else []
+
+
 def image_urls(req: schemas.ChatCompletionRequest) -> list[list[tuple[str, str]]]:
     """Per message, its image parts as (where, url)."""
-    return [
-        [(f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
-         for j, part in enumerate(m.content) if isinstance(part, schemas.ImagePart)]
-        if isinstance(m.content, list) else []
-        for i, m in enumerate(req.messages)
-    ]
+    return [_image_parts(i, m) for i, m in enumerate(req.messages)]
 
 
 def has_images(req: schemas.ChatCompletionRequest) -> bool:
-    return any(image_urls(req))
+    """Whether any part is given by URL and must be loaded first (images; `audio_url` clips)."""
+    return any(_image_parts(i, m) or _audio_url_parts(i, m) for i, m in enumerate(req.messages))
 
 
 async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -> list[list[bytes]]:
-    """Each message's images as checked bytes: data URIs decoded, http(s) URLs fetched (concurrently) under `policy`.
+    """Each message's parts given by URL as checked bytes, its images then its `audio_url` clips: data URIs decoded,
+    http(s) URLs fetched (concurrently) under `policy`.
 
-    Any refusal is a 400 naming the part and saying why (see chat/media.py).
+    Any refusal is a 400 naming the part and saying why (see chat/media.py, chat/audio.py).
     """
-    return await load_all([[(where, load_url(url, policy)) for where, url in parts] for parts in image_urls(req)],
-                          param="messages")
+    return await load_all([[(where, load_url(url, policy)) for where, url in _image_parts(i, m)]
+                           + [(where, audio_clips.load_url(url, policy)) for where, url in _audio_url_parts(i, m)]
+                           for i, m in enumerate(req.messages)], param="messages")
 
 
 def to_completion_request(req: schemas.CompletionRequest, prompt: Prompt | None = None) -> EngineCompletionRequest:
