@@ -10,7 +10,8 @@ from lmserve.chat.audio import check_audio, decode_base64, format_name, is_audio
 from lmserve.chat.media import MediaPolicy
 from lmserve.errors import InvalidRequest
 from tests.audio_clips import b64, tone
-from tests.chat.test_media import LOCAL, Server, reply, server  # noqa: F401  # the local HTTP server fixture
+from tests.chat.conftest import Server, reply
+from tests.chat.test_media import LOCAL
 
 POLICY = MediaPolicy(max_audio_seconds=5.0, max_bytes=2_000_000)
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
