@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from lmserve import options as opts
-from lmserve.chat import audio as audio_clips
 from lmserve.chat.audio import decode_base64
+from lmserve.chat.audio import load_url as load_audio_url
 from lmserve.chat.media import MediaPolicy, load_all, load_url
 from lmserve.chat.structured import json_object_grammar, schema_grammar
 from lmserve.dialects.openai import schemas
@@ -198,7 +198,7 @@ async def load_images(req: schemas.ChatCompletionRequest, policy: MediaPolicy) -
     Any refusal is a 400 naming the part and saying why (see chat/media.py, chat/audio.py).
     """
     return await load_all([[(where, load_url(url, policy)) for where, url in _image_parts(i, m)]
-                           + [(where, audio_clips.load_url(url, policy)) for where, url in _audio_url_parts(i, m)]
+                           + [(where, load_audio_url(url, policy)) for where, url in _audio_url_parts(i, m)]
                            for i, m in enumerate(req.messages)], param="messages")
 
 
