@@ -230,6 +230,16 @@ class LoraRef:
     scale: float = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class Speech:
+    """What a transcription or translation asks of a speech-to-text model (Whisper), whose prompt is its decoder's
+    and not a chat: the task, the clip's language (None: the model tells it) and the text before the clip."""
+
+    task: Literal["transcribe", "translate"]
+    language: str | None = None
+    prompt: str | None = None
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A chat turn to complete, engine-neutral. `tools` are OpenAI-shaped function definitions; a
@@ -253,6 +263,9 @@ class ChatRequest:
     """The options the request set, sampling and load-time (the service resolves their precedence)."""
     keep_alive: float | None = None
     """Seconds to keep the model loaded after this request (None: server default; negative: forever)."""
+    speech: Speech | None = None
+    """Set by the transcription routes: how a speech-to-text model is prompted (an audio chat model reads the
+    messages, which say the same in words)."""
 
 
 QuestionKind = Literal["predicate", "choice", "score"]

@@ -1,5 +1,6 @@
 """Speech to text (the `openai` client's `audio.transcriptions.create` and `audio.translations.create`), answered by
-an audio chat model (one with an audio encoder) given a fixed instruction and the clip.
+an audio chat model (one with an audio encoder) given a fixed instruction and the clip, or by a speech-to-text model
+(Whisper on vLLM) prompted as it was trained (`ChatRequest.speech`: service/transcribing.py).
 
     POST /v1/audio/transcriptions   multipart: `file`, `model`, optional `language`, `prompt`, `response_format`
                                     (json | text | srt | vtt | verbose_json), `temperature`,
@@ -8,10 +9,10 @@ an audio chat model (one with an audio encoder) given a fixed instruction and th
     POST /v1/audio/translations     multipart: `file`, `model`, optional `prompt`, `response_format`, `temperature`:
                                     the speech in English
 
-An audio chat model gives no timestamps of its own: the transcript is one segment spanning the clip (srt, vtt,
-verbose_json); word timestamps are a 400 saying so. Streamed, the transcript comes as `transcript.text.delta` events
-and one `transcript.text.done`. The clip is checked as chat audio is (chat/audio.py: format, bytes, seconds); a model
-without an audio encoder is a 400 naming it. Errors are in the OpenAI shape.
+No timestamps are asked of either (Whisper is prompted with `<|notimestamps|>`): the transcript is one segment
+spanning the clip (srt, vtt, verbose_json); word timestamps are a 400 saying so. Streamed, the transcript comes as
+`transcript.text.delta` events and one `transcript.text.done`. The clip is checked as chat audio is (chat/audio.py:
+format, bytes, seconds); a model without an audio encoder is a 400 naming it. Errors are in the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ from lmserve.dialects.shared.state import MediaDep, ServiceDep
 from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, sse_json, until_disconnect
 from lmserve.errors import InvalidRequest
 from lmserve.service.generation_stream import Generation
-from lmserve.types import AUDIO_PLACEHOLDER, ChatRequest, Chunk, Message, RequestOptions, SamplingParams, Usage
+from lmserve.types import (
+    AUDIO_PLACEHOLDER,
+    ChatRequest,
+    Chunk,
+    Message,
+    RequestOptions,
+    SamplingParams,
+    Speech,
+    Usage,
+)
 
 ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
 Task = Literal["transcribe", "translate"]
@@ -73,7 +83,8 @@ def chat_request(speech: SpeechRequest, *, logprobs: bool) -> ChatRequest:
     options = RequestOptions(values={"temperature": speech.temperature})
     limit = speech.max_tokens or 64 + math.ceil(TOKENS_PER_SECOND * speech.seconds)
     sampling = SamplingParams(max_tokens=limit, logprobs=0 if logprobs else None)
-    return ChatRequest(model=speech.model, messages=[message], sampling=sampling, think=False, options=options)
+    return ChatRequest(model=speech.model, messages=[message], sampling=sampling, think=False, options=options,
+                       speech=Speech(speech.task, speech.language, speech.prompt))
 
 
 def timestamp(seconds: float, separator: str) -> str:
@@ -162,7 +173,7 @@ async def speech_request(task: Task, policy: MediaDep, file: UploadFile, model: 
 async def respond(service: ServiceDep, speech: SpeechRequest, fmt: ResponseFormat, granularities: list[str],
                   stream: bool, request: Request) -> Response:
     if "word" in granularities:
-        raise InvalidRequest("word timestamps are not available: an audio chat model gives no timestamps (only "
+        raise InvalidRequest("word timestamps are not available: lmserve asks no model for timestamps (only "
                              "'segment', one segment spanning the clip)", param="timestamp_granularities[]")
     if granularities and fmt != "verbose_json":
         raise InvalidRequest("timestamp_granularities needs response_format 'verbose_json'",

@@ -55,6 +55,9 @@ class ModelInfo:
     """The sample rate (Hz) the model's audio encoder takes clips at; 0 when it has none."""
     audio_missing: str = ""
     """Why this engine cannot hear any model's clips, where it cannot (said in the 400 for a clip); "" otherwise."""
+    transcriber: bool = False
+    """A speech-to-text model with an encoder and a decoder (Whisper): it answers transcriptions and translations
+    only; its prompt is its decoder's (chat/whisper.py) and a clip goes to its encoder (`tokenize_media`)."""
     can_cut_memory: bool = True
     """A slot's memory can be cut at any position (attention KV only); False for hybrid/recurrent models, whose
     state at a prefix must be saved as a snapshot to be reused."""

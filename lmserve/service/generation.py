@@ -24,7 +24,7 @@ from lmserve.chat.tools.forcing import forced_call_grammar
 from lmserve.engine.factory import check_sampling
 from lmserve.engine.protocol import GenerationStream, PromptImage, choice_sampling, unit_vector
 from lmserve.errors import InvalidRequest
-from lmserve.service import embeddings, fim, json_budget, prompts
+from lmserve.service import embeddings, fim, json_budget, prompts, transcribing
 from lmserve.service.catalog import Catalog, ModelSettings
 from lmserve.service.embeddings import EmbeddingInput
 from lmserve.service.empty import EmptyReply, PromptOnly
@@ -159,6 +159,8 @@ class GenerationService:
     async def chat_prompt(self, settings: ModelSettings, model: LoadedModel, request: ChatRequest) -> ChatPrompt:
         """What a chat request submits: its prompt rendered with the model's template (the thinking plan's), tokenized
         with its images, and the sampling in force (a forced tool call's grammar added)."""
+        if model.engine.info.transcriber:
+            return await self._speech_prompt(settings, model, request)
         fmt = self.reasoning_format(model)
         text = prompts.render_chat(model, request, self.max_messages, fmt)
         parser = self.tool_parser(model) if request.tools else None
@@ -168,6 +170,12 @@ class GenerationService:
         media = [item for message in request.messages for item in prompts.media_of(message)]
         tokens, places = await prompts.tokenize_prompt(model, plan.prompt, media)
         return ChatPrompt(plan, tokens, places, sampling, parser)
+
+    async def _speech_prompt(self, settings: ModelSettings, model: LoadedModel, request: ChatRequest) -> ChatPrompt:
+        """What a transcription submits to a speech-to-text model: its decoder's prompt (service/transcribing.py)."""
+        sampling = self.precedence.sampling(settings, request.options, request.sampling)
+        text, tokens, places = await transcribing.speech_prompt(model, request)
+        return ChatPrompt(plan_thinking(None, text, False, None, sampling), tokens, places, sampling, None)
 
     async def render_chat_tokens(self, request: ChatRequest) -> RenderedPrompt:
         """The token ids `chat` would prefill for `request` (rendered and tokenized as it does), without generating:

@@ -90,6 +90,8 @@ def engine_args(path: Path, options: VllmOptions, *, kv_bytes: int | None = None
         args["runner"] = "pooling"
         del args["logprobs_mode"]
         del args["enable_prefix_caching"]  # vLLM's choice: an encoder-only model has no KV cache to keep
+    if config.get("is_encoder_decoder"):  # Whisper: vLLM caches no cross-attention prefix (it would fail the step)
+        args["enable_prefix_caching"] = False
     args.update(_compilation_args(options, config))
     args.update(_distributed_args(options))
     if options.dtype != "auto":
@@ -135,7 +137,10 @@ def _distributed_args(options: VllmOptions) -> dict[str, Any]:
 
 
 def _prefill_args(options: VllmOptions, config: dict[str, Any]) -> dict[str, Any]:
-    """The engine arguments of chunked prefill (`prefill_chunk`; none for vLLM's default)."""
+    """The engine arguments of chunked prefill (`prefill_chunk`; none for vLLM's default). An encoder-decoder model
+    (Whisper) is never chunked, and its encoder's whole input (1,500 positions for Whisper) must fit one step."""
+    if config.get("is_encoder_decoder"):
+        return {"max_num_batched_tokens": max(options.num_ctx, int(config.get("max_source_positions") or 0), 2048)}
     if options.prefill_chunk == -1:
         args: dict[str, Any] = {"enable_chunked_prefill": False}
         if is_hybrid(config):  # vLLM keeps a hybrid model's prefix states only while it chunks prefills

@@ -51,6 +51,7 @@ from lmserve.engine.vllm.vision import (
     image_marker,
     media_handle,
     sample_rate,
+    transcribes,
     vision_support_missing,
 )
 from lmserve.engine.vllm.weights_check import check_weights
@@ -110,6 +111,10 @@ class VllmEngine:
         """The text's tokens, each image's or clip's marker kept as is (vLLM's processor expands it when the request
         runs); each handle is what vLLM's processor takes (`media_handle`)."""
         kinds = ["audio" if isinstance(item, Clip) else "image" for item in media]
+        if self.info.transcriber:  # its decoder's prompt; the one clip goes to its encoder
+            if kinds != ["audio"]:
+                raise InvalidRequest("a speech-to-text model takes one audio clip and no images", param="messages")
+            return self.tokenize(text, add_special=False), [PromptImage(0, 0, media_handle(media[0]))]
         for kind, marker in (("image", self.info.image_marker), ("audio", self.info.audio_marker)):
             if kind in kinds and marker is None:
                 raise InvalidRequest(f"this model takes no {kind} input on the vLLM engine",
@@ -146,7 +151,10 @@ class VllmEngine:
             params = VllmSampling(output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise InvalidRequest(f"invalid sampling options: {exc}") from None
-        if images and self.info.image_marker is None and self.info.audio_marker is None:
+        if self.info.transcriber and not images:
+            raise InvalidRequest("model is a speech-to-text model: it answers /v1/audio/transcriptions and "
+                                 "/v1/audio/translations", param="model")
+        if images and self.info.image_marker is None and self.info.audio_marker is None and not self.info.transcriber:
             raise InvalidRequest("this model takes no images or audio on the vLLM engine", param="images")
         stream = VllmStream(self, list(prompt), params, [image.handle for image in images or []],
                             priority=sampling.priority, lora=lora)
@@ -352,6 +360,7 @@ def model_info(path: Path, options: VllmOptions, config: dict[str, Any], model_c
                trained: int) -> ModelInfo:
     """What the engine seam says of the repository at `path` as vLLM loaded it (`model_config`, `tokenizer`)."""
     reranker = is_reranker(config)
+    hears = transcribes(model_config)
     return ModelInfo(
         path=str(path),
         architecture=str(config.get("model_type", "")),
@@ -369,7 +378,8 @@ def model_info(path: Path, options: VllmOptions, config: dict[str, Any], model_c
         can_constrain=not reranker,
         image_marker=None if reranker else image_marker(model_config),
         audio_marker=None if reranker else audio_marker(model_config),
-        audio_rate=sample_rate(path) if not reranker and audio_marker(model_config) else 0,
+        audio_rate=sample_rate(path) if not reranker and (audio_marker(model_config) or hears) else 0,
+        transcriber=hears,
         fim=None if reranker else find_by_text(tokenizer.get_vocab()),
         can_rank=reranker,
     )

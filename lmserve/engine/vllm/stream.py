@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lmserve.engine.vllm.errors import engine_error
 from lmserve.engine.vllm.gate import gate_kind
 from lmserve.engine.vllm.logprobs import LogprobMapper
-from lmserve.engine.vllm.vision import multi_modal_data
+from lmserve.engine.vllm.vision import encoder_decoder_prompt, multi_modal_data
 from lmserve.types import Chunk, FinishReason, Timings, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -101,8 +101,10 @@ class VllmStream:
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter_ns()
-        request = TokensPrompt(prompt_token_ids=self._prompt)
-        if self._images:  # vLLM's processor expands each image's or clip's placeholder into its tokens
+        request: Any = TokensPrompt(prompt_token_ids=self._prompt)
+        if self._engine.info.transcriber:  # the clip to the encoder, the prompt to the decoder
+            request = encoder_decoder_prompt(self._prompt, self._images)
+        elif self._images:  # vLLM's processor expands each image's or clip's placeholder into its tokens
             request["multi_modal_data"] = multi_modal_data(self._images)
         kind = gate_kind(self._params)
         try:  # a consumer cancelled while the request waits for the gate is forgotten too (it held a queue place)

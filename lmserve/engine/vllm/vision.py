@@ -63,6 +63,24 @@ def media_marker(model_config: Any, modality: str) -> str | None:
     return shared[start:] if start >= 0 else None
 
 
+def transcribes(model_config: Any) -> bool:
+    """Whether the model is an encoder-decoder speech-to-text model (Whisper): vLLM transcribes with it, and its
+    prompt is its decoder's, the clip going to its encoder (`encoder_decoder_prompt`)."""
+    if not getattr(model_config, "is_encoder_decoder", False):
+        return False
+    from vllm.model_executor.model_loader.utils import get_model_cls
+    from vllm.model_executor.models.interfaces import supports_transcription
+
+    return bool(supports_transcription(get_model_cls(model_config)))
+
+
+def encoder_decoder_prompt(decoder: list[int], handles: list[Any]) -> dict[str, Any]:
+    """vLLM's prompt for a speech-to-text model: the clip (one media handle) to the encoder, the token ids to the
+    decoder."""
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": multi_modal_data(handles)},
+            "decoder_prompt": {"prompt_token_ids": decoder}}
+
+
 def sample_rate(path: Path) -> int:
     """The rate (Hz) the model's feature extractor takes clips at (preprocessor_config.json); 0 when it says none."""
     try:

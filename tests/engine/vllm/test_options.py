@@ -147,3 +147,12 @@ def test_whole_prompt_prefill_turns_off_prefix_caching_for_a_hybrid_model_only()
     whole = VllmOptions(prefill_chunk=-1)
     assert engine_args(Path("/m"), whole, config=HYBRID)["enable_prefix_caching"] is False
     assert engine_args(Path("/m"), whole, config={"model_type": "llama"})["enable_prefix_caching"] is True
+
+
+def test_an_encoder_decoder_model_caches_no_prefix_and_takes_its_encoders_input_in_one_step() -> None:
+    whisper = {"model_type": "whisper", "is_encoder_decoder": True, "max_source_positions": 1500}
+    args = engine_args(Path("/m"), VllmOptions(num_ctx=448, prefill_chunk=256), config=whisper)
+    assert args["enable_prefix_caching"] is False and args["max_num_batched_tokens"] == 2048
+    assert "enable_chunked_prefill" not in args  # vLLM turns chunking off for it; a chunk size is not asked for
+    big = {**whisper, "max_source_positions": 3000}
+    assert engine_args(Path("/m"), VllmOptions(num_ctx=448), config=big)["max_num_batched_tokens"] == 3000
