@@ -56,8 +56,8 @@ def to_chat_request(req: schemas.ChatCompletionRequest, images: list[list[bytes]
 
     `images[i]` are message i's parts given by URL (images, then `audio_url` clips), already loaded (see
     `load_images`); without them, such parts are refused. `input_audio` parts are decoded and checked here, under
-    `policy`'s limits. `add_generation_prompt` false renders the
-    chat without the assistant turn's opening (/tokenize).
+    `policy`'s limits. `add_generation_prompt` false renders the chat without the assistant turn's opening
+    (/tokenize).
     """
     if images is None:
         if has_images(req):
