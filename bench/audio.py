@@ -8,6 +8,10 @@ Pairs, each serving the same model the same way:
 - ``vllm``: lmserve on its vLLM engine vs ``vllm serve`` (vLLM's own OpenAI server), the same repository and engine
   settings; requests are chats with the clip as an ``input_audio`` part and ``max_tokens`` (vLLM transcribes only
   with Whisper-style models; an audio chat model answers in chat).
+- ``whisper``: lmserve on its vLLM engine vs ``vllm serve``, both serving a Whisper-style speech-to-text model (default
+  the tests' tiny random Whisper, tests/tiny_whisper.py; ``--whisper`` names another) through their own
+  ``POST /v1/audio/transcriptions``, ``language`` en (no detection pass on either), the token limit in each one's
+  field (lmserve ``max_tokens``, vLLM ``max_completion_tokens``); ``--max-model-len`` 448 (Whisper's decoder).
 The default model is the tests' tiny random Qwen2-Audio (tests/tiny_audio.py: the GGUF and projector for ``llama``,
 the repository for ``vllm``); ``--gguf``/``--mmproj``/``--repo`` name others. The clips are synthesized (tones
 changing every second), a fresh one for every request (nothing is found in a cache): a random model's transcript
@@ -17,7 +21,7 @@ Printed per peer and concurrency (``--concurrency`` 1,4; ``--requests`` 8 per le
 and the real-time factor (seconds of processing per second of audio, one request at a time: lower is faster);
 best of ``--rounds`` (2); then lmserve ÷ peer requests/s (goal of issue 45: >= 1.0).
 
-    .venv/bin/python bench/audio.py [--pairs llama,vllm] [--concurrency 1,4] [--requests 8] [--rounds 2]
+    .venv/bin/python bench/audio.py [--pairs llama,vllm,whisper] [--concurrency 1,4] [--requests 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -65,6 +69,15 @@ async def transcribe(client: httpx.AsyncClient, base: str, model: str, data: byt
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
 
 
+async def transcribe_english(client: httpx.AsyncClient, base: str, model: str, data: bytes, max_tokens: int) -> None:
+    """A transcription of English speech, the limit also in vLLM's field (`max_completion_tokens`)."""
+    form = {"model": model, "response_format": "json", "max_tokens": str(max_tokens), "temperature": "0",
+            "language": "en", "max_completion_tokens": str(max_tokens)}
+    response = await client.post(base + "/v1/audio/transcriptions", data=form, files={"file": ("clip.wav", data)})
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+
+
 async def chat(client: httpx.AsyncClient, base: str, model: str, data: bytes, max_tokens: int) -> None:
     audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -76,7 +89,7 @@ async def chat(client: httpx.AsyncClient, base: str, model: str, data: bytes, ma
 
 async def level(base: str, pair: str, concurrency: int, args: argparse.Namespace) -> tuple[float, float]:
     """Requests/s and mean latency of `args.requests` requests, `concurrency` at a time."""
-    send = transcribe if pair == "llama" else chat
+    send = {"llama": transcribe, "vllm": chat, "whisper": transcribe_english}[pair]
     level.calls += 1  # fresh clips for every level and round: nothing is found in a peer's cache
     clips = [clip(seed=level.calls * 1000 + i) for i in range(args.requests)]
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
@@ -115,12 +128,13 @@ def server(peer: str, pair: str, args: argparse.Namespace) -> Iterator[throughpu
                 yield started
         return
     port = throughput.free_port()
-    common = ["--dtype", "float32", "--max-model-len", str(args.ctx), "--max-num-seqs", str(args.parallel)]
+    repo, ctx = (args.whisper, 448) if pair == "whisper" else (args.repo, args.ctx)
+    common = ["--dtype", "float32", "--max-model-len", str(ctx), "--max-num-seqs", str(args.parallel)]
     if peer == "lmserve":
-        argv = [args.python, "-m", "lmserve", "serve", str(args.repo), "--engine", "vllm", *common,
+        argv = [args.python, "-m", "lmserve", "serve", str(repo), "--engine", "vllm", *common,
                 "--host", "127.0.0.1", "--port", str(port)]
     else:
-        argv = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.repo), *common,
+        argv = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(repo), *common,
                 "--enforce-eager", "--kv-cache-memory-bytes", str(512 * 2**20), "--disable-log-stats",
                 "--disable-uvicorn-access-log", "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryDirectory(prefix=f"lmserve-bench-audio-{peer}-") as tmp:
@@ -140,6 +154,10 @@ def run(peer: str, pair: str, args: argparse.Namespace) -> dict[int, tuple[float
 
 def defaults(args: argparse.Namespace) -> None:
     """The tests' tiny Qwen2-Audio where no model was named."""
+    if args.whisper is None:
+        from tests.tiny_whisper import tiny_whisper_repo
+
+        args.whisper = tiny_whisper_repo()
     if args.gguf is None or args.mmproj is None or args.repo is None:
         from tests.tiny_audio import tiny_qwen2_audio_gguf, tiny_qwen2_audio_repo
 
@@ -167,7 +185,7 @@ def report(best: dict[tuple[str, str], dict[int, tuple[float, float]]], args: ar
                   f"goal >= {GOAL})")
 
 
-PEERS = {"llama": "llama-server", "vllm": "vllm-serve"}
+PEERS = {"llama": "llama-server", "vllm": "vllm-serve", "whisper": "vllm-serve"}
 
 
 def main() -> int:
@@ -175,7 +193,9 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, help="an audio chat model's GGUF (default: the tests' tiny one)")
     parser.add_argument("--mmproj", type=Path, help="its audio projector")
     parser.add_argument("--repo", type=Path, help="the same model as a repository, for the vllm pair")
-    parser.add_argument("--pairs", type=lambda text: text.split(","), default=["llama"], help="llama, vllm")
+    parser.add_argument("--whisper", type=Path, help="a Whisper repository, for the whisper pair")
+    parser.add_argument("--pairs", type=lambda text: text.split(","), default=["llama"],
+                        help="llama, vllm, whisper")
     parser.add_argument("--concurrency", type=lambda text: [int(n) for n in text.split(",")], default=[1, 4])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
