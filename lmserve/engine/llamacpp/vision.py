@@ -32,6 +32,8 @@ from lmserve.types import Bitmap, Clip, Media
 
 ENCODED_BYTES = 128 * 2**20
 """The projector outputs kept for images and clips sent again (`Encoded`)."""
+WHISPER_RATE, WHISPER_WINDOW, WHISPER_HOP, WHISPER_FRAMES = 16_000, 480_000, 160, 3000
+"""llama.cpp's Whisper preprocessor: 30 s windows of 3,000 mel frames, 160 samples apart, at 16 kHz."""
 
 
 class ImageChunk:
@@ -93,6 +95,18 @@ def _audio_bitmap(clip: Clip) -> Any:
         raise EngineFailure("llama.cpp could not take an audio clip")
     mtmd.mtmd_bitmap_set_id(bitmap, clip_id(clip))
     return bitmap
+
+
+def padding_window(samples: int, windows: int) -> bool:
+    """Whether the last of a clip's `windows` audio chunks holds nothing but padding.
+
+    llama.cpp's Whisper preprocessor (Qwen2-Audio, Ultravox, Voxtral, GLM-A) pads every clip with 30 s of silence
+    and cuts the spectrogram into whole 30 s windows. A clip of a whole number of windows (give or take a frame:
+    from 160 samples under to 40 over) thus gets one window more, all padding, whose samples the window before
+    already reaches: a 30 s clip costs two encodings, where Whisper and the models built on its encoder take one.
+    Other preprocessors cut clips otherwise; their counts differ from this one's and the rule leaves them alone."""
+    expected = ((samples + WHISPER_WINDOW) // WHISPER_HOP + 1) // WHISPER_FRAMES
+    return windows >= 2 and windows == expected and samples <= WHISPER_WINDOW * (windows - 1) + 40
 
 
 class Encoded:
@@ -183,8 +197,9 @@ class Vision:
                 reason = ("its media markers do not match its media" if rc == 1
                           else "an image or clip failed to preprocess")
                 raise InvalidRequest(f"the prompt could not be tokenized: {reason}", param="images")
+            lengths = {clip_id(item): len(item.samples) // 4 for item in media if isinstance(item, Clip)}
             with self._lock:
-                tokens, places = self._read_chunks(chunks)
+                tokens, places = self._read_chunks(chunks, self._padding(chunks, lengths))
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
@@ -195,9 +210,23 @@ class Vision:
                 place.start -= 1
         return tokens, places
 
-    def _read_chunks(self, chunks: Any) -> tuple[list[int], list[PromptImage]]:
+    def _padding(self, chunks: Any, lengths: dict[bytes, int]) -> set[tuple[bytes, int]]:
+        """The audio chunks (clip id, place among the clip's chunks) that are only the preprocessor's padding
+        (`padding_window`), for clips of `lengths` samples at Whisper's rate."""
+        if self.audio_rate != WHISPER_RATE:
+            return set()
+        windows: dict[bytes, int] = {}
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                chunk_id = mtmd.mtmd_input_chunk_get_id(chunk) or b""
+                windows[chunk_id] = windows.get(chunk_id, 0) + 1
+        return {(chunk_id, count - 1) for chunk_id, count in windows.items()
+                if chunk_id in lengths and padding_window(lengths[chunk_id], count)}
+
+    def _read_chunks(self, chunks: Any, padding: set[tuple[bytes, int]]) -> tuple[list[int], list[PromptImage]]:
         """The tokens of tokenized `chunks` (text tokens, and placeholders where images go) and the images' places,
-        each image encoded."""
+        each image encoded; `padding` chunks left out."""
         tokens: list[int] = []
         places: list[PromptImage] = []
         seen: dict[bytes, int] = {}  # an item's chunks so far (a tiled image, a clip over 30 s have several)
@@ -215,6 +244,8 @@ class Vision:
                 chunk_id = mtmd.mtmd_input_chunk_get_id(chunk) or b""
                 key = (chunk_id, seen.get(chunk_id, 0), length)
                 seen[chunk_id] = key[1] + 1
+                if key[:2] in padding:
+                    continue
                 embeddings = self._encoded.get(key) if chunk_id else None
                 if embeddings is None:
                     embeddings = self._encode(chunk, length)
