@@ -1,7 +1,8 @@
 """A server that heals, on the vLLM engine, through a real `lmserve serve`: vLLM's EngineCore process SIGKILLed
 (as the out-of-memory killer or a GPU fault does) mid-stream ends every stream with its dialect's error event,
 /health says why with a 503, the model is started again in the process and answers; an engine core killed while a
-model loads is an error for that request, and the server serves on.
+model loads is an error for that request, and the server serves on. An engine core paused (SIGSTOP) is stuck for
+/health/decode while /health, which only sees failures, stays 200.
 
 One server for the module (a vLLM start costs about a minute): the embedded SmolLM2 as a safetensors repository,
 float32 on the CPU build.
@@ -91,6 +92,31 @@ def wait_for(what: str, done: Any, seconds: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen within {seconds} s")
         time.sleep(0.5)
+
+
+def test_a_paused_engine_core_is_stuck_for_the_decode_health_check_while_health_stays_200(
+    server: Server, model: str,
+) -> None:
+    url = server.base_url
+    reply = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": model, "messages": COUNT, "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    probed = httpx.get(url + "/health/decode", timeout=120)
+    assert probed.status_code == 200, probed.text
+    assert probed.json()["models"][model]["check"] == "probed"
+    [core] = engine_cores(server)
+    os.kill(core, signal.SIGSTOP)  # as a hung device: the process lives, no step returns
+    try:
+        stuck = httpx.get(url + "/health/decode", params={"timeout": 2}, timeout=60)
+        health = httpx.get(url + "/health", timeout=10)
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert (stuck.status_code, health.status_code) == (503, 200)
+    assert stuck.json()["status"] == "stuck" and stuck.json()["models"][model]["state"] == "stuck"
+    assert stuck.json()["reason"].startswith(f"{model}: no decode step in 2 s")
+    again = httpx.get(url + "/health/decode", timeout=120)
+    assert again.status_code == 200, again.text
+    assert engine_cores(server) == {core}
 
 
 def test_a_killed_engine_core_ends_each_dialects_stream_with_its_error_and_the_model_comes_back(

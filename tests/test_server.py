@@ -265,6 +265,14 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert reply.usage.prompt_tokens > 10
 
 
+def test_decode_health_probes_the_model_with_one_token(server: Server, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    response = httpx.get(server.base_url + "/health/decode", timeout=60)
+    assert response.status_code == 200, response.text
+    found = response.json()["models"][MODEL]
+    assert (found["state"], found["check"]) == ("ok", "probed") and 0 < found["seconds"] < 10
+
+
 def test_streamed_chat_equals_the_whole_reply(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)  # type: ignore[arg-type]
     chunks = list(

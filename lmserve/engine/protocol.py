@@ -115,6 +115,9 @@ class EngineStats:
     """Wall time spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
     decode_ns: int = 0
     """The part of `step_ns` inside the model's forward pass and sampling: the rest is overhead."""
+    progress: int = 0
+    """Grows with every decode step (the slot engines) or output (vLLM's deltas) since load: what the decode health
+    check (service/decode_health.py) watches move while the engine works."""
     kv_cache_usage: float | None = None
     """The fraction of the KV cache in use, 0 to 1 (None: the engine does not say)."""
     kv_block_size: int = 0

@@ -179,3 +179,39 @@ async def test_health_is_503_with_the_reason_while_the_engine_is_down_and_200_on
     await asyncio.gather(*service.residency.heal())
     health = await client.get("/health")
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+
+async def test_decode_health_probes_each_idle_model_and_needs_the_key(secured_client: httpx.AsyncClient) -> None:
+    assert (await secured_client.get("/health/decode")).status_code == 401
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    nothing_loaded = await secured_client.get("/health/decode", headers=headers)
+    assert (nothing_loaded.status_code, nothing_loaded.json()) == (200, {"status": "ok", "models": {}})
+    await secured_client.post("/v1/completions", json={"model": "fake-alias", "prompt": "hi", "max_tokens": 1},
+                              headers=headers)  # an alias loads its model's name
+    response = await secured_client.get("/health/decode", headers=headers)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ok" and set(body["models"]) == {"fake"}
+    assert {entry["state"] for entry in body["models"].values()} == {"ok"}
+    assert {entry["check"] for entry in body["models"].values()} == {"probed"}
+    for timeout in ("0", "-1", "301", "soon"):
+        refused = await secured_client.get("/health/decode", params={"timeout": timeout}, headers=headers)
+        assert refused.status_code == 400, (timeout, refused.text)
+        assert_openai_error(refused.json(), error_type="invalid_request_error")
+
+
+async def test_decode_health_is_503_naming_a_model_whose_step_never_returns(
+        client: httpx.AsyncClient, engine: BatchingEngine) -> None:
+    assert isinstance(engine.backend, FakeBackend)
+    await client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 1})
+    engine.backend.unpaused.clear()
+    try:
+        response = await client.get("/health/decode", params={"timeout": "0.3"})
+        assert (await client.get("/health")).status_code == 200  # /health only says no engine failed
+    finally:
+        engine.backend.unpaused.set()
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    body = response.json()
+    assert body["status"] == "stuck" and body["models"]["fake"]["state"] == "stuck"
+    assert body["reason"].startswith("fake: no decode step in 0.3 s")
+    assert (await client.get("/health/decode")).json()["status"] == "ok"

@@ -77,6 +77,8 @@ class BatchingEngine:
         """Wall time the engine thread spent in decode steps (scheduling, decoding, sampling, detokenizing)."""
         self.decode_ns = 0
         """The part of `step_ns` inside the backend's batch decode and sampling: the rest is Python overhead."""
+        self.num_steps = 0
+        """Steps that decoded something (the decode health check watches it grow)."""
         self.num_evicted = 0
         """Idle slots' prefix caches dropped to make room in a shared KV pool (`--kv-unified`)."""
         self.num_parked = 0
@@ -193,7 +195,7 @@ class BatchingEngine:
         cache = self.cache_stats
         cells = self.info.num_kv_cells or self.info.num_ctx * self.info.num_parallel
         usage = min(1.0, self.scheduler.num_held_tokens() / cells) if cells else None
-        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns,
+        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, progress=self.num_steps,
                            preemptions=self.num_parked + self.num_preempted,
                            kv_cache_usage=usage, kv_block_size=1, kv_num_blocks=cells,
                            prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
@@ -276,6 +278,7 @@ class BatchingEngine:
         now = time.perf_counter_ns()
         self.decode_ns += now - decode_started
         if decoded is not None:
+            self.num_steps += 1
             self._take_sampled(*decoded, now, outbox)
         deliver(outbox)
 

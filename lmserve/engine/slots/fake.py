@@ -6,6 +6,7 @@ a pure function of the prompt and the sampling seed, so a test can predict it (`
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -84,6 +85,9 @@ class FakeBackend:
         self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
         self.ranked: list[list[list[int]]] = []
         """The pairs of each `rank` call (a reranker's)."""
+        self.unpaused = threading.Event()
+        """Cleared, every step waits until it is set again, as a step on a hung device would (never returning)."""
+        self.unpaused.set()
         self.fault: str | None = None
         """When set, every step and every release of a slot raises RuntimeError(fault), as a backend made unusable
         (a device fault) would: the next step fails, failing its requests releases their slots, which fails outside
@@ -153,6 +157,7 @@ class FakeBackend:
                 raise InvalidRequest(f"LoRA adapter not found: {adapter.path}", param="lora")
 
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
+        self.unpaused.wait()
         if self.fault is not None:
             raise RuntimeError(self.fault)
         if any(self.slot_adapters.get(entry.slot, ()) != adapters for entry in entries):

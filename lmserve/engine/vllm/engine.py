@@ -286,6 +286,10 @@ class VllmEngine:
         self._stats.adapter_bytes, self._stats.max_adapters = self.loras.num_bytes, self.loras.max_loras
         return self._stats
 
+    def count_output(self) -> None:
+        """Count one of vLLM's outputs (a request's delta): the progress the decode health check watches."""
+        self._stats.progress += 1
+
     def count_prompt(self, cached_tokens: int) -> None:
         """Count a finished request's prompt in the prompt-cache stats: a hit when vLLM's prefix cache held some
         of it (`cached_tokens`: the tokens it skipped), else a miss."""

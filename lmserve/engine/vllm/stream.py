@@ -133,6 +133,7 @@ class VllmStream:
                                             priority=self._priority, lora_request=self._lora)
         try:
             async for out in outputs:
+                self._engine.count_output()
                 completion = out.outputs[0]
                 self._output.extend(completion.token_ids)
                 self._prompt_length = len(out.prompt_token_ids or self._prompt)

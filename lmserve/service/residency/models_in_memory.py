@@ -219,6 +219,14 @@ class Residency:
                 started.append(task)
         return started
 
+    def decoders(self) -> list[tuple[tuple[str, ...], Engine]]:
+        """Each working engine bound to resident names, with those names (the decode health check's subjects)."""
+        bound: dict[int, tuple[list[str], Engine]] = {}
+        for name, resident in sorted(self._residents.items()):
+            if not self._has_failed(resident.instance):
+                bound.setdefault(id(resident.instance), ([], resident.instance.engine))[0].append(name)
+        return [(tuple(names), engine) for names, engine in bound.values()]
+
     def health(self) -> list[ModelHealth]:
         """Each resident name's state (a failed engine's names: restarting, or failed while restarts pause), and
         each name loading for a request."""
