@@ -57,6 +57,11 @@ class ServerConfig:
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
                                  "/health, /livez, / and the web page's /web/ files")
+    otlp_traces_endpoint: str | None = option(
+        None, "--otlp-traces-endpoint", env="OTLP_TRACES_ENDPOINT", metavar="URL",
+        shown="off (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set)",
+        help="export an OpenTelemetry trace of each request to this OTLP collector (http://host:4318: /v1/traces is "
+        "added to a URL without a path)")
     prefill_chunk: int | None = option(None, "--prefill-chunk", "--chunked-prefill-size", env="PREFILL_CHUNK",
                                        kind="int", minimum=1, special=-1, metavar="N",
                                        env_aliases=("CHUNKED_PREFILL_SIZE",),

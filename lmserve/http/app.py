@@ -1,6 +1,7 @@
 """The HTTP application's wiring: the app's state (what the routes take, lmserve/dialects/shared/state.py), the
-routers of every dialect and endpoint, the error handlers (errors.py), and the middleware around them: the access
-log, metrics, the catch-all, the guards (guards.py) and authentication (auth.py), outermost first."""
+routers of every dialect and endpoint, the error handlers (errors.py), and the middleware around them: tracing
+(tracing.py, when asked for), the access log, metrics, the catch-all, the guards (guards.py) and authentication
+(auth.py), outermost first."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from lmserve.http.errors import install as install_error_handlers
 from lmserve.http.guards import GuardMiddleware
 from lmserve.http.metrics import METRICS_PATH, Metrics, MetricsMiddleware
 from lmserve.http.openapi import install as install_openapi
+from lmserve.http.tracing import install as install_tracing
+from lmserve.http.tracing import traces_endpoint
 from lmserve.http.web import web_router
 from lmserve.service import Service
 from lmserve.service.batch_lines import asgi_send
@@ -81,6 +84,8 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
             await app.state.batches.stop()
             await close_send()
             expiry.cancel()
+            if app.state.tracing is not None:
+                app.state.tracing.shutdown()  # sends the spans still waiting
 
     app = FastAPI(title="lmserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     _set_state(app, service, config, served)
@@ -106,4 +111,14 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     app.add_middleware(CatchAllMiddleware)  # outside auth and guards, so it also covers them
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=app.router.routes)  # outermost: sees every status
     install_access_log(app, service.observers)  # one line per request on the console, outside even the metrics
+    app.state.tracing = install_tracing(app, service.observers, traces_endpoint(config.otlp_traces_endpoint),
+                                        lambda model: _engine_of(service, model))  # outermost, when asked for
     return app
+
+
+def _engine_of(service: Service, model: str) -> str | None:
+    """The engine serving the loaded `model` (for its trace), None when it is not loaded."""
+    for resident in service.residency.running():
+        if resident.model.name == model:
+            return resident.model.engine.info.engine
+    return None

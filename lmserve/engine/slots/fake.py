@@ -85,8 +85,7 @@ class FakeBackend:
         self.draft_requests: list[dict[int, tuple[list[int], int]]] = []
         self.ranked: list[list[list[int]]] = []
         """The pairs of each `rank` call (a reranker's)."""
-        self.unpaused = threading.Event()
-        """Cleared, every step waits until it is set again, as a step on a hung device would (never returning)."""
+        self.unpaused = threading.Event()  # cleared, steps wait for it (as on a hung device they never return)
         self.unpaused.set()
         self.fault: str | None = None
         """When set, every step and every release of a slot raises RuntimeError(fault), as a backend made unusable
