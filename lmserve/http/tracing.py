@@ -175,18 +175,42 @@ def attributes(record: TraceRecord, engine: str | None) -> dict[str, Any]:
     return found
 
 
-def install(app: FastAPI, observers: Observers, endpoint: str | None, engine_of: EngineOf) -> TracerProvider | None:
-    """Trace every request of `app` to the OTLP collector at `endpoint` (None: install nothing); the provider, to
-    shut down (flushing what is left) when the server stops."""
-    if endpoint is None:
-        return None
+def tracer_provider(endpoint: str) -> TracerProvider:
+    """A tracer provider whose spans go to the OTLP collector at `endpoint` in batches (service `lmserve`, unless
+    OTEL_SERVICE_NAME names it)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create({} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "lmserve"})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(exporter(endpoint)))
+    found = TracerProvider(resource=resource)
+    found.add_span_processor(BatchSpanProcessor(exporter(endpoint)))
+    return found
+
+
+def forwarding(tracer: Tracer, method: str, path: str,
+               headers: tuple[tuple[bytes, bytes], ...]) -> tuple[Span, tuple[tuple[bytes, bytes], ...]]:
+    """A span for handing a request on (the replicas' ingress), continuing its caller's `traceparent`, and the
+    request's headers with `traceparent` now naming that span, so the server that answers continues it."""
+    from opentelemetry.trace import SpanKind, set_span_in_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    propagator = TraceContextTextMapPropagator()
+    carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in headers}
+    span = tracer.start_span(f"{method} {path}", context=propagator.extract(carrier), kind=SpanKind.SERVER,
+                             attributes={"http.request.method": method, "url.path": path, "lmserve.role": "ingress"})
+    onward: dict[str, str] = {}
+    propagator.inject(onward, context=set_span_in_context(span))
+    kept = tuple((key, value) for key, value in headers if key.lower() not in (b"traceparent", b"tracestate"))
+    return span, kept + tuple((key.encode("latin-1"), value.encode("latin-1")) for key, value in onward.items())
+
+
+def install(app: FastAPI, observers: Observers, endpoint: str | None, engine_of: EngineOf) -> TracerProvider | None:
+    """Trace every request of `app` to the OTLP collector at `endpoint` (None: install nothing); the provider, to
+    shut down (flushing what is left) when the server stops."""
+    if endpoint is None:
+        return None
+    provider = tracer_provider(endpoint)
     observers.on_finish(record_finish)
     app.add_middleware(TracingMiddleware, tracer=provider.get_tracer("lmserve"), engine_of=engine_of)
     return provider

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -27,6 +28,7 @@ from lmserve.dialects.table import dialect_of
 from lmserve.errors import EngineStopped, LmserveError, Overloaded
 from lmserve.http.errors import error_response
 from lmserve.http.health import HEALTH_PATH
+from lmserve.http.tracing import forwarding, tracer_provider, traces_endpoint
 from lmserve.replicas.calls import Head, HttpCall, Whole, answer, prompt_text
 from lmserve.replicas.merging import merge
 from lmserve.replicas.routing import router_config
@@ -87,8 +89,10 @@ async def _call(request: Request) -> HttpCall:
                     tuple(request.scope["headers"]), body, prompt_text(request.url.path, body), client)
 
 
-async def _rest(stream: DeploymentResponseGenerator[Any], path: str, head: Head) -> AsyncIterator[bytes]:
-    """The body after the head; a replica that dies mid-stream ends it with an error in the stream's dialect."""
+async def _rest(stream: DeploymentResponseGenerator[Any], path: str, head: Head,
+                span: Any = None) -> AsyncIterator[bytes]:
+    """The body after the head; a replica that dies mid-stream ends it with an error in the stream's dialect. The
+    ingress's `span` (when traced) ends with it."""
     try:
         async for piece in stream:
             assert isinstance(piece, bytes)
@@ -97,6 +101,8 @@ async def _rest(stream: DeploymentResponseGenerator[Any], path: str, head: Head)
         yield _stream_error(path, head, EngineStopped(f"the replica answering this request stopped: "
                                                       f"{_reason(exc)}; retry"))
     finally:
+        if span is not None:
+            span.end()
         stream.cancel()  # type: ignore[no-untyped-call]  # the client went away (or the stream ended): the replica's app sees a disconnect
 
 
@@ -122,9 +128,11 @@ ingress_api = FastAPI(title="lmserve", docs_url=None, redoc_url=None, openapi_ur
 class Ingress:
     """The endpoint: forwards each request to the replica the router picks; merges the deployment-wide routes."""
 
-    def __init__(self, replicas: DeploymentHandle[Any], fewest: int) -> None:
+    def __init__(self, replicas: DeploymentHandle[Any], fewest: int, traces: str | None = None) -> None:
         self._replicas = replicas
         self._fewest = fewest
+        self._tracer = tracer_provider(traces).get_tracer("lmserve.ingress") if traces else None
+        """With an OTLP endpoint: a span per forwarded request, which the replica's own span continues."""
 
     @ingress_api.get("/metrics", include_in_schema=False)
     @ingress_api.get("/v1/loads", include_in_schema=False)
@@ -149,18 +157,25 @@ class Ingress:
     @ingress_api.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def forward(self, request: Request) -> Response:
         """Any other route: answered by one replica, streamed back as it comes."""
-        call = await _call(request)
+        call, span = await _call(request), None
+        if self._tracer is not None:
+            span, headers = forwarding(self._tracer, call.method, call.path, call.headers)
+            call = replace(call, headers=headers)
         stream = self._replicas.options(stream=True).answer.remote(call)
         assert isinstance(stream, DeploymentResponseGenerator)
         try:
             head = await stream.__anext__()
-        except BackPressureError:
-            return error_response(call.path, Overloaded("every replica's queue is full; retry later"))
-        except (RayError, RayServeException, StopAsyncIteration) as exc:
+        except (BackPressureError, RayError, RayServeException, StopAsyncIteration) as exc:
+            if span is not None:
+                span.end()
+            if isinstance(exc, BackPressureError):
+                return error_response(call.path, Overloaded("every replica's queue is full; retry later"))
             return error_response(call.path, EngineStopped(f"the replica answering this request stopped: "
                                                            f"{_reason(exc)}; retry"))
         assert isinstance(head, Head)
-        response = StreamingResponse(_rest(stream, call.path, head))
+        if span is not None:
+            span.set_attribute("http.response.status_code", head.status)
+        response = StreamingResponse(_rest(stream, call.path, head, span))
         response.status_code = head.status
         response.raw_headers = list(head.headers)
         return response
@@ -197,7 +212,8 @@ def application(config: ServerConfig) -> serve.Application:
     )
     fewest = (config.min_replicas if config.min_replicas is not None else 1) if config.max_replicas is not None \
         else config.replicas or 1
-    return ingress.bind(replica.bind(config), fewest)  # type: ignore[no-any-return]
+    traces = traces_endpoint(config.otlp_traces_endpoint)
+    return ingress.bind(replica.bind(config), fewest, traces)  # type: ignore[no-any-return]
 
 
 def build(args: Mapping[str, object]) -> serve.Application:

@@ -6,75 +6,30 @@ installed."""
 
 from __future__ import annotations
 
-import gzip
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 from lmserve.config import ServerConfig
 from lmserve.engine.slots.batching import BatchingEngine
 from lmserve.http.app import create_app
 from lmserve.http.tracing import TracingMiddleware, traces_endpoint
 from lmserve.service import Service
+from tests.otlp_collector import Collector, attributes
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
 
-class Collector(ThreadingHTTPServer):
-    """An OTLP/HTTP trace receiver: every span of every POST /v1/traces, as OTLP's protobuf messages."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Receive)
-        self.spans: list[Any] = []
-        self.paths: list[str] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Receive(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        request = ExportTraceServiceRequest.FromString(body)
-        collector = self.server
-        assert isinstance(collector, Collector)
-        collector.paths.append(self.path)
-        collector.spans += [span for resource in request.resource_spans for scope in resource.scope_spans
-                            for span in scope.spans]
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def collector() -> Iterator[Collector]:
-    server = Collector()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = Collector().start()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 @pytest_asyncio.fixture
@@ -85,20 +40,9 @@ async def traced(service: Service, collector: Collector) -> AsyncIterator[tuple[
     app.state.tracing.shutdown()
 
 
-def attributes(span: Any) -> dict[str, Any]:
-    def value(v: Any) -> Any:
-        kind = v.WhichOneof("value")
-        return [value(item) for item in v.array_value.values] if kind == "array_value" else getattr(v, kind)
-
-    return {a.key: value(a.value) for a in span.attributes}
-
-
 def spans_of(app: FastAPI, collector: Collector, count: int) -> list[Any]:
     app.state.tracing.force_flush()
-    deadline = time.monotonic() + 10
-    while len(collector.spans) < count and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return list(collector.spans)
+    return collector.wait_for(lambda spans: len(spans) >= count, 10)
 
 
 @pytest.mark.asyncio

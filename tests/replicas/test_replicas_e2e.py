@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -22,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cores import all_cores
+from tests.otlp_collector import Collector, attributes
 from tests.test_server import Server
 
 MODEL = "smollm2:135m"
@@ -36,8 +38,17 @@ def replicas_server(*args: str, env: dict[str, str] | None = None) -> Server:
 
 
 @pytest.fixture(scope="module")
-def ray_server() -> Iterator[Server]:
-    server = replicas_server("--replicas", "2", "-np", "4")
+def collector() -> Iterator[Collector]:
+    """Where the deployment's traces go (its ingress's and its replicas' spans)."""
+    found = Collector().start()
+    yield found
+    found.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_server(collector: Collector) -> Iterator[Server]:
+    server = replicas_server("--replicas", "2", "-np", "4", "--otlp-traces-endpoint", collector.url,
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
     yield server
     server.stop()
 
@@ -67,6 +78,30 @@ def test_openai_chat_whole_and_streamed(client: openai.OpenAI) -> None:
                                               stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == whole.choices[0].message.content
+
+
+def test_a_replicas_span_continues_the_ingresss_which_continues_the_callers(
+        ray_server: Server, collector: Collector) -> None:
+    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    reply = httpx.post(ray_server.base_url + "/v1/chat/completions", timeout=120,
+                       headers={"traceparent": f"00-{trace_id}-{caller}-01"},
+                       json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert reply.status_code == 200, reply.text
+
+    def ours(spans: list[Any]) -> list[Any]:
+        return [span for span in spans if span.trace_id.hex() == trace_id]
+
+    def ingress_of(spans: list[Any]) -> list[Any]:
+        return [span for span in ours(spans) if attributes(span).get("lmserve.role") == "ingress"]
+
+    spans = ours(collector.wait_for(lambda spans: len(ours(spans)) >= 4 and bool(ingress_of(spans))))
+    [ingress] = ingress_of(spans)
+    assert ingress.parent_span_id.hex() == caller and ingress.name == "POST /v1/chat/completions"
+    [replica] = [span for span in spans if span.parent_span_id == ingress.span_id]
+    assert replica.name == "POST /v1/chat/completions"
+    assert attributes(replica)["gen_ai.request.model"] == MODEL
+    assert attributes(replica)["gen_ai.usage.completion_tokens"] == 4
+    assert {span.name for span in spans if span.parent_span_id == replica.span_id} >= {"prefill", "decode"}
 
 
 def test_completions_and_responses(client: openai.OpenAI) -> None:
