@@ -22,7 +22,14 @@ from lmserve.engine.registry import AUTO, ENGINES
 from lmserve.option_table import ConfigError as ConfigError  # re-exported: the CLI catches it
 from lmserve.option_table import Option, entries, option
 from lmserve.parsing import ParseError, parse_address, parse_duration
-from lmserve.types import AUTO_CONTEXT, AUTO_CONTEXT_CEILING, AUTO_CONTEXT_FLOOR, AUTO_KV_FRACTION, LoadOptions
+from lmserve.types import (
+    AUTO_CONTEXT,
+    AUTO_CONTEXT_CEILING,
+    AUTO_CONTEXT_FLOOR,
+    AUTO_KV_FRACTION,
+    VERIFY_MODES,
+    LoadOptions,
+)
 
 T = TypeVar("T")
 
@@ -62,6 +69,15 @@ class ServerConfig:
         shown="off (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set)",
         help="export an OpenTelemetry trace of each request to this OTLP collector (http://host:4318: /v1/traces is "
         "added to a URL without a path)")
+    verify_signatures: str = option("warn", "--verify-signatures", env="VERIFY_SIGNATURES", choices=VERIFY_MODES,
+                                    help="check a model's signature (OpenSSF model signing) as it enters the store: "
+                                    "off; warn: verify one that comes with it, log a failure; require: refuse a model "
+                                    "without a signature that verifies")
+    signature_key: str | None = option(None, "--signature-key", env="SIGNATURE_KEY", metavar="PEM",
+                                       help="the public key (elliptic curve, PEM) model signatures verify against")
+    signature_certificates: tuple[str, ...] = option(
+        (), "--signature-certificate", env="SIGNATURE_CERTIFICATES", kind="list", metavar="PEM",
+        help="the certificate chain (PEM files) a signing certificate must chain to; repeatable")
     prefill_chunk: int | None = option(None, "--prefill-chunk", "--chunked-prefill-size", env="PREFILL_CHUNK",
                                        kind="int", minimum=1, special=-1, metavar="N",
                                        env_aliases=("CHUNKED_PREFILL_SIZE",),

@@ -44,11 +44,14 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     from lmserve.service.catalog import StoreCatalog
     from lmserve.service.memory_budget import SystemMemory, memory_gauge
     from lmserve.service.residency import Residency
+    from lmserve.store.signatures import Trust
     from lmserve.store.store import Store
 
     settings = engine_settings(config)
     store = Store(Path(config.models_dir).expanduser())
-    catalog = StoreCatalog(store, partial(open_engine, settings=settings), engines=settings)
+    trust = Trust(config.verify_signatures, Path(config.signature_key) if config.signature_key else None,
+                  tuple(Path(path) for path in config.signature_certificates))
+    catalog = StoreCatalog(store, partial(open_engine, settings=settings), engines=settings, trust=trust)
     _ensure_embedded(store)
     name = _create_local_model(config, catalog)
     gauge = memory_gauge(config.memory_check, config.memory_bytes)

@@ -163,6 +163,8 @@ PRIORITY_RANGE = (-1000, 1000)
 BATCH_PRIORITY = PRIORITY_RANGE[1]
 """The priority of a batch's lines (the Batch API, `lmserve batch`): the lowest, so interactive requests go first."""
 
+VERIFY_MODES = ("off", "warn", "require")
+"""How a model's signature is checked as it enters the store (--verify-signatures, a Modelfile's VERIFY)."""
 AUTO_CONTEXT = 0
 """`LoadOptions.num_ctx` for "auto" (no -c, variable, Modelfile or request num_ctx): the engine sizes each
 sequence's context from the model and the machine when it loads it (engine/context_size.py)."""

@@ -52,6 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     "lmserve.cli": BASE | {"lmserve.client", "lmserve.server", "lmserve.listening", "lmserve.supervisor",
                            "lmserve.replicas"},
     "lmserve.cli.repl": BASE | {"lmserve.client"},
+    # `lmserve sign` signs a local model's files, no server involved
+    "lmserve.cli.sign": BASE | {"lmserve.cli.command", "lmserve.store.signatures"},
     # `lmserve batch` runs the Batch API's lines, offline through `serve`'s app or over HTTP
     "lmserve.cli.batch": BASE | {"lmserve.cli.command", "lmserve.service.batch_lines", "lmserve.dialects.table",
                                  "lmserve.server", "lmserve.store.batches"},

@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 
 from lmserve import __version__
-from lmserve.cli import batch, chat, models, serve
+from lmserve.cli import batch, chat, models, serve, sign
 from lmserve.cli.command import Command, Run
 
-COMMANDS: tuple[Command, ...] = (serve.COMMAND, chat.COMMAND, *models.COMMANDS, batch.COMMAND)
+COMMANDS: tuple[Command, ...] = (serve.COMMAND, chat.COMMAND, *models.COMMANDS, batch.COMMAND, sign.COMMAND)
 """Every `lmserve` command, in the order of `lmserve --help`."""
 
 

@@ -207,6 +207,8 @@ def _summary(info: Mapping[str, Any]) -> str:
     sections = [("Model", [f"{k:<20}{v}" for k, v in rows if v not in (None, "")])]
     sections.append(("Capabilities", [str(c) for c in info.get("capabilities") or []]))
     sections.append(("Parameters", [f"{k:<15}{v}" for k, v in _parameters(info.get("parameters"))]))
+    signature = info.get("signature") or {}
+    sections.append(("Signature", [f"{k.replace('_', ' '):<15}{v}" for k, v in signature.items()]))
     for title in ("system", "license"):
         text = render_show(info, title).strip()
         sections.append((title.capitalize(), text.splitlines()[:2]))

@@ -57,6 +57,8 @@ class Manifest:
     """A repository's files: relative path → blob digest (config.json's is `model`); empty for a GGUF model."""
     adapter_dirs: list[dict[str, str]] = field(default_factory=list)
     """PEFT LoRA directories over a repository (adapter_config.json + weights), each as a repository's `files`."""
+    signature: dict[str, str] = field(default_factory=dict)
+    """Its weights' verified signature (store/signatures.py): signed_by, verified_at, signature; {} when none."""
 
     @property
     def digests(self) -> list[str]:
@@ -100,6 +102,9 @@ def decode_manifest(raw: bytes) -> Manifest:
         raise ValueError("'files' and each of 'adapter_dirs' must map file names to digests")
     messages = typed("messages", list, [])
     licenses = typed("license", list, [])
+    signature = typed("signature", dict, {})
+    if not all(isinstance(value, str) for value in signature.values()):
+        raise ValueError("'signature' must map names to strings")
     if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m) for m in messages):
         raise ValueError("'messages' must be [role, content] pairs")
     if not all(isinstance(text, str) for text in [*adapters, *licenses]):
@@ -118,6 +123,7 @@ def decode_manifest(raw: bytes) -> Manifest:
         modified_at=float(typed("modified_at", (int, float), 0.0)),
         files=_checked_files(files),
         adapter_dirs=[_checked_files(folder) for folder in folders],
+        signature=signature,
     )
 
 

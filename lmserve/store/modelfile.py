@@ -1,6 +1,6 @@
 r'''Modelfile: `parse(text)` → `Modelfile`, errors with line numbers; `to_text()` prints text that parses back equal.
 
-- Directives FROM, PARAMETER, TEMPLATE, SYSTEM, MESSAGE, ADAPTER, LICENSE, REQUIRES: any case, any order. Blank
+- Directives FROM, PARAMETER, TEMPLATE, SYSTEM, MESSAGE, ADAPTER, LICENSE, REQUIRES, VERIFY: any case, any order. Blank
   lines and lines whose first non-blank character is `#` are skipped; a later `#` is part of the value.
 - A value is bare (rest of the line, stripped), `"quoted"` on one line with escapes \" \\ \n \r \t (another
   backslash stays as written), or `"""multi-line"""`: verbatim up to the first closing triple quote. Only blanks
@@ -13,6 +13,8 @@ r'''Modelfile: `parse(text)` → `Modelfile`, errors with line numbers; `to_text
   an unknown name, a refused option or a bad value fails at create with the line. `stop` repeats into a list;
   otherwise, and for TEMPLATE, SYSTEM and REQUIRES, the last value wins.
 - MESSAGE <role> <text>, role system/user/assistant/tool, repeats, as do ADAPTER and LICENSE.
+- VERIFY off|warn|require (lmserve's): how the files this Modelfile brings in are checked against their signatures
+  (store/signatures.py), over the server's --verify-signatures.
 
 Errors are `ModelfileError` (an `InvalidRequest`, 400) with the 1-based `.line`; a missing FROM is on line 1.
 '''
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from lmserve import options
 from lmserve.errors import InvalidRequest
 from lmserve.options import PARAMETERS, ParameterValue
+from lmserve.types import VERIFY_MODES
 
 PARAMETER_TYPES: dict[str, type] = {name: option.kind for name, option in PARAMETERS.items()}
 """Every PARAMETER name a Modelfile accepts, with the type of its value (lmserve/options.py's table; the refused
@@ -32,7 +35,8 @@ ones fail at create). `stop` may repeat."""
 LOAD_TIME_PARAMETERS = frozenset(name for name, option in PARAMETERS.items() if option.lifetime == "load")
 """Parameters fixed when the model loads (a change means a reload); the others are per-request sampling."""
 MESSAGE_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
-DIRECTIVES: tuple[str, ...] = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "MESSAGE", "ADAPTER", "LICENSE", "REQUIRES")
+DIRECTIVES: tuple[str, ...] = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "MESSAGE", "ADAPTER", "LICENSE", "REQUIRES",
+                               "VERIFY")
 
 _UNESCAPE = {'"': '"', "\\": "\\", "n": "\n", "r": "\r", "t": "\t"}
 _ESCAPE = str.maketrans({'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
@@ -60,6 +64,8 @@ class Modelfile:
     adapters: list[str] = field(default_factory=list)
     license: list[str] = field(default_factory=list)
     requires: str | None = None
+    verify: str | None = None
+    """VERIFY: off, warn or require; None: the server's --verify-signatures."""
 
     def to_text(self) -> str:
         """Print this Modelfile; `parse(m.to_text()) == m` for every Modelfile `parse` can return."""
@@ -78,6 +84,8 @@ class Modelfile:
         lines += [f"LICENSE {_block(text)}" for text in self.license]
         if self.requires is not None:
             lines.append(f"REQUIRES {_bare(self.requires)}")
+        if self.verify is not None:
+            lines.append(f"VERIFY {self.verify}")
         return "\n".join(lines) + "\n"
 
 
@@ -170,7 +178,7 @@ def _read_quoted(body: str, number: int) -> tuple[str, str]:
 
 def _apply(modelfile: Modelfile, directive: str, key: str, value: str, number: int) -> None:
     """Record one directive's value in `modelfile`."""
-    if not value and directive in ("FROM", "ADAPTER", "REQUIRES"):
+    if not value and directive in ("FROM", "ADAPTER", "REQUIRES", "VERIFY"):
         raise ModelfileError(f"{directive} needs a value", number)
     if directive == "FROM":
         _apply_from(modelfile, value, number)
@@ -188,6 +196,10 @@ def _apply(modelfile: Modelfile, directive: str, key: str, value: str, number: i
         modelfile.adapters.append(value)
     elif directive == "LICENSE":
         modelfile.license.append(value)
+    elif directive == "VERIFY":
+        if value not in VERIFY_MODES:
+            raise ModelfileError(f"VERIFY {value!r}: choose {', '.join(VERIFY_MODES)}", number)
+        modelfile.verify = value
     else:
         modelfile.requires = value
 

@@ -199,12 +199,15 @@ async def show(service: ServiceDep, body: wire.ModelBody) -> dict[str, Any]:
     if body.target is None:
         raise InvalidRequest("model is required", param="model")
     d = service.models.describe(body.target)
-    return {
+    shown = {
         "license": d.license, "modelfile": d.modelfile, "parameters": parameters_text(d.parameters),
         "template": d.template, "system": d.system, "details": d.listing.details, "model_info": d.model_info,
         "capabilities": d.capabilities,
         "modified_at": datetime.fromtimestamp(d.listing.created, UTC).isoformat().replace("+00:00", "Z"),
     }
+    if d.signature:  # lmserve's: who signed the weights and when the signature was verified
+        shown["signature"] = d.signature
+    return shown
 
 
 @router.post("/api/copy")

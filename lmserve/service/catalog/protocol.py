@@ -74,6 +74,8 @@ class ModelDescription:
     license: str = ""
     model_info: dict[str, Any] = field(default_factory=dict)
     capabilities: list[str] = field(default_factory=lambda: ["completion"])
+    signature: dict[str, str] = field(default_factory=dict)
+    """Its weights' verified signature: signed_by, verified_at, signature ({} when none was verified)."""
 
 
 @dataclass(frozen=True, slots=True)

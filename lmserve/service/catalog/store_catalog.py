@@ -28,13 +28,14 @@ from lmserve.service.catalog.protocol import (
     model_capabilities,
 )
 from lmserve.service.residency import LoadedModel, LoadPlan, Prompter, WeightsKey
-from lmserve.store import repository
+from lmserve.store import repository, signatures
 from lmserve.store.gguf_check import check_gguf, gguf_metadata
 from lmserve.store.load_crashes import LoadCrashes
 from lmserve.store.lora import PEFT_CONFIG, PEFT_WEIGHTS, check_lora
 from lmserve.store.manifest import Manifest, ModelEntry
 from lmserve.store.modelfile import Modelfile
 from lmserve.store.names import ModelName, is_gguf_path, parse_name
+from lmserve.store.signatures import Trust
 from lmserve.store.store import Store
 from lmserve.types import Adapter, LoadOptions, Message
 
@@ -42,8 +43,11 @@ from lmserve.types import Adapter, LoadOptions, Message
 class StoreCatalog:
     """Catalog over a Store; `plan` tells residency how a stored manifest is loaded."""
 
-    def __init__(self, store: Store, open_engine: EngineOpener, engines: EngineSettings | None = None) -> None:
+    def __init__(self, store: Store, open_engine: EngineOpener, engines: EngineSettings | None = None, *,
+                 trust: Trust | None = None) -> None:
         self._store = store
+        self._trust = trust or Trust()
+        """How files coming into the store are checked against their signatures (store/signatures.py)."""
         self._open_engine = open_engine
         self._engines = engines or EngineSettings()
         """The server's engine settings: which engine a model goes to, and what its estimates count."""
@@ -126,6 +130,7 @@ class StoreCatalog:
             model_info=metadata,
             capabilities=model_capabilities(template, vision=vision, audio=audio,
                                             reranker=is_reranker_metadata(config if manifest.files else metadata)),
+            signature=dict(manifest.signature),
         )
 
     def has_vision(self, name: str) -> bool:
@@ -250,7 +255,8 @@ class StoreCatalog:
         """Build and save model `name` from a parsed Modelfile (FROM a stored model, a .gguf file or a Hugging Face
         repository directory)."""
         target = parse_name(name)
-        manifest = self._base_manifest(modelfile.from_, base_dir)
+        trust = self._trust.with_mode(modelfile.verify)
+        manifest = self._base_manifest(modelfile.from_, base_dir, trust)
         self._check_additions(manifest, modelfile, quantize is not None)
         if quantize is not None:
             quantized = quantize(self.store.blob_path(manifest.model))
@@ -261,7 +267,7 @@ class StoreCatalog:
             manifest.details = gguf_details(gguf_metadata(self.store.blob_path(manifest.model)),
                                             parent=manifest.parent)
         if modelfile.projector:
-            digest = self._blob(modelfile.projector, base_dir)
+            digest = self._blob(modelfile.projector, base_dir, trust)
             if gguf_metadata(self.store.blob_path(digest)).get("general.architecture") != "clip":
                 raise InvalidRequest(f"{Path(modelfile.projector).name} is not a vision projector (an mmproj GGUF has "
                                      "architecture 'clip')", param="modelfile")
@@ -285,16 +291,22 @@ class StoreCatalog:
         manifest.license = list(modelfile.license) or manifest.license
         self.store.save(target, manifest)
 
-    def _blob(self, source: str, base_dir: Path | None) -> str:
-        """The digest of an uploaded blob (`@sha256:…`) or of a local file imported into the store."""
+    def _blob(self, source: str, base_dir: Path | None, trust: Trust | None = None) -> str:
+        """The digest of an uploaded blob (`@sha256:…`) or of a local file imported into the store (its signature
+        checked first as `trust` says; None: not checked)."""
         if source.startswith(("@sha256:", "sha256:")):
             digest = source.lstrip("@")
             if not self.store.has_blob(digest):
                 raise InvalidRequest(f"blob {digest} is not in the store; upload it first", param="files")
+            if trust is not None and trust.mode == "require":
+                raise InvalidRequest(f"blob {digest} is refused (--verify-signatures require): an uploaded blob "
+                                     "carries no signature; create the model from its signed files", param="files")
             check_gguf(self.store.blob_path(digest))
             return digest
         path = _local_path(source, base_dir)
         check_gguf(path)
+        if trust is not None:
+            signatures.check(path, trust)
         return self.store.import_file(path)
 
     def _add_adapter(self, source: str, base_dir: Path | None, manifest: Manifest) -> None:
@@ -327,18 +339,22 @@ class StoreCatalog:
         check_lora(self.store.folder_path(files), self.store.model_path(manifest), param="adapters")
         manifest.adapter_dirs.append(files)
 
-    def _base_manifest(self, source: str, base_dir: Path | None) -> Manifest:
+    def _base_manifest(self, source: str, base_dir: Path | None, trust: Trust) -> Manifest:
+        """The manifest FROM gives: an uploaded blob's, a local file's or directory's (its signature checked before
+        anything reads it), or a stored model's."""
         if source.startswith(("@sha256:", "sha256:")):
-            digest = self._blob(source, base_dir)
+            digest = self._blob(source, base_dir, trust)
             return Manifest(model=digest, details=gguf_details(gguf_metadata(self.store.blob_path(digest))))
         directory = _repository_dir(source, base_dir)
         if directory is not None:
-            return self._import_repository(directory)
+            signed = signatures.check(directory, trust)
+            return replace(self._import_repository(directory), signature=signed)
         if is_gguf_path(source) or Path(source).is_absolute():
             path = _local_path(source, base_dir)
             check_gguf(path)
+            signed = signatures.check(path, trust)
             digest = self.store.import_file(path)
-            return Manifest(model=digest, details=gguf_details(gguf_metadata(path)))
+            return Manifest(model=digest, details=gguf_details(gguf_metadata(path)), signature=signed)
         base = self.store.find(source)
         return replace(base.manifest, parameters=dict(base.manifest.parameters), parent=str(base.name),
                        details={**base.manifest.details, "parent_model": str(base.name)})
