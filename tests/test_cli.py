@@ -740,7 +740,7 @@ def test_a_closed_stdout_or_ctrl_c_ends_without_a_traceback(error: BaseException
 def test_every_command_is_listed() -> None:
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(subparsers.choices) == {"serve", "run", "create", "list", "ls", "rm", "show", "ps", "pull", "cp", "stop",
-                                       "batch"}
+                                       "batch", "sign"}
 
 
 # ---- the server's address, its API key, and what answers there ------------------------------------------------------
