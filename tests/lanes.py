@@ -24,7 +24,7 @@ from types import ModuleType
 from _pytest.mark.expression import Expression
 
 TINY_GGUF = frozenset({"tests.tiny_gguf", "tests.tiny_lfm2", "tests.tiny_lfm2_vl", "tests.tiny_lora",
-                       "tests.tiny_reranker"})
+                       "tests.tiny_reranker", "tests.tiny_audio"})
 LLAMA_CPP = frozenset({"llama_cpp", "lmserve.engine.llamacpp.backend", "lmserve.engine.llamacpp.quantize",
                        "lmserve.engine.llamacpp.loading", "lmserve.engine.llamacpp.sampling",
                        "lmserve.engine.llamacpp.vision", "lmserve.engine.llamacpp.embedding"})
