@@ -102,6 +102,11 @@ def test_warn_logs_what_require_refuses_and_off_checks_nothing(tmp_path: Path, k
         assert check(copy, Trust("warn", keys["team"][1])) == {}
     assert "copy.gguf: its signature does not verify: copy.gguf changed since it was signed" in caplog.text
     assert check(copy, Trust("off", keys["team"][1])) == {}
+    caplog.clear()
+    unsigned = Path(shutil.copy(gguf, tmp_path / "unsigned.gguf"))
+    with caplog.at_level(logging.WARNING, logger="lmserve"):
+        assert check(unsigned, Trust("warn", keys["team"][1])) == check(unsigned, Trust("warn")) == {}
+    assert caplog.text == ""  # most models come without a signature: nothing to say about it
 
 
 def test_lmserve_sign_signs_a_file_for_the_public_key(tmp_path: Path, keys: dict, gguf: Path) -> None:
