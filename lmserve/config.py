@@ -183,6 +183,11 @@ class ServerConfig:
     load_timeout: float | None = option(300.0, env="LOAD_TIMEOUT", kind="duration",
                                         help="how long a model may take to load before its request fails with an "
                                         "error (a hung engine start); negative: no limit")
+    sleep_idle_seconds: float | None = option(None, "--sleep-idle-seconds", env="SLEEP_IDLE_SECONDS",
+                                              kind="duration", metavar="DURATION", shown="never",
+                                              help="put a model to sleep after it has been unused this long: its "
+                                              "engine closes (memory freed, its room in the memory budget kept) and "
+                                              "its next request loads it again (POST /sleep?level=2)")
     supervisor: bool = option(True, env="SUPERVISOR", kind="bool", shown="1, on",
                               help="run the server under a small supervisor process that keeps the port and starts "
                               "the server again when a signal ends it (a native crash of llama.cpp, the kernel's "

@@ -128,6 +128,13 @@ class ModelNotFound(LmserveError):
         self.name = name
 
 
+class Conflict(LmserveError):
+    """The request conflicts with what the server is doing now (a model asked to sleep while it serves requests)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
 class Overloaded(LmserveError):
     """The server cannot take more work right now."""
 

@@ -59,7 +59,7 @@ def build_service(config: ServerConfig) -> tuple[Service, str]:
     cache = settings.prompt_cache if isinstance(gauge, SystemMemory) else None
     residency = Residency(catalog.plan, max_loaded=config.max_loaded_models, keep_alive=config.keep_alive,
                           memory=gauge, reclaim=cache.reclaim if cache is not None else None,
-                          load_timeout=config.load_timeout)
+                          load_timeout=config.load_timeout, sleep_idle=config.sleep_idle_seconds)
     service = Service(catalog, residency, load_options=config.load_options, hf_endpoint=config.hf_endpoint,
                       tool_call_parser=config.tool_call_parser, max_messages=config.max_messages,
                       max_images=config.max_images, n_predict=config.n_predict,

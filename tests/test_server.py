@@ -273,6 +273,35 @@ def test_decode_health_probes_the_model_with_one_token(server: Server, client: o
     assert (found["state"], found["check"]) == ("ok", "probed") and 0 < found["seconds"] < 10
 
 
+def tree_rss(pid: int) -> int:
+    """The resident memory of process `pid` and every process below it, in bytes."""
+    total = 0
+    for each in [pid, *descendants(pid)]:
+        status = Path(f"/proc/{each}/status").read_text()
+        total += int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+    return total
+
+
+def test_a_model_sleeps_gives_its_memory_back_and_wakes_for_a_request(server: Server, client: openai.OpenAI) -> None:
+    """Level 1 frees the KV cache (8 slots of 1,024 tokens: 189 MiB on SmolLM2), level 2 the weights too; a request
+    wakes either and is answered as before."""
+    asked = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 8}
+    before = client.chat.completions.create(**asked).choices[0].message.content  # type: ignore[call-overload]
+    awake = tree_rss(server.process.pid)
+    slept = httpx.post(server.base_url + "/sleep", params={"level": 1}, timeout=60)
+    assert slept.status_code == 200 and slept.json() == {"sleeping": {MODEL: 1}}, slept.text
+    level_1 = tree_rss(server.process.pid)
+    assert awake - level_1 > 150 * 2**20, (awake, level_1)
+    assert client.chat.completions.create(**asked).choices[0].message.content == before  # type: ignore[call-overload]
+    assert httpx.get(server.base_url + "/is_sleeping").json() == {"is_sleeping": False, "sleeping": {}}
+    assert httpx.post(server.base_url + "/sleep", params={"level": 2, "model": MODEL}).status_code == 200
+    level_2 = tree_rss(server.process.pid)
+    assert awake - level_2 > awake - level_1 + 50 * 2**20, (awake, level_1, level_2)  # the weights: 90 MiB
+    assert httpx.get(server.base_url + "/is_sleeping", params={"model": MODEL}).json()["is_sleeping"] is True
+    assert client.chat.completions.create(**asked).choices[0].message.content == before  # type: ignore[call-overload]
+    assert httpx.get(server.base_url + "/api/ps").json()["models"][0]["name"] == MODEL
+
+
 def test_streamed_chat_equals_the_whole_reply(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)  # type: ignore[arg-type]
     chunks = list(

@@ -252,6 +252,13 @@ class Engine(Protocol):
     @property
     def stats(self) -> EngineStats: ...
 
+    async def sleep(self) -> None:
+        """Sleep level 1: free the KV cache and the slots, keep the weights; the next request or `wake_up` makes them
+        again. Conflict while requests run; InvalidRequest naming why where the engine cannot."""
+        ...
+
+    async def wake_up(self) -> None: ...
+
     def close(self) -> None:
         """Free the model; requests still in flight end with an error."""
         ...

@@ -20,7 +20,7 @@ from lmserve.dialects.responses.routes import responses_store
 from lmserve.dialects.table import DIALECTS, batch_endpoints
 from lmserve.endpoints import audio, batches, decisions, files, gateway, infill, lora, rerank, tokens
 from lmserve.endpoints.files import files_store
-from lmserve.http import health
+from lmserve.http import health, sleeping
 from lmserve.http.access_log import install as install_access_log
 from lmserve.http.auth import AuthMiddleware
 from lmserve.http.errors import CatchAllMiddleware
@@ -95,6 +95,7 @@ def create_app(service: Service, config: ServerConfig, *, preload: Sequence[str]
     install_openapi(app)  # /openapi.json: one operationId per method
 
     add_routes(app, health.router)
+    add_routes(app, sleeping.router)
     metrics = Metrics(service)
     metrics.attach(service)
     app.state.metrics = metrics

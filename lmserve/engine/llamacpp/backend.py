@@ -1,20 +1,18 @@
 """llama.cpp backend over llama-cpp-python's low-level API: one context, one slot per sequence.
 
-Each slot is a llama.cpp sequence id with its own KV stream (`kv_unified = false`), so a request computes
-exactly the same numbers whether it runs alone or beside others: temperature 0 is deterministic under load.
+Each slot is a llama.cpp sequence id with its own KV stream (`kv_unified = false`): a request computes the same
+numbers alone or beside others (temperature 0 is deterministic under load).
 With `--kv-unified` the slots share one pool of `num_ctx` cells instead (each may grow to all of it); a batch that
 finds no room raises PoolFull and the engine makes room (engine/slots/scheduler.py).
 
-The backend decodes and samples; its parts live beside it: the model and context (engine/llamacpp/loading.py), the
-sampler chains (sampling.py), images (vision.py), embeddings (embedding.py), reranking (rerank.py), the draft model
-(draft_model.py) and rewinding hybrid models (recurrent_state.py).
+The backend decodes and samples; beside it: the model and context (loading.py), samplers (sampling.py), images
+(vision.py), embeddings, reranking, the draft model, saved states (states.py) and hybrid models (recurrent_state.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 from pathlib import Path
 
 import llama_cpp as lc
@@ -29,6 +27,7 @@ from lmserve.engine.llamacpp.loading import LlamaModel, check_kv_options, init_l
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.llamacpp.sampling import Candidates, build_chain
 from lmserve.engine.llamacpp.sampling import check_grammar as parse_grammar
+from lmserve.engine.llamacpp.states import state_buffer
 from lmserve.engine.llamacpp.vision import Vision
 from lmserve.engine.logprobs import Ranked, score_tokens
 from lmserve.engine.prompt_logprobs import PromptLogprobs
@@ -41,15 +40,6 @@ from lmserve.types import Adapter, LoadOptions, Media, SamplingParams
 log = logging.getLogger(__name__)
 
 LAUNCH_DEFAULTS = LlamaCppLaunch()
-
-
-def _state_buffer(size: int) -> SavedState:
-    """A writable buffer of `size` bytes for a saved state: pre-faulted anonymous memory where the platform has
-    MAP_POPULATE, else a bytearray."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    if not populate or size == 0:
-        return bytearray(size)
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
 
 
 class LlamaCppBackend:
@@ -110,11 +100,9 @@ class LlamaCppBackend:
         self._drafted: dict[int, list[int]] = {}
         """The last step's samples after the first of each slot whose entry carried a draft (`take_drafted`)."""
         self._copying: set[int] = set()
-        """Slots a copy between KV streams reads from or writes to: llama.cpp copies the buffers at the next decode,
-        so until then their states must be neither saved (stale) nor restored (overwritten by, or into, the copy)."""
+        """Slots a KV copy (done by llama.cpp at the next decode) reads or writes: not to be saved or restored yet."""
         self._redo: dict[int, tuple[int, list[int]]] = {}
-        """Slots of a hybrid model rewound after a rejected draft → (position, the accepted tokens to decode again
-        there), decoded before anything else touches the memory (`_redecode`)."""
+        """Rewound slots of a hybrid model → (position, accepted tokens to decode again there first: `_redecode`)."""
 
     def _load_extras(self, name: str, options: LoadOptions, launch: LlamaCppLaunch) -> None:
         """The vision projector and the draft model, where the options name them."""
@@ -235,7 +223,7 @@ class LlamaCppBackend:
         if slot in self._copying:
             return None
         size = lc.llama_state_seq_get_size(self._ctx, slot)
-        state = _state_buffer(size)
+        state = state_buffer(size)
         written = lc.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size, slot)
         return state if written == size else state[:written]
 
@@ -493,6 +481,21 @@ class LlamaCppBackend:
         """Decode `pairs` in one batch, one sequence each, and read each one's pooled head output."""
         return rerank.decode_pairs(self._ctx, self._batch, pairs, self._rank_softmax)
 
+    def free_memory(self) -> None:
+        self._free_samplers()
+        self._loaded.free_context()
+
+    def restore_memory(self) -> None:
+        (loaded := self._loaded).new_context()
+        self._ctx, self._memory, self._batch = loaded.ctx, loaded.memory, loaded.batch
+        self._step_threads = self._num_threads  # the new context's
+        self._init_slot_state()
+
+    def _free_samplers(self) -> None:
+        for sampler in self._samplers.values():
+            lc.llama_sampler_free(sampler)
+        self._samplers.clear()
+
     def close(self) -> None:
         if self._draft_model is not None:
             self._draft_model.close()
@@ -500,9 +503,7 @@ class LlamaCppBackend:
         if self._vision is not None:
             self._vision.close()
             self._vision = None
-        for sampler in self._samplers.values():
-            lc.llama_sampler_free(sampler)
-        self._samplers.clear()
+        self._free_samplers()
         if self._embedder is not None:
             self._embedder.close()
         self._loaded.close()  # the slots' context, the adapters, then the model

@@ -147,6 +147,7 @@ class LlamaModel:
         if self.is_reranker:  # its context ranks pairs and generates nothing (the engine refuses prompts)
             rerank.configure(cparams, self.num_ctx, bidirectional=rerank.is_bidirectional(model),
                              flash_attn=launch.flash_attn)
+        self._cparams = cparams
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
@@ -169,13 +170,26 @@ class LlamaModel:
         self.batch_capacity: int = cparams.n_batch if self.is_reranker else options.num_batch
         self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
 
-    def close(self) -> None:
-        """Free the slots' context, then the adapters, then the model (any other context of the model first)."""
+    def free_context(self) -> None:
+        """Free the slots' context (their KV cache) and batch; the model and adapters stay (sleep level 1)."""
         if self.ctx:
             lc.llama_batch_free(self.batch)
             self.adapters.forget(self.ctx)
             lc.llama_free(self.ctx)
             self.ctx = None
+
+    def new_context(self) -> None:
+        """Make the slots' context and batch again after `free_context`, as they were made at load, empty."""
+        ctx = lc.llama_init_from_model(self.model, self._cparams)
+        if not ctx:
+            raise EngineFailure(f"llama.cpp could not make the context of {self._cparams.n_ctx} tokens again")
+        self.ctx, self.memory = ctx, lc.llama_get_memory(ctx)
+        self.adapters.apply(ctx, ())
+        self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
+
+    def close(self) -> None:
+        """Free the slots' context, then the adapters, then the model (any other context of the model first)."""
+        self.free_context()
         self.adapters.close()  # after every context using them, before the model
         if self.model:
             lc.llama_model_free(self.model)

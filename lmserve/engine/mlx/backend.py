@@ -425,6 +425,17 @@ class MlxBackend:
         """MLX serves no dedicated rerankers: always InvalidRequest."""
         raise InvalidRequest("the MLX engine serves no dedicated rerankers", param="model")
 
+    def free_memory(self) -> None:
+        """Every slot's caches and the decoding batch dropped, MLX's buffer cache emptied; the weights stay."""
+        self._batch, self._batch_slots = None, []
+        self._caches = [self._make_cache() for _ in self._caches]
+        self._samplers.clear()
+        self._last_rows.clear()
+        self._mx.clear_cache()
+
+    def restore_memory(self) -> None:
+        """Nothing to make again: the caches grow as prompts come."""
+
     def close(self) -> None:
         self._batch, self._batch_slots = None, []
         self._caches = []

@@ -176,6 +176,13 @@ class Backend(Protocol):
         head's logit, higher for a more relevant document. InvalidRequest for a model that is not a reranker."""
         ...
 
+    def free_memory(self) -> None:
+        """Sleep level 1: free the slots' KV cache, keeping the weights (no sequence runs); `restore_memory` makes it
+        again, empty. InvalidRequest naming why where the backend cannot."""
+        ...
+
+    def restore_memory(self) -> None: ...
+
     def close(self) -> None: ...
 
 

@@ -19,12 +19,14 @@ from lmserve.engine.protocol import EngineStats, ModelInfo, PromptImage
 from lmserve.engine.slots.backend import Backend, BatchEntry, PoolFull, step_plan
 from lmserve.engine.slots.bridge import Bridge, Outbox, RequestStream, Tracker, Work, deliver
 from lmserve.engine.slots.drafting import set_drafts
-from lmserve.engine.slots.jobs import Jobs, settle
+from lmserve.engine.slots.jobs import Jobs, MemoryJob, settle
 from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
 from lmserve.engine.slots.scheduler import Scheduler
-from lmserve.engine.slots.sequence import Sequence, adapter_names
+from lmserve.engine.slots.sequence import Sequence
+from lmserve.engine.slots.sleeping import set_asleep
+from lmserve.engine.slots.stats import slot_engine_stats
 from lmserve.engine.slots.submission import check_request, make_sequences
 from lmserve.engine.stops import StopMatcher
 from lmserve.errors import EngineFailure, EngineStopped, InvalidRequest
@@ -38,11 +40,8 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 class BatchingEngine:
-    """Continuous batching over a backend. Thread-safe `submit`/`abort`/`embed`; the rest runs in its thread.
-
-    Embedding jobs share the engine thread with decoding (llama.cpp is not thread-safe): the thread runs
-    at most one of them between two decode steps, so generations keep moving while texts are embedded.
-    """
+    """Continuous batching over a backend. Thread-safe `submit`/`abort`/`embed`; the rest runs in its thread, which
+    runs at most one embedding job between two decode steps (llama.cpp is not thread-safe)."""
 
     def __init__(
         self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512,
@@ -87,6 +86,8 @@ class BatchingEngine:
         """Sequences that gave their slot to a request of higher priority (and later recomputed)."""
         self.num_prompt_tokens = 0
         """Prompt tokens of the sequences admitted since load (what the prefix and prompt caches were asked for)."""
+        self.is_asleep = False
+        """Its KV cache and slots are freed (sleep level 1)."""
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -169,11 +170,8 @@ class BatchingEngine:
         self._bridge.abort(seq)
 
     def fail_all(self, message: str) -> None:
-        """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline).
-
-        The streams end now, whatever step the engine thread is in (one step of a busy machine can take seconds, and
-        the deadline must not wait for it); the thread frees their sequences after its step (what it sends them
-        after their error chunk is never read)."""
+        """End every request in flight with an error chunk carrying `message` (graceful shutdown's deadline), now,
+        whatever step the engine thread is in; the thread frees their sequences after its step."""
         trackers = self._bridge.fail(message)
         deliver([(tracker.stream, Chunk(finish_reason="error", error=message)) for tracker in trackers])
 
@@ -192,30 +190,28 @@ class BatchingEngine:
 
     @property
     def stats(self) -> EngineStats:
-        cache = self.cache_stats
-        cells = self.info.num_kv_cells or self.info.num_ctx * self.info.num_parallel
-        usage = min(1.0, self.scheduler.num_held_tokens() / cells) if cells else None
-        return EngineStats(step_ns=self.step_ns, decode_ns=self.decode_ns, progress=self.num_steps,
-                           preemptions=self.num_parked + self.num_preempted,
-                           kv_cache_usage=usage, kv_block_size=1, kv_num_blocks=cells,
-                           prefix_cache_queries=self.num_prompt_tokens, prefix_cache_hits=sum(cache.tokens.values()),
-                           cache_hits={str(k): v for k, v in cache.hits.items()},
-                           cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,
-                           cache_bytes=self.cache.model_bytes(self.cache_key),
-                           adapter_bytes=self.backend.adapter_bytes, max_adapters=self.backend.max_adapters,
-                           running_adapters=adapter_names(list(self.scheduler.running)),
-                           waiting_adapters=adapter_names(list(self.scheduler.waiting)))
+        return slot_engine_stats(self)
+
+    async def sleep(self) -> None:  # level 1 (engine/slots/sleeping.py)
+        await self._jobs.memory(asleep=True)
+
+    async def wake_up(self) -> None:
+        await self._jobs.memory(asleep=False)
 
     def close(self) -> None:
         self._bridge.close()
         self._thread.join()
         try:
             if self._bridge.death is None:  # a failed engine's slots may hold anything: none is saved
-                for slot, tokens in enumerate(self.scheduler.slot_tokens):
-                    self._save(slot, tokens, 0)  # so a returning conversation skips its prefill after a reload
+                self.save_slots()  # so a returning conversation skips its prefill after a reload
         except Exception:  # a model that cannot save its slots still closes
             log.exception("saving the slots' prompts on close failed")
         self.backend.close()
+
+    def save_slots(self) -> None:
+        """Save every slot's prompt in the prompt cache (engine thread, or once it has ended)."""
+        for slot, tokens in enumerate(self.scheduler.slot_tokens):
+            self._save(slot, tokens, 0)
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -236,8 +232,13 @@ class BatchingEngine:
                 self._drop(seq)
             if work.failure is not None:
                 self._fail_all(work.failure)
-            if work.job is not None:
-                self._jobs.run(work.job)
+            if isinstance(work.job, MemoryJob):
+                set_asleep(self, work.job)
+            else:
+                if self.is_asleep and (work.job is not None or self.scheduler.has_work):
+                    set_asleep(self, None)  # whatever comes for a sleeping engine wakes it
+                if work.job is not None:
+                    self._jobs.run(work.job)
             started = time.perf_counter_ns()
             try:
                 self._step()

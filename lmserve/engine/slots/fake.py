@@ -87,6 +87,7 @@ class FakeBackend:
         """The pairs of each `rank` call (a reranker's)."""
         self.unpaused = threading.Event()  # cleared, steps wait for it (as on a hung device they never return)
         self.unpaused.set()
+        self.is_freed = False  # its memory freed (sleep level 1): a step now is an error
         self.fault: str | None = None
         """When set, every step and every release of a slot raises RuntimeError(fault), as a backend made unusable
         (a device fault) would: the next step fails, failing its requests releases their slots, which fails outside
@@ -159,6 +160,8 @@ class FakeBackend:
         self.unpaused.wait()
         if self.fault is not None:
             raise RuntimeError(self.fault)
+        if self.is_freed:
+            raise AssertionError("a step ran on freed memory (asleep)")
         if any(self.slot_adapters.get(entry.slot, ()) != adapters for entry in entries):
             raise AssertionError("a step mixed sequences of different adapter sets")
         self.step_adapters.append(adapters)
@@ -291,6 +294,14 @@ class FakeBackend:
             end = pair.index(EOG)
             scores.append(float(len(set(pair[:end]) & set(pair[end + 1:]))))
         return scores
+
+    def free_memory(self) -> None:
+        """Sleep level 1: every slot's memory forgotten; a step before `restore_memory` is an error."""
+        self.held = {}
+        self.is_freed = True
+
+    def restore_memory(self) -> None:
+        self.is_freed = False
 
     def close(self) -> None:
         pass

@@ -44,7 +44,17 @@ class RankJob:
     loop: asyncio.AbstractEventLoop
 
 
-Job = EmbedJob | RankJob
+@dataclass(slots=True, eq=False)
+class MemoryJob:
+    """Free the KV cache and the slots (`asleep`: sleep level 1), or make them again; the engine thread settles
+    `future` on `loop`."""
+
+    asleep: bool
+    future: asyncio.Future[list[float]]
+    loop: asyncio.AbstractEventLoop
+
+
+Job = EmbedJob | RankJob | MemoryJob
 
 
 class Jobs:
@@ -106,6 +116,13 @@ class Jobs:
         finally:
             job.future.cancel()  # no-op once settled; the thread skips a cancelled job
 
+    async def memory(self, *, asleep: bool) -> None:
+        """Have the engine thread free its KV cache and slots (`asleep`) or make them again (`MemoryJob`)."""
+        loop = asyncio.get_running_loop()
+        job = MemoryJob(asleep, loop.create_future(), loop)
+        self._bridge.add_jobs([job])
+        await job.future
+
     def _rank_pair(self, query: str, document: str, truncate: bool) -> list[int]:
         """The reranker's tokens of (query, document), fitted to one sequence's context (see `rank`)."""
         num_ctx = self.info.num_ctx
@@ -120,7 +137,7 @@ class Jobs:
 
     # ---- the engine thread ----------------------------------------------------------------------
 
-    def run(self, job: Job) -> None:
+    def run(self, job: EmbedJob | RankJob) -> None:
         """Compute a job and settle its future (a failure fails the job, never the thread)."""
         if job.future.cancelled():  # the caller is gone (a benign race: at worst one wasted embedding)
             return

@@ -299,6 +299,15 @@ class VllmEngine:
         else:
             self._stats.cache_misses += 1
 
+    async def sleep(self) -> None:
+        """vLLM frees its KV cache alone only in its own sleep mode (CUDA GPUs), which lmserve does not start yet."""
+        raise InvalidRequest("vLLM frees its KV cache while keeping the weights only in its CUDA sleep mode, which "
+                             "lmserve does not start; sleep this model at level 2 (its engine closes, and opens "
+                             "again for the next request)", param="level")
+
+    async def wake_up(self) -> None:
+        """Nothing sleeps at level 1 here (`sleep`)."""
+
     def close(self) -> None:
         """Stop vLLM's engine core and workers (child processes). Called on the event loop (an unload), it returns
         at once and a thread waits for them (seconds); elsewhere (the server's exit) it waits itself."""

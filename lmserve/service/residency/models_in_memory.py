@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from lmserve.engine.factory import MemoryEstimate
 from lmserve.engine.protocol import Engine
-from lmserve.errors import EngineFailure, LmserveError, gib
+from lmserve.errors import Conflict, EngineFailure, InvalidRequest, LmserveError, gib
 from lmserve.service.healing import Healing
 from lmserve.service.memory_budget import MemoryGauge, estimate_of, room_for
 from lmserve.service.observers import Observers
@@ -25,6 +25,7 @@ from lmserve.service.residency.records import (
     WeightsKey,
     keep_alive_seconds,
 )
+from lmserve.service.residency.sleeping import Asleep, asleep, expire_asleep, forget
 from lmserve.types import AUTO_CONTEXT, LoadOptions
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,12 @@ class Residency:
         memory: MemoryGauge | None = None,
         reclaim: Callable[[int], int] | None = None,
         load_timeout: float | None = None,
+        sleep_idle: float | None = None,
     ) -> None:
         """`memory`: the budget loads are held against (None: no memory check); `reclaim(num_bytes)`: frees up to
         that much elsewhere (the prompt cache's RAM tier) before models are unloaded for room, and says how much
-        it freed; `load_timeout`: seconds a load may take before its requests fail (None: no limit)."""
+        it freed; `load_timeout`: seconds a load may take before its requests fail (None: no limit); `sleep_idle`:
+        seconds unused after which a name sleeps at level 2 (None: never; service/residency/sleeping.py)."""
         self._planner = planner
         self._memory = memory
         self._reclaim = reclaim
@@ -77,6 +80,8 @@ class Residency:
         self._unloaded_while_acquiring: set[str] = set()
         """Names unloaded while a request for them was loading: that request runs, then the name goes."""
         self._load_timeout = load_timeout
+        self.sleep_idle = sleep_idle
+        self._asleep: dict[str, Asleep] = {}
         self._healing = Healing(clock)
         self._restarts: set[asyncio.Task[None]] = set()
         self._is_closed = False
@@ -92,14 +97,18 @@ class Residency:
         lease = None if keep_alive is None else keep_alive_seconds(keep_alive)
         plan = plan or self._planner(name, options)
         self._num_acquiring[name] = self._num_acquiring.get(name, 0) + 1
+        slept = self._asleep.pop(name, None)  # it wakes: loaded again by `_bound`, its room no longer held aside
         try:
             resident = await self._bound(name, plan)
         finally:
             self._num_acquiring[name] -= 1
             if not self._num_acquiring[name]:
                 del self._num_acquiring[name]
+        resident.instance.is_asleep = False  # the engine itself wakes for the request's work
         if keep_alive is not None:
             resident.keep_alive = lease
+        elif slept is not None:
+            resident.keep_alive = slept.keep_alive
         if name in self._unloaded_while_acquiring:  # unloaded (or deleted) meanwhile: answer, then go
             self._unloaded_while_acquiring.discard(name)
             resident.keep_alive = 0.0
@@ -176,6 +185,8 @@ class Residency:
     async def unload(self, name: str) -> bool:
         """Forget `name`; its instance is closed when no other name binds it and its requests are done. A request
         for it that is loading it now still gets its answer; the name goes when that request is done."""
+        if self._asleep.pop(name, None) is not None:
+            return True
         pending = name in self._num_acquiring
         if pending:
             self._unloaded_while_acquiring.add(name)
@@ -191,6 +202,10 @@ class Residency:
             expires = resident.expires_at
             if expires is not None and expires <= now and resident.is_idle:
                 self._unbind(name)
+            elif self.sleep_idle is not None and now - resident.last_used >= self.sleep_idle and \
+                    resident.instance.is_idle:
+                self._sleep_deeply(name)
+        expire_asleep(self._asleep, now)
         for instance in list(self._instances.values()):
             self._close_if_unbound(instance)  # loaded for a request that went away before binding it
 
@@ -223,9 +238,49 @@ class Residency:
         """Each working engine bound to resident names, with those names (the decode health check's subjects)."""
         bound: dict[int, tuple[list[str], Engine]] = {}
         for name, resident in sorted(self._residents.items()):
-            if not self._has_failed(resident.instance):
+            if not self._has_failed(resident.instance) and not resident.instance.is_asleep:
                 bound.setdefault(id(resident.instance), ([], resident.instance.engine))[0].append(name)
         return [(tuple(names), engine) for names, engine in bound.values()]
+
+    async def sleep(self, names: list[str] | None, level: int) -> list[str]:
+        """Put the resident `names` (None: every one) to sleep at `level` (service/residency/sleeping.py: 1 or 2); the
+        names asleep now. InvalidRequest for a name not loaded; Conflict while one serves requests."""
+        chosen = sorted(self._residents) if names is None else names
+        for name in chosen:
+            resident = self._residents.get(name)
+            if resident is None and name not in self._asleep:
+                raise InvalidRequest(f"model '{name}' is not loaded", param="model")
+            if resident is not None and not resident.instance.is_idle:
+                raise Conflict(f"model '{name}' is serving requests; it can sleep once they are done")
+        for name in chosen:
+            resident = self._residents.get(name)
+            if resident is not None and level == 2:
+                self._sleep_deeply(name)
+            elif resident is not None:
+                await resident.instance.engine.sleep()
+                resident.instance.is_asleep = resident.instance.users == 0
+                log.info("%s sleeps (level 1: its KV cache freed)", name)
+        return chosen
+
+    async def wake_up(self, names: list[str] | None) -> list[str]:
+        """Wake the sleeping `names` (None: every one), loading or making the KV cache again: the names woken."""
+        woken = []
+        for name in sorted(self.sleeping()) if names is None else names:
+            slept, resident = self._asleep.get(name), self._residents.get(name)
+            if slept is not None:
+                self.release(await self.acquire(name, slept.options))
+            elif resident is not None and resident.instance.is_asleep:
+                await resident.instance.engine.wake_up()
+                resident.instance.is_asleep = False
+            else:
+                continue
+            woken.append(name)
+        return woken
+
+    def sleeping(self) -> dict[str, int]:
+        """Each sleeping name's level."""
+        levels = {name: 2 for name in self._asleep} | {n: 1 for n, r in self._residents.items() if r.instance.is_asleep}
+        return dict(sorted(levels.items()))
 
     def health(self) -> list[ModelHealth]:
         """Each resident name's state (a failed engine's names: restarting, or failed while restarts pause), and
@@ -252,6 +307,7 @@ class Residency:
         for task in self._restarts:
             task.cancel()
         self._residents.clear()
+        self._asleep.clear()
         for instance in [*self._instances.values(), *self._retired]:
             self._close(instance)
         self._instances.clear()
@@ -369,6 +425,13 @@ class Residency:
         self._close_if_unbound(failed.instance)
         log.info("restarted %s", name)
 
+    def _sleep_deeply(self, name: str) -> None:
+        """Sleep level 2: remember `name` as loaded and unbind it (its instance closes unless another name binds it)."""
+        resident = self._residents.pop(name)
+        self._asleep[name] = asleep(resident)
+        log.info("%s sleeps (level 2: its engine closed, its memory held for its wake)", name)
+        self._close_if_unbound(resident.instance)
+
     def _unbind(self, name: str) -> None:
         resident = self._residents.pop(name)
         log.info("unloading %s", name)
@@ -422,14 +485,20 @@ class Residency:
             return
         held = [*self._instances.values(), *self._working_retired()]
         loading = [e for e in self._loading_memory.values() if not e.on_gpu]
-        available = self._memory.available([i.memory for i in held if i.memory is not None and i.ram_bytes], loading)
+        reserved = [(slept, slept.ram_bytes) for slept in self._asleep.values() if slept.ram_bytes]
+        available = self._memory.available([i.memory for i in held if i.memory is not None and i.ram_bytes],
+                                           [*loading, *(slept.memory for slept, _ in reserved if slept.memory)])
         if available is None:
             return
         idle = self._idle_instances()
         busy = sum(i.ram_bytes for i in held if i not in idle) + sum(e.total for e in loading)
-        for instance in room_for(name, need, available, [(i, i.ram_bytes) for i in idle], busy, self._reclaim):
-            log.info("unloading an idle model (%s) to make room for %s", gib(instance.ram_bytes), name)
-            self._unload_instance(instance)
+        candidates: list[tuple[Instance | Asleep, int]] = [*reserved, *((i, i.ram_bytes) for i in idle)]
+        for chosen in room_for(name, need, available, candidates, busy, self._reclaim):
+            if isinstance(chosen, Asleep):  # a sleeping model's room is given up first
+                forget(self._asleep, chosen, name)
+                continue
+            log.info("unloading an idle model (%s) to make room for %s", gib(chosen.ram_bytes), name)
+            self._unload_instance(chosen)
 
     def _close(self, instance: Instance) -> None:
         if instance.is_closed:

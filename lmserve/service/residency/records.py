@@ -85,6 +85,8 @@ class Instance:
     failure: str | None = None
     """Why its engine failed (then it serves nothing more and is closed once its requests are gone)."""
     is_closed: bool = False
+    is_asleep: bool = False
+    """Its engine freed its KV cache and slots (sleep level 1) and nothing has used it since."""
 
     @property
     def is_idle(self) -> bool:
