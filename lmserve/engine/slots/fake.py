@@ -32,18 +32,9 @@ class FakeBackend:
     """Decodes by echoing a fixed sentence, rotated by the prompt length and the seed."""
 
     def __init__(
-        self,
-        *,
-        num_ctx: int = 2048,
-        num_parallel: int = 4,
-        eog_after: int | None = None,
-        step_delay: float = 0.0,
-        script: str | None = None,
-        vision: bool = False,
-        draft_model: bool = False,
-        pool_size: int | None = None,
-        num_ctx_train: int = 0,
-        reranker: bool = False,
+        self, *, num_ctx: int = 2048, num_parallel: int = 4, eog_after: int | None = None, step_delay: float = 0.0,
+        script: str | None = None, vision: bool = False, draft_model: bool = False, pool_size: int | None = None,
+        num_ctx_train: int = 0, reranker: bool = False,
     ) -> None:
         self.info = ModelInfo(
             path="fake.gguf",
