@@ -2,7 +2,8 @@
 (as the out-of-memory killer or a GPU fault does) mid-stream ends every stream with its dialect's error event,
 /health says why with a 503, the model is started again in the process and answers; an engine core killed while a
 model loads is an error for that request, and the server serves on. An engine core paused (SIGSTOP) is stuck for
-/health/decode while /health, which only sees failures, stays 200.
+/health/decode while /health, which only sees failures, stays 200. A model put to sleep at level 2 ends its engine
+core and a request starts it again.
 
 One server for the module (a vLLM start costs about a minute): the embedded SmolLM2 as a safetensors repository,
 float32 on the CPU build.
@@ -117,6 +118,27 @@ def test_a_paused_engine_core_is_stuck_for_the_decode_health_check_while_health_
     again = httpx.get(url + "/health/decode", timeout=120)
     assert again.status_code == 200, again.text
     assert engine_cores(server) == {core}
+
+
+def test_a_vllm_model_sleeps_at_level_2_with_its_engine_core_gone_and_a_request_wakes_it(
+    server: Server, model: str,
+) -> None:
+    """vLLM on the CPU keeps no weights without its KV cache: level 1 is a 400 saying so; level 2 ends the engine
+    core (its memory back to the machine) and the next request starts it again."""
+    url = server.base_url
+    asked = {"model": model, "messages": COUNT, "max_tokens": 3, "temperature": 0}
+    before = httpx.post(url + "/v1/chat/completions", json=asked, timeout=RESTART_SECONDS)
+    assert before.status_code == 200, before.text
+    cores = engine_cores(server)
+    refused = httpx.post(url + "/sleep", params={"level": 1}, timeout=60)
+    assert refused.status_code == 400 and "level 2" in refused.json()["error"]["message"], refused.text
+    slept = httpx.post(url + "/sleep", params={"level": 2, "model": model}, timeout=120)
+    assert slept.status_code == 200 and slept.json() == {"sleeping": {model: 2}}, slept.text
+    wait_for("the engine core's exit", lambda: not engine_cores(server) & cores, 60)
+    after = httpx.post(url + "/v1/chat/completions", json=asked, timeout=RESTART_SECONDS)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["message"] == before.json()["choices"][0]["message"]
+    assert engine_cores(server) and httpx.get(url + "/is_sleeping").json()["is_sleeping"] is False
 
 
 def test_a_killed_engine_core_ends_each_dialects_stream_with_its_error_and_the_model_comes_back(

@@ -288,10 +288,17 @@ def test_a_model_sleeps_gives_its_memory_back_and_wakes_for_a_request(server: Se
     asked = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 8}
     before = client.chat.completions.create(**asked).choices[0].message.content  # type: ignore[call-overload]
     awake = tree_rss(server.process.pid)
+    [loaded] = httpx.get(server.base_url + "/api/ps").json()["models"]
+    memory = loaded["memory"]
+    assert memory["kv_cache"] == 8 * 1024 * 30 * 2 * 3 * 64 * 2  # cells x layers x K,V x heads x dims x f16
+    assert 70 * 2**20 < memory["weights"] < loaded["size"] == memory["weights"] + memory["kv_cache"]
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert f'lmserve_model_memory_bytes{{model="{MODEL}",part="kv_cache"}} {memory["kv_cache"]:.8g}' in metrics
     slept = httpx.post(server.base_url + "/sleep", params={"level": 1}, timeout=60)
     assert slept.status_code == 200 and slept.json() == {"sleeping": {MODEL: 1}}, slept.text
     level_1 = tree_rss(server.process.pid)
-    assert awake - level_1 > 150 * 2**20, (awake, level_1)
+    assert awake - level_1 > 0.8 * memory["kv_cache"], (awake, level_1)  # the measured KV cache is what comes back
+    assert httpx.get(server.base_url + "/api/ps").json()["models"][0]["memory"]["kv_cache"] == 0
     assert client.chat.completions.create(**asked).choices[0].message.content == before  # type: ignore[call-overload]
     assert httpx.get(server.base_url + "/is_sleeping").json() == {"is_sleeping": False, "sleeping": {}}
     assert httpx.post(server.base_url + "/sleep", params={"level": 2, "model": MODEL}).status_code == 200

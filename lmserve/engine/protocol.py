@@ -142,6 +142,10 @@ class EngineStats:
     """RAM this model's entries hold in the prompt cache beyond the slots."""
     adapter_bytes: int = 0
     """RAM the LoRA adapters loaded for requests hold (engines that load them per request)."""
+    weights_bytes: int = 0
+    """What the loaded weights hold, as the engine allocated them (0: the engine does not say)."""
+    kv_bytes: int = 0
+    """What the KV cache holds now, as allocated: 0 while it sleeps at level 1 (and where the engine does not say)."""
     max_adapters: int = 0
     """LoRA adapters it keeps loaded at once (--max-loras); 0: it runs none per request."""
     running_adapters: tuple[str, ...] = ()

@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.engine.protocol import Engine, EngineStats
 from lmserve.service import Service
+from lmserve.service.models import model_memory
 from lmserve.types import Chunk
 
 METRICS_PATH = "/metrics"
@@ -142,6 +143,7 @@ class _ServiceCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engines = self._engines()
         yield from _engine_families(engines)
+        yield _memory_family(engines)
         yield from _prompt_cache_families(engines)
         gateway = _GatewayGauges()
         for name, engine in engines:
@@ -200,6 +202,16 @@ def _engine_families(engines: list[tuple[str, Engine]]) -> Iterator[Metric]:
             if (number := value(engine)) is not None:
                 family.add_metric([model], number)
         yield family
+
+
+def _memory_family(engines: list[tuple[str, Engine]]) -> Metric:
+    family = GaugeMetricFamily("lmserve_model_memory_bytes", "What each model holds in memory, by part (weights, "
+                               "kv_cache, prompt_cache, adapters), as its engine measures it.",
+                               labels=["model", "part"])
+    for model, engine in engines:
+        for part, num_bytes in model_memory(engine.stats).items():
+            family.add_metric([model, part], num_bytes)
+    return family
 
 
 def _prompt_cache_families(engines: list[tuple[str, Engine]]) -> Iterator[Metric]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.engine.factory import check_quantization, quantize_weights
+from lmserve.engine.protocol import EngineStats
 from lmserve.errors import InvalidRequest, ModelNotFound
 from lmserve.service.catalog import Catalog, ModelDescription, ModelListing
 from lmserve.service.precedence import Precedence
@@ -158,3 +159,9 @@ class ModelService:
             projector = str(files.projector.resolve()) if files.projector is not None else None
             self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
         report(PullProgress("success"))
+
+
+def model_memory(stats: EngineStats) -> dict[str, int]:
+    """What a loaded model holds, by part, in bytes, as its engine measures it (/api/ps, /metrics)."""
+    return {"weights": stats.weights_bytes, "kv_cache": stats.kv_bytes, "prompt_cache": stats.cache_bytes,
+            "adapters": stats.adapter_bytes}

@@ -46,6 +46,7 @@ from lmserve.dialects.shared.state import MediaDep, ServiceDep
 from lmserve.dialects.shared.streaming import GenerationResponse, guarded_errors, until_disconnect
 from lmserve.errors import InvalidRequest
 from lmserve.service import Service
+from lmserve.service.models import model_memory
 from lmserve.store.manifest import check_digest
 from lmserve.types import (
     ChatRequest,
@@ -232,8 +233,10 @@ async def ps(service: ServiceDep) -> dict[str, Any]:
         expires = resident.expires_at
         until = datetime.fromtimestamp(expires, UTC) if expires is not None else datetime(9999, 1, 1, tzinfo=UTC)
         stats = resident.model.engine.stats
-        models.append({**tag(listing), "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
-                       "context_length": resident.model.engine.info.num_ctx,
+        memory = model_memory(stats)
+        held = {"size": memory["weights"] + memory["kv_cache"] + memory["adapters"]} if stats.weights_bytes else {}
+        models.append({**tag(listing), **held, "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+                       "context_length": resident.model.engine.info.num_ctx, "memory": memory,
                        "prompt_cache_bytes": stats.cache_bytes, "adapter_bytes": stats.adapter_bytes})
     body: dict[str, Any] = {"models": models}
     cache = service.prompt_cache

@@ -85,12 +85,10 @@ class LlamaCppBackend:
         """The batch row each slot sampled from in the last step (forks sample from it too)."""
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
-        self._logprob_slots: dict[int, int] = {}
-        """Slots whose request asked for logprobs → how many alternatives."""
+        self._logprob_slots: dict[int, int] = {}  # slots whose request asked for logprobs → how many alternatives
         self._ranked: dict[int, Ranked] = {}
         """The last step's sampled tokens, ranked, of the slots in `_logprob_slots`."""
-        self._score_slots: dict[int, list[int]] = {}
-        """Slots whose request named `score_tokens` → those tokens."""
+        self._score_slots: dict[int, list[int]] = {}  # slots whose request named `score_tokens` → those tokens
         self._prompt_scoring: dict[int, PromptLogprobs] = {}
         """Slots prefilling a prompt whose log-probabilities were asked for: every prompt row keeps its logits."""
         self._prompt_ranked: dict[int, list[Ranked]] = {}
@@ -272,6 +270,8 @@ class LlamaCppBackend:
     @property
     def max_adapters(self) -> int:
         return self._loaded.adapters.max_loaded
+
+    held_bytes = property(lambda self: self._loaded.held_bytes)
 
     def step(self, entries: list[BatchEntry], adapters: tuple[Adapter, ...] = ()) -> list[int | None]:
         self._redecode()  # under the set of the step that rewound it

@@ -22,7 +22,7 @@ from lmserve.engine import fim
 from lmserve.engine.context_size import ContextChoice
 from lmserve.engine.llamacpp import rerank
 from lmserve.engine.llamacpp.adapters import DEFAULT_MAX_LOADED, AdapterPool
-from lmserve.engine.llamacpp.memory import context_choice
+from lmserve.engine.llamacpp.memory import context_choice, kv_bytes_per_token
 from lmserve.engine.llamacpp.options import LlamaCppLaunch
 from lmserve.engine.llamacpp.vision import Vision
 from lmserve.engine.protocol import FimTokens, ModelInfo
@@ -148,6 +148,7 @@ class LlamaModel:
             rerank.configure(cparams, self.num_ctx, bidirectional=rerank.is_bidirectional(model),
                              flash_attn=launch.flash_attn)
         self._cparams = cparams
+        self._kv_cell_bytes = kv_bytes_per_token(model, path, launch)
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
@@ -169,6 +170,12 @@ class LlamaModel:
         self.memory = lc.llama_get_memory(ctx)
         self.batch_capacity: int = cparams.n_batch if self.is_reranker else options.num_batch
         self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
+
+    @property
+    def held_bytes(self) -> tuple[int, int]:
+        """The weights' tensors and the slots' KV cache as allocated (0 while the context is freed), in bytes."""
+        kv = self._kv_cell_bytes * lc.llama_n_ctx(self.ctx) if self.ctx else 0
+        return (lc.llama_model_size(self.model) if self.model else 0), kv
 
     def free_context(self) -> None:
         """Free the slots' context (their KV cache) and batch; the model and adapters stay (sleep level 1)."""

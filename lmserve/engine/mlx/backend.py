@@ -72,6 +72,7 @@ class MlxBackend:
                  adapter_limits: tuple[int, int] = (8, 0)) -> None:
         launch = launch or MlxLaunch()
         self._mx = mx = import_mlx(launch.mlx_device, options.num_threads)
+        from mlx.utils import tree_flatten
         from mlx_lm.models.cache import make_prompt_cache
 
         from lmserve.engine.mlx.adapters import AdapterPool  # MLX imported first, as import_mlx sets it up
@@ -79,6 +80,7 @@ class MlxBackend:
         path = Path(path)
         model, tokenizer, config, dtype = load_model(mx, path, launch.mlx_dtype)
         self._model = model
+        self._weights_bytes = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
         self._stream = mx.new_thread_local_stream(mx.default_device())
         """MLX's streams belong to threads: every thread computes on its own of this one (`computing`)."""
         with mx.stream(self._stream):
@@ -157,6 +159,12 @@ class MlxBackend:
     @property
     def max_adapters(self) -> int:
         return self.adapters.max_loaded
+
+    @property
+    def held_bytes(self) -> tuple[int, int]:
+        """The weights' arrays and every slot's (and the batch's) caches, in bytes."""
+        caches = [*(caches for caches in self._caches if caches), *([self._batch] if self._batch else [])]
+        return self._weights_bytes, sum(int(array.nbytes) for caches in caches for array in _arrays(caches))
 
     # ---- slots -------------------------------------------------------------------------------------------------
 

@@ -97,6 +97,11 @@ class Backend(Protocol):
         ...
 
     @property
+    def held_bytes(self) -> tuple[int, int]:
+        """The bytes its weights and its KV cache hold now, as allocated (readable from any thread)."""
+        ...
+
+    @property
     def max_adapters(self) -> int:
         """The most LoRA adapters it keeps loaded at once (0: it runs none)."""
         ...

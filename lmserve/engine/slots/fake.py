@@ -138,6 +138,7 @@ class FakeBackend:
             raise InvalidRequest("the output grammar is invalid: it has no root rule")
 
     adapter_bytes = 0
+    held_bytes = (0, 0)
     max_adapters = 4
 
     def check_adapters(self, adapters: tuple[Adapter, ...]) -> None:

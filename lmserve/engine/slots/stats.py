@@ -24,5 +24,6 @@ def slot_engine_stats(engine: BatchingEngine) -> EngineStats:
                        cache_tokens={str(k): v for k, v in cache.tokens.items()}, cache_misses=cache.misses,
                        cache_bytes=engine.cache.model_bytes(engine.cache_key),
                        adapter_bytes=backend.adapter_bytes, max_adapters=backend.max_adapters,
+                       weights_bytes=backend.held_bytes[0], kv_bytes=backend.held_bytes[1],
                        running_adapters=adapter_names(list(scheduler.running)),
                        waiting_adapters=adapter_names(list(scheduler.waiting)))

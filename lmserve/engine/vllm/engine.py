@@ -40,7 +40,7 @@ from lmserve.engine.vllm.args import VllmOptions, engine_args
 from lmserve.engine.vllm.errors import config_error, engine_death, engine_error
 from lmserve.engine.vllm.gate import KindGate
 from lmserve.engine.vllm.lora import VllmLoras
-from lmserve.engine.vllm.memory import context_choice, kv_cache_bytes
+from lmserve.engine.vllm.memory import context_choice, held_bytes, kv_cache_bytes
 from lmserve.engine.vllm.rerank import RankPair, is_reranker, pair_tokens, score_template
 from lmserve.engine.vllm.sampling import check_grammar, to_vllm_sampling
 from lmserve.engine.vllm.stats import CACHE_TIER, stat_logger
@@ -88,6 +88,7 @@ class VllmEngine:
         cache_config = self.llm.vllm_config.cache_config
         self._stats.kv_block_size = int(cache_config.block_size or 0)
         self._stats.kv_num_blocks = int(cache_config.num_gpu_blocks or 0)
+        self._stats.weights_bytes, self._stats.kv_bytes = held_bytes(path, config, model_config.dtype, self._stats)
         self._bos_id = getattr(self._tokenizer, "bos_token_id", None)
         marker, audio = self.info.image_marker, self.info.audio_marker
         self._marker_ids = self.tokenize(marker, add_special=False) if marker else []

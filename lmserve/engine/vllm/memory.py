@@ -12,6 +12,7 @@ from typing import Any
 
 from lmserve.engine.context_size import ContextChoice, choose_context, machine_memory, memory_beside
 from lmserve.engine.memory_estimate import MemoryEstimate, available_memory
+from lmserve.engine.protocol import EngineStats
 from lmserve.engine.vllm.args import VllmOptions
 from lmserve.types import LoadOptions
 
@@ -74,6 +75,20 @@ def gpu_memory(options: VllmOptions) -> int | None:
 
 VLLM_RUNTIME_BYTES = 2**30
 """vLLM's engine process besides weights and KV cache (torch, its workers' runtime)."""
+
+
+def held_bytes(path: Path, config: dict[str, Any], dtype: Any, stats: EngineStats) -> tuple[int, int]:
+    """What vLLM holds for the repository at `path` loaded in `dtype` (a torch dtype): the weights (the files'
+    tensors in that dtype) and the KV cache it allocated (its blocks, `stats`)."""
+    width = int(getattr(dtype, "itemsize", 2))
+    text = config.get("text_config") or config
+    stored = _DTYPE_WIDTHS.get(str(text.get("torch_dtype") or config.get("torch_dtype")), width)
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) * width // stored
+    kv = stats.kv_num_blocks * stats.kv_block_size * kv_bytes_per_token(config, "float32" if width == 4 else "")
+    return weights, kv
+
+
+_DTYPE_WIDTHS = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def estimate_repository(path: Path, options: LoadOptions) -> MemoryEstimate | None:
