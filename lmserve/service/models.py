@@ -156,8 +156,9 @@ class ModelService:
         if isinstance(files, PulledRepository):
             self.create(str(parsed), Modelfile(from_=str(files.directory.resolve())))
         else:
-            projector = str(files.projector.resolve()) if files.projector is not None else None
-            self.create(str(parsed), Modelfile(from_=str(files.model.resolve()), projector=projector))
+            # the snapshot's paths, not their blobs': a signature lies beside the file under the file's own name
+            projector = str(files.projector.absolute()) if files.projector is not None else None
+            self.create(str(parsed), Modelfile(from_=str(files.model.absolute()), projector=projector))
         report(PullProgress("success"))
 
 

@@ -54,6 +54,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from lmserve.errors import InvalidRequest, LmserveError, ModelNotFound, Unreachable
 from lmserve.store.names import DEFAULT_TAG, ModelName
 from lmserve.store.repository import CONFIG, check_relative_path, repository_files
+from lmserve.store.signatures import DIRECTORY_SIGNATURE, FILE_SUFFIX, signed_files
 
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "F16")
 """Preference order when the name carries no quant tag (`hf.co/org/repo` or `:latest`)."""
@@ -167,6 +168,9 @@ def pull(
     if not any(f.lower().endswith(".gguf") for f in siblings):
         return _pull_repository(source, siblings, name, progress)
     model_file, projector_file = choose_files(list(siblings), name.tag)
+    for signature in (f"{model_file}{FILE_SUFFIX}", f"{projector_file}{FILE_SUFFIX}"):
+        if signature in siblings:  # it lands beside its file, where the store's check finds it
+            _pull_file(source, siblings[signature], str(name), progress)
     model, model_sha = _pull_file(source, siblings[model_file], str(name), progress)
     if projector_file is None:
         return PulledFiles(model, None, model_sha, None)
@@ -188,6 +192,9 @@ def _pull_repository(
                              f"without ':{name.tag}'", param="model", code="quant_not_found")
     paths: dict[str, Path] = {}
     digests: dict[str, str] = {}
+    if DIRECTORY_SIGNATURE in siblings:  # signed: the files it covers come too, or it could not verify
+        signature, _ = _pull_file(source, siblings[DIRECTORY_SIGNATURE], str(name), progress)
+        filenames = [*filenames, *(f for f in signed_files(signature) if f in siblings and f not in filenames)]
     for filename in filenames:
         check_relative_path(filename)
         paths[filename], digests[filename] = _pull_file(source, siblings[filename], str(name), progress)

@@ -108,7 +108,19 @@ def _hashing(signature: Path) -> Any:
     """model_signing's hashing of a directory, its own signature file left out."""
     from model_signing import hashing
 
-    return hashing.Config().set_ignored_paths(paths=[signature.resolve()])  # type: ignore[no-untyped-call]
+    config = hashing.Config().set_ignored_paths(paths=[signature.resolve()])  # type: ignore[no-untyped-call]
+    return config.set_allow_symlinks(True)  # a pulled repository's files link to the hub cache's blobs
+
+
+def signed_files(signature: Path) -> list[str]:
+    """The files (relative paths) a directory's signature covers, as its bundle lists them ([] when it lists none
+    or cannot be read: the verification then says why)."""
+    try:
+        bundle = json.loads(signature.read_text(encoding="utf-8"))
+        statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+        return [str(resource["name"]) for resource in statement["predicate"]["resources"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def signer(signature: Path, trust: Trust) -> str:

@@ -16,12 +16,14 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from huggingface_hub import constants
 
 from lmserve.config import ServerConfig
 from lmserve.errors import InvalidRequest
 from lmserve.http.app import create_app
 from lmserve.server import build_service
 from lmserve.store.signatures import Trust, check, sign, signature_path
+from tests.hub import serve_hub, tiny_repository
 from tests.tiny_lfm2 import write_tiny_lfm2
 
 
@@ -151,3 +153,44 @@ async def test_the_server_refuses_a_tampered_model_and_serves_the_signed_one(
             assert (await client.get("/api/tags")).json()["models"][0]["name"].startswith("good")
     finally:
         service.close()
+
+
+@pytest.mark.asyncio
+async def test_a_pull_brings_the_signature_with_the_model_and_a_forged_one_is_refused(
+        tmp_path: Path, keys: dict, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub repo's `FILE.sig` comes beside its GGUF, a repository's `model.sig` with every file it covers (the
+    README a pull leaves out otherwise); each verifies as it enters the store."""
+    model = Path(shutil.copy(gguf, tmp_path / "tiny-Q8_0.gguf"))
+    signature = sign(model, keys["team"][0]).read_bytes()
+    forged = bytearray(model.read_bytes())
+    forged[-8:] = b"\1" * 8
+    folder = tmp_path / "repository"
+    for name, data in tiny_repository().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    repository_files = {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*")
+                        if path.is_file()}
+    repos = {"org/signed-GGUF": {model.name: model.read_bytes(), f"{model.name}.sig": signature},
+             "org/forged-GGUF": {model.name: bytes(forged), f"{model.name}.sig": signature},
+             "org/signed": {**repository_files, "model.sig": sign(folder, keys["team"][0]).read_bytes()}}
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once at import; the suite may have set it
+    with serve_hub(repos) as hub:
+        config = ServerConfig(models_dir=str(tmp_path / "store"), verify_signatures="require", hf_endpoint=hub.endpoint,
+                              signature_key=str(keys["team"][1]))
+        service, _ = build_service(config)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(service, config)),
+                                         base_url="http://test", timeout=120) as client:
+                async def pull(name: str) -> httpx.Response:
+                    return await client.post("/api/pull", json={"model": name, "stream": False})
+
+                forged_pull = await pull("hf.co/org/forged-GGUF:Q8_0")
+                assert forged_pull.status_code == 400
+                assert "tiny-Q8_0.gguf changed since it was signed" in forged_pull.json()["error"]
+                for name in ("hf.co/org/signed-GGUF:Q8_0", "hf.co/org/signed:latest"):
+                    assert (await pull(name)).json() == {"status": "success"}, name
+                    shown = (await client.post("/api/show", json={"model": name})).json()
+                    assert shown["signature"]["signed_by"].startswith("key sha256:"), name
+        finally:
+            service.close()
