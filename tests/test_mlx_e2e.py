@@ -405,6 +405,24 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_again(server: KeyedS
         assert [m.model for m in native.ps().models] == [model]
 
 
+def test_sleep_level_1_drops_the_caches_and_a_request_wakes_the_model(
+    server: KeyedServer, client: openai.OpenAI, model: str,
+) -> None:
+    asked = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 6}
+    before = client.chat.completions.create(**asked).choices[0].message.content  # type: ignore[call-overload]
+
+    def memory() -> dict[str, int]:
+        ps = httpx.get(server.base_url + "/api/ps", headers=AUTH).json()["models"]
+        return dict(next(entry["memory"] for entry in ps if entry["name"] == model))
+
+    awake = memory()
+    assert awake["weights"] > 100 * 2**20 and awake["kv_cache"] > 0  # SmolLM2's float arrays; the slots' caches
+    slept = httpx.post(server.base_url + "/sleep", params={"model": model}, headers=AUTH, timeout=60)
+    assert slept.status_code == 200 and slept.json()["sleeping"] == {model: 1}, slept.text
+    assert memory()["kv_cache"] == 0
+    assert client.chat.completions.create(**asked).choices[0].message.content == before  # type: ignore[call-overload]
+
+
 def test_a_decision_puts_most_probability_on_paris(client: openai.OpenAI, model: str) -> None:
     """Judging on MLX (service/judging.py): 20 questions through a queue of MAX_QUEUE, exact and the same alone."""
     choices: Any = [{"value": "Berlin"}, {"value": "Paris"}, {"value": "Tokyo"}]
