@@ -149,6 +149,9 @@ class LlamaModel:
                              flash_attn=launch.flash_attn)
         self._cparams = cparams
         self._kv_cell_bytes = kv_bytes_per_token(model, path, launch)
+        self.held_bytes = (lc.llama_model_size(model), 0)
+        """The weights' tensors and the slots' KV cache as allocated (0 while the context is freed), in bytes: plain
+        numbers, read from any thread."""
         ctx = lc.llama_init_from_model(model, cparams)
         if not ctx:
             lc.llama_model_free(model)
@@ -156,6 +159,7 @@ class LlamaModel:
                  f"{launch.flash_attn}" if (launch.cache_type_k, launch.cache_type_v) != ("f16", "f16") else ""
             raise EngineFailure(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path.name}{kv}")
         self.ctx: Any = ctx  # a llama_context pointer; None once closed
+        self.held_bytes = (self.held_bytes[0], self._kv_cell_bytes * lc.llama_n_ctx(ctx))
         self.adapters = AdapterPool(model, path, max_loaded=adapter_limits[0], max_rank=adapter_limits[1])
         try:
             self.adapters.load_defaults(options.adapters)
@@ -171,15 +175,10 @@ class LlamaModel:
         self.batch_capacity: int = cparams.n_batch if self.is_reranker else options.num_batch
         self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
 
-    @property
-    def held_bytes(self) -> tuple[int, int]:
-        """The weights' tensors and the slots' KV cache as allocated (0 while the context is freed), in bytes."""
-        kv = self._kv_cell_bytes * lc.llama_n_ctx(self.ctx) if self.ctx else 0
-        return (lc.llama_model_size(self.model) if self.model else 0), kv
-
     def free_context(self) -> None:
         """Free the slots' context (their KV cache) and batch; the model and adapters stay (sleep level 1)."""
         if self.ctx:
+            self.held_bytes = (self.held_bytes[0], 0)
             lc.llama_batch_free(self.batch)
             self.adapters.forget(self.ctx)
             lc.llama_free(self.ctx)
@@ -193,12 +192,14 @@ class LlamaModel:
         self.ctx, self.memory = ctx, lc.llama_get_memory(ctx)
         self.adapters.apply(ctx, ())
         self.batch = lc.llama_batch_init(self.batch_capacity, 0, 1)
+        self.held_bytes = (self.held_bytes[0], self._kv_cell_bytes * lc.llama_n_ctx(ctx))
 
     def close(self) -> None:
         """Free the slots' context, then the adapters, then the model (any other context of the model first)."""
         self.free_context()
         self.adapters.close()  # after every context using them, before the model
         if self.model:
+            self.held_bytes = (0, 0)
             lc.llama_model_free(self.model)
             self.model = None
 
