@@ -53,8 +53,10 @@ BODILESS = {
     ("delete", "/v1/models/{model_id}"),
     ("delete", "/v1/files/{file_id}"),
     ("post", "/v1/batches/{batch_id}/cancel"),
+    ("post", "/sleep"),
+    ("post", "/wake_up"),
 }
-"""Operations of a body-taking method that take no body (the id is in the path)."""
+"""Operations of a body-taking method that take no body (the id is in the path, or the query says it all)."""
 OPTIONAL_BODIES = {("post", "/v1/conversations")}
 """Operations whose body may be left out."""
 FORM_BODIES = {("post", "/v1/files"), ("post", "/v1/audio/transcriptions"), ("post", "/v1/audio/translations")}

@@ -134,8 +134,12 @@ async def test_stats_name_the_adapters_running_and_waiting(tmp_path: Path) -> No
         first = engine.submit(engine.tokenize("one"), running)
         second = engine.submit(engine.tokenize("two"), waiting)
         async for _ in first:
-            stats = engine.stats
             break
+        for _ in range(200):  # the engine thread may take the second request a step after the first one's token
+            stats = engine.stats
+            if len(stats.running_adapters) + len(stats.waiting_adapters) == 2:
+                break
+            await asyncio.sleep(0.01)
         # One slot: one set runs and the other waits (which one, after the fair turns between sets that a loaded
         # machine lets pass before this reads, does not matter).
         assert stats.max_adapters == 4 and len(stats.running_adapters) == 1
