@@ -67,6 +67,7 @@ def vision_missing(config: dict[str, object]) -> str | None:
 
 def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> Engine:
     from lmserve.engine.slots.batching import BatchingEngine
+    from lmserve.engine.slots.scheduler import BACKGROUND_ROWS, GPU_BACKGROUND_ROWS
 
     try:
         from lmserve.engine.mlx.backend import MlxBackend
@@ -81,7 +82,8 @@ def open_model(path: Path, options: LoadOptions, settings: EngineSettings) -> En
     return BatchingEngine(backend, max_batch_tokens=max(options.num_batch, chunk),
                           max_prefill_tokens=backend.info.num_ctx if chunk == -1 else chunk,
                           max_queue=settings.max_queue, prompt_cache=settings.prompt_cache,
-                          cache_key=prompt_cache_key(path, launch, backend.info.num_ctx))
+                          cache_key=prompt_cache_key(path, launch, backend.info.num_ctx),
+                          background_rows=GPU_BACKGROUND_ROWS if backend.on_gpu else BACKGROUND_ROWS)
 
 
 def estimate(path: Path, options: LoadOptions, settings: EngineSettings,

@@ -81,6 +81,7 @@ class MlxBackend:
         model, tokenizer, config, dtype = load_model(mx, path, launch.mlx_dtype)
         self._model = model
         self._weights_bytes = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
+        self.on_gpu: bool = mx.default_device() == mx.gpu
         self._stream = mx.new_thread_local_stream(mx.default_device())
         """MLX's streams belong to threads: every thread computes on its own of this one (`computing`)."""
         with mx.stream(self._stream):

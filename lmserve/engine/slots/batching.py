@@ -23,7 +23,7 @@ from lmserve.engine.slots.jobs import Jobs, MemoryJob, settle
 from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.prompt_cache import CacheStats, PromptCache, Tier
 from lmserve.engine.slots.replies import accept, final_chunk, prompt_logprobs
-from lmserve.engine.slots.scheduler import Scheduler
+from lmserve.engine.slots.scheduler import BACKGROUND_ROWS, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.engine.slots.sleeping import set_asleep
 from lmserve.engine.slots.stats import slot_engine_stats
@@ -46,7 +46,7 @@ class BatchingEngine:
     def __init__(
         self, backend: Backend, *, max_batch_tokens: int = 512, max_prefill_tokens: int = 256, max_queue: int = 512,
         prompt_cache: PromptCache | None = None, cache_key: str = "", slot_similarity: float = 0.5,
-        draft_max: int = 0,
+        draft_max: int = 0, background_rows: int = BACKGROUND_ROWS,
     ) -> None:
         self.backend = backend
         self.draft_max = draft_max
@@ -63,7 +63,7 @@ class BatchingEngine:
         """A model whose memory cannot be cut also saves its state at the end of prompts and at checkpoints."""
         self.scheduler = Scheduler(backend.info.num_parallel, max_batch_tokens, max_prefill_tokens,
                                    can_copy=backend.info.can_cut_memory, can_snapshot=self._snapshots,
-                                   slot_similarity=slot_similarity)
+                                   slot_similarity=slot_similarity, background_rows=background_rows)
         self._bridge = Bridge(has_work=lambda: self.scheduler.has_work)
         self._trackers = self._bridge.trackers
         """The requests in flight (filled by the bridge; the same dict for the bridge's whole life)."""

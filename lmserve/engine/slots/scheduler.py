@@ -43,27 +43,39 @@ running one has a lower priority (a higher value), that one is preempted (`preem
 keeps its tokens as any freed slot does (so the engine saves them in the prompt cache when the slot is taken), and
 it waits again ahead of its own priority, to prefill its prompt and output so far when it gets a slot, as a parked
 sequence does. While a sequence prefills, the work of sequences of lower priority waits (`schedule`), so an
-interactive request's first token is not slowed by a batch's decoding; and for `RECENT_STEPS` steps after one ran,
-such work prefills at most `BACKGROUND_PREFILL` tokens a step, so the user's next request waits little for the step
-in flight (a batch alone, with no interactive request for a while, prefills as much as any).
+interactive request's first token is not slowed by a batch's decoding; and while one runs and for `RECENT_S`
+seconds after, such work takes at most `BACKGROUND_ROWS` of a step's tokens (decoded or prefilled, the oldest lines'
+first, so they finish one by one), so the user's tokens and next request wait little for the step in flight (a batch
+alone, with no interactive request for a while, takes whole steps).
 
 Each sequence is in one `Phase` at a time, and moves only along the edges of `MOVES` (`Sequence.move` asserts it).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 
 from lmserve.engine.slots.backend import BatchEntry
 from lmserve.engine.slots.phases import Phase
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import Adapter
 
-BACKGROUND_PREFILL = 16
-"""Prefill tokens a step gives sequences of lower than default priority (a batch's lines) soon after an interactive
-request: on 2 cores, a chat's engine TTFT under a 600-line batch 0.8-0.9x idle with 16, 1.9-2.0x unlimited."""
-RECENT_STEPS = 256
-"""Steps after the last one with a sequence of default or higher priority during which BACKGROUND_PREFILL holds."""
+BACKGROUND_ROWS = 1
+"""Tokens a step gives sequences of lower than default priority (a batch's lines), decoded and prefilled together,
+while an interactive request runs and for RECENT_S seconds after. A user's request that arrives during a step waits
+for it, and their stream's tokens come one a step; on a CPU a step's time grows with each token in it (2 cores,
+SmolLM2: 1 decode 15 ms, 4 decodes 43 ms, 8 decodes and a 16-token prompt chunk about 200 ms). A batch alone takes
+whole steps (bench/README.md, part 2b)."""
+GPU_BACKGROUND_ROWS = 16
+"""BACKGROUND_ROWS for a model on a GPU (MLX on Apple silicon), where a step's time grows little with a few more
+tokens (as vLLM, which batches every running request whatever its priority, relies on): a batch keeps more of its
+speed beside a user. Not measured here (no GPU on these machines)."""
+RECENT_S = 0.5
+"""Seconds after the last step with a sequence of default or higher priority during which BACKGROUND_ROWS holds: the
+next request of a client that answers at once (a script's loop, an agent's quick tool) finds short steps."""
 SPREAD_REUSE = 128
 """While other sequences run, a free slot widening their slots' range more than the nearest free slot would is
 taken for its prefix only from this many tokens. llama.cpp attends over the KV streams from a step's lowest slot to
@@ -83,6 +95,7 @@ class Scheduler:
     def __init__(
         self, num_slots: int, max_batch_tokens: int, max_prefill_tokens: int, *, can_copy: bool = False,
         can_snapshot: bool = False, min_share: int = 16, slot_similarity: float = 0.5,
+        clock: Callable[[], float] = time.monotonic, background_rows: int = BACKGROUND_ROWS,
     ) -> None:
         if num_slots < 1 or max_batch_tokens < 1 or max_prefill_tokens < 1:
             raise ValueError("scheduler sizes must be positive")
@@ -107,7 +120,10 @@ class Scheduler:
         """Fewest extra tokens that make copying from another slot (or waiting for a leader) worth it."""
         self.slot_similarity = slot_similarity
         """Least fraction of a free slot's tokens a prompt must keep to take that slot for its prefix."""
-        self.steps_since_interactive = RECENT_STEPS  # steps since one ran a sequence of priority <= 0
+        self.clock = clock
+        self.background_rows = background_rows
+        self.interactive_at = -math.inf
+        """When a step last ran a sequence of priority <= 0 (`clock`'s seconds)."""
 
     @property
     def has_work(self) -> bool:
@@ -375,24 +391,25 @@ class Scheduler:
             self._resume(1)  # nothing else would run: room will be found (idle caches are evicted first)
         urgent = min((seq.priority for seq in self.running if seq.phase is Phase.PREFILLING), default=None)
         group = self._adapter_turn(urgent)
-        for seq in self.running:
-            if (urgent is not None and seq.priority > urgent) or seq.adapters != group:
-                continue  # a prompt of higher priority is prefilling (this waits for it), or another set's turn
-            if seq.phase is Phase.DECODING and budget > 0:
-                draft = seq.draft[: budget - 1]
-                plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True,
-                                             draft=len(draft))))
-                budget -= 1 + len(draft)
+        ready = [seq for seq in self.running if (urgent is None or seq.priority <= urgent) and seq.adapters == group]
+        now = self.clock()
+        if any(seq.priority <= 0 for seq in self.running):
+            self.interactive_at = now
+        spare = self.background_rows if now - self.interactive_at < RECENT_S else budget  # for priority > 0
+        for seq in self._decoders(ready, spare):
+            rows = budget if seq.priority <= 0 else min(budget, spare)
+            if rows <= 0:
+                continue
+            draft = seq.draft[: rows - 1]
+            plan.append((seq, BatchEntry(seq.slot, [seq.output[-1], *draft], seq.num_tokens, True, draft=len(draft))))
+            budget -= 1 + len(draft)
+            spare -= 1 + len(draft) if seq.priority > 0 else 0
         budget = min(budget, self.max_prefill_tokens)
-        interactive = any(seq.priority <= 0 for seq in self.running)
-        self.steps_since_interactive = 0 if interactive else self.steps_since_interactive + 1
-        spare = BACKGROUND_PREFILL if self.steps_since_interactive < RECENT_STEPS else budget  # for priority > 0
         has_prefill = False
-        for seq in self.running:
+        for seq in ready:
             if budget <= 0:
                 break
-            if seq.phase is not Phase.PREFILLING or (urgent is not None and seq.priority > urgent) or \
-                    seq.adapters != group:
+            if seq.phase is not Phase.PREFILLING:
                 continue
             start = seq.num_prefilled
             image = seq.image_at(start)
@@ -410,6 +427,16 @@ class Scheduler:
                 spare -= len(chunk) if seq.priority > 0 else 0
             has_prefill = True
         return plan
+
+    def _decoders(self, ready: list[Sequence], rows: int) -> list[Sequence]:
+        """The decoding sequences of a step: every one of default or higher priority; of the others, when fewer `rows`
+        than they are bound them, only those among the oldest (prefilling or decoding), so lines finish one by one."""
+        decoding = [seq for seq in ready if seq.phase is Phase.DECODING]
+        background = [seq for seq in ready if seq.priority > 0 and seq.phase in (Phase.PREFILLING, Phase.DECODING)]
+        if len(background) <= rows:
+            return decoding
+        oldest = background[:rows]
+        return [seq for seq in decoding if seq.priority <= 0 or seq in oldest]
 
     def _adapter_turn(self, urgent: int | None) -> tuple[Adapter, ...]:
         """The adapter set this step runs (llama.cpp applies one set to a whole step): among the sets of the sequences

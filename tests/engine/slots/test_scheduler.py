@@ -6,7 +6,7 @@ import pytest
 
 from lmserve.engine.protocol import PromptImage
 from lmserve.engine.slots.phases import Phase
-from lmserve.engine.slots.scheduler import BACKGROUND_PREFILL, RECENT_STEPS, SPREAD_REUSE, Scheduler
+from lmserve.engine.slots.scheduler import BACKGROUND_ROWS, RECENT_S, SPREAD_REUSE, Scheduler
 from lmserve.engine.slots.sequence import Sequence
 from lmserve.types import SamplingParams
 
@@ -482,9 +482,11 @@ def test_lower_priority_work_waits_while_a_higher_priority_prompt_prefills() -> 
     plan = scheduler.schedule()
     assert [s for s, _ in plan] == [interactive]
     assert len(plan[0][1].tokens) == 8
-    scheduler.prefilled(interactive, 20)  # done: everyone runs again
+    scheduler.prefilled(interactive, 20)  # done: the batch runs again, a little beside the user's stream
     interactive.output = [1]
-    assert {id(s) for s, _ in scheduler.schedule()} == {id(batch_decoding), id(batch_prefilling), id(interactive)}
+    plan = scheduler.schedule()
+    assert interactive in [s for s, _ in plan]
+    assert sum(len(e.tokens) for s, e in plan if s is not interactive) == BACKGROUND_ROWS
 
 
 def test_a_reuse_limit_caps_the_prefix_taken_from_a_slot_and_from_copies() -> None:
@@ -523,7 +525,7 @@ def test_a_judged_sequence_copies_a_prefix_only_up_to_a_checkpoint_and_prefills_
 
 @pytest.mark.parametrize(("recently", "priorities", "chunks"), [
     (False, (10, 10), [256]),  # a batch alone, no user for a while: prefills at full speed
-    (True, (10, 10), [BACKGROUND_PREFILL]),  # a user was just served: the batch's share of a step is small
+    (True, (10, 10), [BACKGROUND_ROWS]),  # a user was just served: the batch's share of a step is small
     (True, (0, 10), [256]),  # the user's own prompt prefills first, the batch's waits for it
     (True, (0,), [256]),
 ])
@@ -541,16 +543,54 @@ def test_a_batch_prefills_little_per_step_soon_after_an_interactive_request_so_t
     assert [len(entry.tokens) for _, entry in scheduler.schedule()] == chunks
 
 
-def test_the_batch_prefills_at_full_speed_again_once_no_user_was_served_for_recent_steps() -> None:
-    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64)
+def decoding_batch(scheduler: Scheduler, priorities: list[int]) -> list[Sequence]:
+    """Sequences of `priorities`, admitted in that order, their prompts in, each with a token to decode next."""
+    seqs = [ranked(3, priority) for priority in priorities]
+    for s in seqs:
+        scheduler.add(s)
+    admit_all(scheduler)
+    for s in seqs:
+        scheduler.prefilled(s, 3)
+        s.output = [7]
+    return seqs
+
+
+def test_while_a_user_decodes_the_batch_gets_a_few_tokens_a_step_for_its_oldest_lines() -> None:
+    scheduler = Scheduler(num_slots=8, max_batch_tokens=64, max_prefill_tokens=64)
+    user, *batch = decoding_batch(scheduler, [0, 10, 10, 10, 10, 10])
+    for s in batch:
+        s.draft = [5, 5, 5]  # a drafted line's tokens count among the few too
+    plan = dict(scheduler.schedule())
+    assert len(plan[user].tokens) == 1  # the user decodes every step
+    assert sum(len(plan[s].tokens) for s in batch if s in plan) == BACKGROUND_ROWS
+    assert all(s in plan for s in batch[:BACKGROUND_ROWS])  # the oldest lines first: they finish one by one
+    scheduler.remove(batch[0])
+    late = ranked(30, 10)
+    scheduler.add(late)
+    admit_all(scheduler)
+    plan = dict(scheduler.schedule())
+    assert late not in plan and batch[1] in plan  # a new line's prompt waits for the older lines
+
+
+def test_a_batch_alone_decodes_every_line_every_step() -> None:
+    scheduler = Scheduler(num_slots=8, max_batch_tokens=64, max_prefill_tokens=64)
+    batch = decoding_batch(scheduler, [10] * 6)
+    assert {s for s, _ in scheduler.schedule()} == set(batch)
+
+
+def test_the_batch_takes_whole_steps_again_once_no_user_was_served_for_recent_seconds() -> None:
+    clock = [100.0]
+    scheduler = Scheduler(num_slots=2, max_batch_tokens=64, max_prefill_tokens=64, clock=lambda: clock[0])
     scheduler.add(ranked(3, 0))
     admit_all(scheduler)
     scheduler.schedule()
     scheduler.remove(scheduler.running[0])
     scheduler.add(ranked(100_000, 10))
     admit_all(scheduler)
-    sizes = [len(scheduler.schedule()[0][1].tokens) for _ in range(RECENT_STEPS + 1)]
-    assert sizes[0] == BACKGROUND_PREFILL and sizes[-1] == 64
+    sizes = []
+    for clock[0] in (100.0, 100.0 + RECENT_S / 2, 100.0 + RECENT_S):
+        sizes.append(len(scheduler.schedule()[0][1].tokens))
+    assert sizes == [BACKGROUND_ROWS, BACKGROUND_ROWS, 64]
 
 
 @pytest.mark.parametrize("others_run", [False, True])
