@@ -60,7 +60,7 @@ class ServerConfig:
                            metavar="N", env_aliases=("MAX_NUM_SEQS",), load="num_parallel",
                            help="sequences decoded together")
     threads: int | None = option(None, "-t", "--threads", env="THREADS", kind="int", minimum=1, metavar="N",
-                                 shown="all cores", load="num_threads", help="CPU threads")
+                                 shown="one per physical core", load="num_threads", help="CPU threads")
     api_key: str | None = option(None, "--api-key", env="API_KEY", metavar="KEY",
                                  help="require 'Authorization: Key KEY' or 'Bearer KEY' on every route but "
                                  "/health, /livez, / and the web page's /web/ files")

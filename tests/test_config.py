@@ -230,7 +230,7 @@ def test_every_field_is_one_entry_with_its_own_variable() -> None:
     [
         ("PER SEQUENCE", "serve"),
         ("(default -1, unlimited; LMSERVE_N_PREDICT)", "serve"),
-        ("(default all cores; LMSERVE_THREADS)", "serve"),
+        ("(default one per physical core; LMSERVE_THREADS)", "serve"),
         ("-n N, --n-predict N", "serve"),
         ("(default auto; vLLM only; LMSERVE_DTYPE)", "serve"),
         ("(default auto: the largest power of two whose KV cache for all slots fits in 25% of the memory the weights "

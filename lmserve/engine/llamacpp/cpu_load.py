@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 WINDOW_S = 0.25
 """Seconds between two readings of the machine's CPU time."""
@@ -95,9 +96,31 @@ class ThreadGovernor:
         return self._threads
 
 
-def default_threads() -> int:
-    """One thread per core this process may run on (its affinity: a container's or `taskset`'s cores, not every core
-    of the machine); the machine's count where the platform cannot say."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+CPU_SYSFS = Path("/sys/devices/system/cpu")
+"""Where Linux describes each CPU's place: `cpuN/topology/core_cpus_list` names the CPUs sharing its core."""
+
+
+def default_threads(sysfs: Path = CPU_SYSFS) -> int:
+    """One thread per physical core this process may run on (its affinity: a container's or `taskset`'s cores, not
+    every core of the machine), as llama.cpp's own default: a core's second hardware thread shares its arithmetic
+    units, so a thread there adds little to a step and takes the core the server's Python needs. Where the topology
+    cannot be read, one per CPU the process may use; the machine's count where the platform cannot say."""
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, os.cpu_count() or 1)
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = {core_of(sysfs, cpu) for cpu in cpus}
+    if None in cores:
+        return max(1, len(cpus))
+    return max(1, len(cores))
+
+
+def core_of(sysfs: Path, cpu: int) -> str | None:
+    """The physical core CPU `cpu` is a hardware thread of, as the list of the CPUs sharing it ("0,8"; CPU numbers
+    are the machine's, so the list names one core), or None where sysfs does not say."""
+    topology = sysfs / f"cpu{cpu}" / "topology"
+    for name in ("core_cpus_list", "thread_siblings_list"):  # the second on kernels before 5.7
+        try:
+            return (topology / name).read_text(encoding="ascii").strip()
+        except OSError:
+            continue
+    return None
