@@ -143,7 +143,7 @@ def test_a_batch_survives_sigterm_and_sigkill_restarts_with_no_line_lost_or_doub
         while client.batches.retrieve(batch.id).request_counts.completed < 12:  # type: ignore[union-attr]
             time.sleep(0.02)
     second.process.send_signal(signal.SIGKILL)
-    second.process.communicate()
+    second.process.wait()
     written = (log / f"{batch.id}.output.jsonl").read_bytes().count(b"\n")
     assert 12 <= written < 30
     third = Server("-np", "4", env=environment)

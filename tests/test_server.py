@@ -8,8 +8,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -30,22 +31,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 600.0) -> None:
+def wait_healthy(process: subprocess.Popen[str], base_url: str, timeout: float = 600.0,
+                 output: Callable[[], str] | None = None) -> None:
     """Return once the server `process` answers GET /health with 200; RuntimeError with its output when it exits
     first, or when `timeout` passes (it is killed then; only a guard against a hang: a vLLM or Ray server can take
     minutes to start on a loaded machine). A failed process is reaped and its pipe closed, so nothing
-    is left for the garbage collector to warn about in a later test."""
+    is left for the garbage collector to warn about in a later test. `output`: where its output is read from when
+    another thread drains the pipe (`Output`); else the pipe is read here."""
+    read = output or (lambda: process.communicate()[0] or "")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.communicate()[0] or ''}")
+            raise RuntimeError(f"server exited: {read()}")
         try:
             if httpx.get(base_url + "/health", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError(f"server did not become healthy: {process.communicate()[0]}")
+    process.wait()
+    raise RuntimeError(f"server did not become healthy: {read()}")
+
+
+class Output:
+    """A process's output pipe, read by a thread as the process writes it. A server that lives for a whole run logs a
+    line per request (and vLLM its stats every few seconds): unread, the pipe's 64 KiB fill and the server's next
+    write blocks its event loop, and every request after it hangs."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self._lines: list[str] = []
+        self._pipe = process.stdout
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._pipe is not None
+        for line in self._pipe:
+            self._lines.append(line)
+        self._pipe.close()
+
+    def text(self, timeout: float | None = None) -> str:
+        """Everything read so far, once the pipe has closed (every process holding it ended) or `timeout` passed."""
+        self._thread.join(timeout)
+        return "".join(self._lines)
 
 
 PORT_TAKEN = re.compile(r"is already in use|failed to bind to address", re.IGNORECASE)  # ours; Ray Serve's proxy
@@ -72,8 +100,9 @@ class Server:
             self.process = subprocess.Popen(
                 cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
+            self.output = Output(self.process)
             try:
-                wait_healthy(self.process, self.base_url)
+                wait_healthy(self.process, self.base_url, output=self.output.text)
                 return
             except RuntimeError as error:
                 if attempt == 2 or not PORT_TAKEN.search(str(error)):
@@ -99,13 +128,14 @@ class Server:
         )
 
     def stop(self) -> str:
+        """SIGTERM (SIGKILL after 30 s); everything the server wrote."""
         self.process.terminate()
         try:
-            out, _ = self.process.communicate(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            out, _ = self.process.communicate()
-        return out or ""
+            self.process.wait()
+        return self.output.text(timeout=60)
 
     def stop_leaving_nothing(self) -> str:
         """Stop with SIGTERM, and check what a stop must do: the server exits 0 and every process it started (an
@@ -136,6 +166,15 @@ def wait_until_gone(pids: set[int], seconds: float) -> set[int]:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     return alive(pids)
+
+
+def test_output_drains_the_pipe_so_a_chatty_process_never_blocks_on_it() -> None:
+    process = subprocess.Popen([sys.executable, "-c", "for i in range(20000): print('request', i)"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = Output(process)
+    assert process.wait(timeout=60) == 0  # 250 KB: an unread pipe (64 KiB) would hold it at its write
+    lines = output.text(timeout=10).splitlines()
+    assert len(lines) == 20000 and lines[-1] == "request 19999"
 
 
 @pytest.fixture(scope="module")

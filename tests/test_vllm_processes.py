@@ -8,10 +8,8 @@ parallel 2 on this worker's cores and the other's (tests/cores.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -50,5 +48,4 @@ def test_tensor_parallel_2_on_the_cpu_matches_transformers_and_a_sigkill_leaves_
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(timeout=30)
     assert wait_until_gone(engine_processes, 40) == set()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        server.process.communicate(timeout=5)
+    server.output.text(timeout=5)
