@@ -176,6 +176,7 @@ def check_prompt_logprobs_score_the_greedy_reply(base_url: str, model: str, tole
     scored = httpx.post(base_url + "/v1/completions", headers=headers, timeout=120, json={
         "model": model, "prompt": [context[:length] for length in lengths], "echo": True, "logprobs": 1,
         "max_tokens": 1, "temperature": 0}).json()
+    assert "choices" in scored, scored
     assert [choice["index"] for choice in scored["choices"]] == [0, 1], scored
     for choice, length in zip(scored["choices"], lengths, strict=True):
         lp = choice["logprobs"]
