@@ -64,7 +64,6 @@ def prompt_rows(add_lora_logits: Callable[..., None]) -> Callable[..., None]:
         if rows.shape[0] == per_request.shape[0]:
             add_lora_logits(self, y, x, lora_a, lora_b, scale, **kwargs)
             return
-        import torch
         from vllm.lora.punica_wrapper import punica_cpu
 
         first = rows.storage_offset() // max(rows.stride(0), 1)
@@ -77,7 +76,7 @@ def prompt_rows(add_lora_logits: Callable[..., None]) -> Callable[..., None]:
             add_lora_logits(self, y, x, lora_a, lora_b, scale, **kwargs)  # vLLM's own refusal
             return
         flat = y.view(-1, y.shape[-1])
-        buffer = torch.zeros((rows.shape[0], lora_b.size(-1)), dtype=torch.float32, device=rows.device)
+        buffer = rows.new_zeros((rows.shape[0], lora_b.size(-1))).float()  # float32, as vLLM's own buffer
         punica_cpu.bgmv_shrink(rows, lora_a, buffer, indices, scale)  # type: ignore[attr-defined]
         punica_cpu.bgmv_expand(buffer, lora_b, flat, indices, add_inputs=True)  # type: ignore[attr-defined]
 
